@@ -1,0 +1,111 @@
+"""The run configuration: one typed object parsed from Flower's kebab-case run config.
+
+Parsing happens once, at start-up, so a typo or a wrong type fails with the key's name
+instead of deep inside a round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every knob of a run. Field `foo_bar` is run-config key `foo-bar`."""
+
+    strategy: str = "fedavg"
+    num_server_rounds: int = 30
+    fraction_train: float = 1.0
+    min_train_nodes: int = 2
+    min_nodes: int = 2
+    node_wait_timeout: float = 120.0
+    round_timeout: float = 600.0
+    eval_every: int = 1
+    # data (the clients read these from every message)
+    partition: str = "dirichlet:0.3"
+    min_partition_size: int = 10
+    seed: int = 1
+    unseen_fraction: float = 0.2
+    val_fraction: float = 0.15
+    test_fraction: float = 0.2
+    # model and local training
+    model: str = "cnn"
+    num_classes: int = 10
+    lr: float = 0.2
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    local_epochs: int = 1
+    batch_size: int = 16
+    finetune_epochs: int = 5
+    finetune_lr: float = 0.05
+    results_dir: str = "results"
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
+        """Build from `{"kebab-key": value}`, rejecting unknown keys and wrong types."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            name = key.replace("-", "_")
+            if name not in fields:
+                known = ", ".join(sorted(f.replace("_", "-") for f in fields))
+                raise ValueError(f"unknown run-config key {key!r}; known keys: {known}")
+            kwargs[name] = _coerce(key, value, type(getattr(cls, name)))
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The kebab-case form, as written to results.json and sent to clients."""
+        return {k.replace("_", "-"): v for k, v in dataclasses.asdict(self).items()}
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with some fields changed, validated again."""
+        config = dataclasses.replace(self, **changes)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Reject values that cannot work, naming the key."""
+        checks = [
+            (self.num_server_rounds >= 0, "num-server-rounds must be >= 0"),
+            (0 < self.fraction_train <= 1, "fraction-train must be in (0, 1]"),
+            (self.min_train_nodes >= 1, "min-train-nodes must be >= 1"),
+            (self.min_nodes >= 1, "min-nodes must be >= 1"),
+            (self.eval_every >= 0, "eval-every must be >= 0 (0: evaluate only at the end)"),
+            (0 <= self.unseen_fraction < 1, "unseen-fraction must be in [0, 1)"),
+            (0 < self.val_fraction < 1, "val-fraction must be in (0, 1)"),
+            (0 < self.test_fraction < 1, "test-fraction must be in (0, 1)"),
+            (self.val_fraction + self.test_fraction < 1, "val-fraction + test-fraction must be < 1"),
+            (self.lr > 0 and self.finetune_lr > 0, "lr and finetune-lr must be > 0"),
+            (self.local_epochs >= 1, "local-epochs must be >= 1"),
+            (self.finetune_epochs >= 0, "finetune-epochs must be >= 0"),
+            (self.batch_size >= 1, "batch-size must be >= 1"),
+            (self.num_classes >= 2, "num-classes must be >= 2"),
+            (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"invalid run config: {message}")
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    """Accept ints for floats (TOML `1` vs `1.0`), nothing else implicit."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(
+            f"run-config key {key!r} expects {kind.__name__}, got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def parse_overrides(text: str) -> dict[str, Any]:
+    """Parse `'k=v k2="s"'` exactly as `flwr run --run-config` does (values are TOML)."""
+    from flwr.common.config import parse_config_args
+
+    return dict(parse_config_args([text])) if text.strip() else {}

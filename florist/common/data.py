@@ -1,0 +1,266 @@
+"""Client data: the embedded digits partitions and a node's own data folder.
+
+Every client ends up with the same thing, a `ClientData` holding train / validation / test
+arrays (`x` float32 as N×C×H×W or N×D, `y` int64 or None when unlabeled), split with a seed
+so that runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+DIGITS_CLASSES = 10
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientData:
+    """One client's splits. `y_*` is None for an unlabeled client."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray | None
+    x_val: np.ndarray
+    y_val: np.ndarray | None
+    x_test: np.ndarray
+    y_test: np.ndarray | None
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+    @property
+    def labelled(self) -> bool:
+        return self.y_train is not None
+
+
+@functools.cache
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as (N×1×8×8 float32 in [0, 1], N int64); no network."""
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    bunch = sk_load_digits()
+    x = (bunch.images / 16.0).astype(np.float32)[:, None, :, :]
+    return x, bunch.target.astype(np.int64)
+
+
+def make_partitioner(spec: str, num_partitions: int, seed: int, min_partition_size: int = 10):
+    """A flwr-datasets partitioner from `iid`, `dirichlet:ALPHA` or `pathological:K`."""
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        PathologicalPartitioner,
+    )
+
+    kind, _, arg = spec.partition(":")
+    try:
+        if kind == "iid" and not arg:
+            return IidPartitioner(num_partitions=num_partitions)
+        if kind == "dirichlet" and float(arg) > 0:
+            return DirichletPartitioner(
+                num_partitions=num_partitions,
+                partition_by="label",
+                alpha=float(arg),
+                min_partition_size=min_partition_size,
+                self_balancing=False,
+                shuffle=True,
+                seed=seed,
+            )
+        if kind == "pathological" and int(arg) >= 1:
+            return PathologicalPartitioner(
+                num_partitions=num_partitions,
+                partition_by="label",
+                num_classes_per_partition=int(arg),
+                class_assignment_mode="first-deterministic",
+                shuffle=True,
+                seed=seed,
+            )
+    except ValueError:
+        pass
+    raise ValueError(
+        f"unknown partition {spec!r}: expected 'iid', 'dirichlet:ALPHA' (ALPHA > 0) "
+        "or 'pathological:K' (K classes per client, K >= 1)"
+    )
+
+
+@functools.cache
+def partition_indices(
+    spec: str, num_partitions: int, seed: int, min_partition_size: int = 10
+) -> tuple[np.ndarray, ...]:
+    """Indices into the digits for each partition (cached: every client of a process shares it)."""
+    from datasets import Dataset
+
+    if num_partitions < 1:
+        raise ValueError(f"num-partitions must be >= 1, got {num_partitions}")
+    _, labels = load_digits()
+    if spec.startswith("pathological:") and int(spec.split(":")[1]) > DIGITS_CLASSES:
+        raise ValueError(f"partition {spec!r}: K must be <= {DIGITS_CLASSES} classes")
+    order = np.random.default_rng(seed).permutation(len(labels))
+    dataset = Dataset.from_dict({"label": labels[order], "index": order})
+    partitioner = make_partitioner(spec, num_partitions, seed, min_partition_size)
+    partitioner.dataset = dataset
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # one per failed Dirichlet draw
+            parts = [np.asarray(partitioner.load_partition(i)["index"]) for i in range(num_partitions)]
+    except ValueError as err:
+        raise ValueError(
+            f"cannot partition {len(labels)} digits into {num_partitions} clients with "
+            f"{spec!r} and at least {min_partition_size} samples each ({err}). Use fewer "
+            "clients, a larger alpha, or a smaller min-partition-size."
+        ) from err
+    empty = [i for i, p in enumerate(parts) if len(p) < 3]
+    if empty:
+        raise ValueError(
+            f"partition {spec!r} with {num_partitions} clients leaves clients {empty} with "
+            "fewer than 3 samples (need train, validation and test); use fewer clients"
+        )
+    return tuple(parts)
+
+
+def unseen_partitions(num_partitions: int, fraction: float, seed: int) -> frozenset[int]:
+    """The clients held out of training (at least one client always trains)."""
+    count = min(int(round(fraction * num_partitions)), num_partitions - 1)
+    rng = np.random.default_rng([seed, 0x5EE])
+    return frozenset(int(i) for i in rng.choice(num_partitions, size=count, replace=False))
+
+
+def split_indices(
+    n: int, val_fraction: float, test_fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seeded train / validation / test split of `n` samples; each part gets at least one."""
+    if n < 3:
+        raise ValueError(f"need at least 3 samples to split into train/val/test, got {n}")
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = max(1, int(round(test_fraction * n)))
+    n_val = max(1, int(round(val_fraction * n)))
+    n_val = min(n_val, n - n_test - 1)
+    return order[n_test + n_val :], order[n_test : n_test + n_val], order[:n_test]
+
+
+def embedded_client(
+    partition_id: int,
+    num_partitions: int,
+    spec: str,
+    seed: int,
+    val_fraction: float,
+    test_fraction: float,
+    min_partition_size: int = 10,
+) -> ClientData:
+    """Client `partition_id`'s digits, split into train / validation / test."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
+    x, y = load_digits()
+    own = partition_indices(spec, num_partitions, seed, min_partition_size)[partition_id]
+    train, val, test = split_indices(len(own), val_fraction, test_fraction, seed * 100_003 + partition_id)
+    return ClientData(
+        x[own[train]], y[own[train]], x[own[val]], y[own[val]], x[own[test]], y[own[test]], DIGITS_CLASSES
+    )
+
+
+def folder_client(data_dir: str | Path, num_classes: int, seed: int, val_fraction: float) -> ClientData:
+    """A node's own data: `train.npz`/`test.npz` or ImageFolder trees `train/` and `test/`.
+
+    The validation split is carved out of the training set with `seed`. Every problem is
+    reported with the file it was found in and what was expected.
+    """
+    root = Path(data_dir).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"data-dir {str(root)!r} does not exist or is not a folder; expected train.npz and "
+            "test.npz (arrays x and y) or ImageFolder trees train/ and test/"
+        )
+    if (root / "train.npz").exists():
+        x_train, y_train = _read_npz(root / "train.npz", num_classes)
+        x_test, y_test = _read_npz(root / "test.npz", num_classes)
+    elif (root / "train").is_dir():
+        x_train, y_train = _read_image_folder(root / "train", num_classes)
+        x_test, y_test = _read_image_folder(root / "test", num_classes)
+    else:
+        raise FileNotFoundError(
+            f"data-dir {str(root)!r} holds neither train.npz nor a train/ folder; expected "
+            "train.npz and test.npz (arrays x, and y when labelled) or ImageFolder trees train/ and test/"
+        )
+    if x_test.shape[1:] != x_train.shape[1:]:
+        raise ValueError(
+            f"{root}: test samples have shape {x_test.shape[1:]} but train samples {x_train.shape[1:]}"
+        )
+    if (y_train is None) != (y_test is None):
+        raise ValueError(f"{root}: train and test must both be labelled or both unlabeled")
+    if len(x_train) < 2:
+        raise ValueError(f"{root / 'train.npz'}: need at least 2 training samples, got {len(x_train)}")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(x_train))
+    n_val = min(max(1, int(round(val_fraction * len(x_train)))), len(x_train) - 1)
+    val, train = order[:n_val], order[n_val:]
+
+    def take(y: np.ndarray | None, idx: np.ndarray) -> np.ndarray | None:
+        return None if y is None else y[idx]
+
+    return ClientData(
+        x_train[train], take(y_train, train), x_train[val], take(y_train, val), x_test, y_test, num_classes
+    )
+
+
+def _read_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | None]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; expected an .npz with array x (and y when labelled)")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            arrays = {k: archive[k] for k in archive.files}
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{path} is not a readable .npz of numeric arrays: {err}") from err
+    if "x" not in arrays:
+        raise ValueError(f"{path} has arrays {sorted(arrays)}; expected 'x' (samples) and optionally 'y' (labels)")
+    return _check_arrays(str(path), arrays["x"], arrays.get("y"), num_classes)
+
+
+def _read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    from torchvision.datasets import ImageFolder
+    from torchvision.transforms.functional import pil_to_tensor
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is missing; expected an ImageFolder tree (one folder per class)")
+    try:
+        folder = ImageFolder(str(path))
+    except (FileNotFoundError, RuntimeError) as err:
+        raise ValueError(f"{path} is not a valid ImageFolder tree (one sub-folder of images per class): {err}") from err
+    images = [pil_to_tensor(folder.loader(p)).numpy() for p, _ in folder.samples]
+    shapes = {im.shape for im in images}
+    if len(shapes) > 1:
+        raise ValueError(f"{path}: images have different shapes {sorted(shapes)}; expected one size")
+    x = np.stack(images).astype(np.float32) / 255.0
+    return _check_arrays(str(path), x, np.asarray(folder.targets), num_classes)
+
+
+def _check_arrays(
+    where: str, x: np.ndarray, y: np.ndarray | None, num_classes: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Validate and normalise x to float32 N×C×H×W (or N×D) and y to int64 in [0, C)."""
+    if x.dtype == object or not np.issubdtype(x.dtype, np.number):
+        raise ValueError(f"{where}: x must be a numeric array of equal-shaped samples, got dtype {x.dtype}")
+    if x.ndim not in (2, 3, 4):
+        raise ValueError(f"{where}: x has shape {x.shape}; expected N×D, N×H×W or N×C×H×W")
+    if len(x) == 0:
+        raise ValueError(f"{where}: the set is empty (x has 0 samples)")
+    if x.dtype == np.uint8:
+        x = x / 255.0
+    x = x.astype(np.float32)
+    if x.ndim == 3:
+        x = x[:, None, :, :]
+    if not np.isfinite(x).all():
+        raise ValueError(f"{where}: x contains NaN or Inf")
+    if y is None:
+        return x, None
+    if y.ndim != 1 or len(y) != len(x):
+        raise ValueError(f"{where}: y has shape {y.shape}; expected ({len(x)},) to match x")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"{where}: y must hold integer class labels, got dtype {y.dtype}")
+    bad = y[(y < 0) | (y >= num_classes)]
+    if len(bad):
+        raise ValueError(f"{where}: labels {sorted(set(bad.tolist()))[:5]} are outside [0, {num_classes})")
+    return x, y.astype(np.int64)

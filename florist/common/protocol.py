@@ -1,0 +1,79 @@
+"""What travels between server and clients: message types, record keys, and the checks on
+what arrives. Record layout follows Flower's convention so that Flower's own strategies can
+drive florist clients: model under `arrays`, settings under `config`, numbers under `metrics`
+(with `num-examples`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.common.serde import recorddict_to_proto
+
+ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+
+# Message types, one ClientApp handler each.
+INFO = "query.info"  # client -> its data sizes, shape, seen/unseen
+TRAIN = "train"  # Flower's standard: train the sent model, reply arrays + metrics
+EVALUATE = "evaluate"  # Flower's standard: evaluate the sent model (optionally fine-tuned first)
+TRAIN_LOCAL = "train.local"  # Local baseline: train the client's own model
+EVALUATE_LOCAL = "evaluate.local"  # Local baseline: evaluate the client's own model
+
+
+class ProtocolError(ValueError):
+    """A reply or request that does not have the expected content."""
+
+
+def to_record(model: torch.nn.Module) -> ArrayRecord:
+    return ArrayRecord(model.state_dict())
+
+
+def state_of(record: ArrayRecord, reference: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Tensors of `record`, checked against `reference` (same keys, shapes, finite values).
+
+    `source` names where the record came from (a node, a file) for the error message.
+    """
+    state = record.to_torch_state_dict()
+    missing, extra = set(reference) - set(state), set(state) - set(reference)
+    if missing or extra:
+        raise ProtocolError(
+            f"{source}: model arrays do not match: missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}"
+        )
+    for key, ref in reference.items():
+        got = state[key]
+        if tuple(got.shape) != tuple(ref.shape):
+            raise ProtocolError(f"{source}: array {key!r} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+        if got.is_floating_point() and not torch.isfinite(got).all():
+            raise ProtocolError(f"{source}: array {key!r} contains NaN or Inf")
+    return state
+
+
+def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> dict[str, float]:
+    """The `metrics` record of a reply, with `required` keys present and finite."""
+    if METRICS not in content.metric_records:
+        raise ProtocolError(f"{source}: reply has no {METRICS!r} MetricRecord")
+    metrics = dict(content.metric_records[METRICS])
+    for key in required:
+        value = metrics.get(key)
+        if not isinstance(value, (int, float)) or not np.isfinite(value):
+            raise ProtocolError(f"{source}: metric {key!r} is missing or not a finite number (got {value!r})")
+    return metrics
+
+
+def content(arrays: ArrayRecord | None = None, config: Mapping | None = None, metrics: Mapping | None = None) -> RecordDict:
+    """A RecordDict with the standard keys, leaving out what is None."""
+    records: dict = {}
+    if arrays is not None:
+        records[ARRAYS] = arrays
+    if config is not None:
+        records[CONFIG] = ConfigRecord(dict(config))
+    if metrics is not None:
+        records[METRICS] = MetricRecord(dict(metrics))
+    return RecordDict(records)
+
+
+def nbytes(records: RecordDict) -> int:
+    """Serialized size of a message's content, as Flower puts it on the wire."""
+    return recorddict_to_proto(records).ByteSize()

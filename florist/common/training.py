@@ -1,0 +1,65 @@
+"""Local training and evaluation as plain functions: numpy in, numbers out, no Flower types."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def seeded_generator(*seed: int) -> torch.Generator:
+    """A torch generator seeded from several integers (run seed, round, client...)."""
+    mixed = np.random.SeedSequence(list(seed)).generate_state(1)[0]
+    return torch.Generator().manual_seed(int(mixed))
+
+
+def train(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> float:
+    """Mini-batch SGD on cross-entropy; returns the mean loss of the last epoch."""
+    if len(x) == 0:
+        raise ValueError("cannot train on an empty set")
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    inputs, targets = torch.from_numpy(x), torch.from_numpy(y)
+    loss_sum = 0.0
+    for _ in range(epochs):
+        loss_sum = 0.0
+        for batch in torch.randperm(len(x), generator=generator).split(batch_size):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(inputs[batch]), targets[batch])
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.item() * len(batch)
+    if not np.isfinite(loss_sum):
+        raise FloatingPointError(f"training diverged (loss {loss_sum}); lower lr (was {lr})")
+    return loss_sum / len(x)
+
+
+@torch.no_grad()
+def predict_proba(model: nn.Module, x: np.ndarray, batch_size: int = 512) -> np.ndarray:
+    """Class probabilities, N×C."""
+    model.eval()
+    chunks = [F.softmax(model(torch.from_numpy(x[i : i + batch_size])), dim=1) for i in range(0, len(x), batch_size)]
+    return torch.cat(chunks).numpy()
+
+
+def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) on a labelled set."""
+    probs = predict_proba(model, x)
+    return log_loss(probs, y), float((probs.argmax(1) == y).mean())
+
+
+def log_loss(probs: np.ndarray, y: np.ndarray) -> float:
+    """Mean negative log-likelihood of the true labels (probabilities clipped at 1e-12)."""
+    return float(-np.log(np.clip(probs[np.arange(len(y)), y], 1e-12, None)).mean())

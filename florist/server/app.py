@@ -1,0 +1,105 @@
+"""florist's ServerApp: discover the nodes, run the chosen strategy's rounds, evaluate seen
+and unseen clients, and write results (checkpointed after every round)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from florist.common import protocol
+from florist.common.config import RunConfig
+from florist.common.metrics import weighted_mean
+from florist.server.results import Results
+from florist.strategies import STRATEGIES, Federation, NodeInfo, Strategy
+from florist.strategies.base import client_settings
+
+log = logging.getLogger(__name__)
+
+RoundCallback = Callable[[dict[str, Any]], None]
+
+
+def discover(federation: Federation, cfg: RunConfig, strategy_name: str) -> list[NodeInfo]:
+    """Ask every connected node who it is (one `query.info` exchange)."""
+    node_ids = federation.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout)
+    request = protocol.content(config=client_settings(cfg, 0))
+    replies = federation.exchange({n: request for n in node_ids}, protocol.INFO, 0)
+    nodes = []
+    for node_id, reply in replies.items():
+        try:
+            metrics = protocol.metrics_of(reply, ("num-train", "num-test", "seen"), f"node {node_id}")
+            config = reply.config_records[protocol.CONFIG]
+            nodes.append(NodeInfo(node_id, str(config["node-key"]), bool(metrics["seen"]), int(metrics["num-train"]),
+                                  int(metrics["num-test"]), tuple(int(d) for d in config["input-shape"])))  # fmt: skip
+        except (protocol.ProtocolError, KeyError) as err:
+            federation.fail(node_id, protocol.INFO, 0, f"ill-formed info reply: {err}")
+    if not nodes:
+        raise RuntimeError("no node answered the info request; see the warnings above for each node's error")
+    shapes = {n.input_shape for n in nodes}
+    if len(shapes) > 1:
+        detail = ", ".join(f"{n.key}: {n.input_shape}" for n in nodes)
+        raise ValueError(f"{strategy_name} needs one input shape across nodes, got {detail}")
+    federation.names.update({n.node_id: str(n) for n in nodes})
+    return sorted(nodes, key=lambda n: n.key)
+
+
+def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Results:
+    """The whole run; returns the results it also wrote to `cfg.results_dir`."""
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {cfg.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+    federation = Federation(grid, cfg.round_timeout)
+    results = Results(cfg)
+    nodes = discover(federation, cfg, cfg.strategy)
+    seen, unseen = [n for n in nodes if n.seen], [n for n in nodes if not n.seen]
+    log.info("%d nodes: %d seen (train), %d unseen (serve only)", len(nodes), len(seen), len(unseen))
+    if not seen:
+        raise RuntimeError("no seen node to train with: every node is held out as unseen")
+    strategy: Strategy = STRATEGIES[cfg.strategy](cfg, federation, nodes[0].input_shape)
+    federation.take_bytes()
+
+    for server_round in range(1, cfg.num_server_rounds + 1):
+        start = time.monotonic()
+        loss = strategy.train_round(server_round, strategy.sample(seen, server_round))
+        accuracy = None
+        if cfg.eval_every and server_round % cfg.eval_every == 0:
+            accuracy = _mean_accuracy(strategy.evaluate(server_round, seen))
+        up, down = federation.take_bytes()
+        row = results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy)
+        results.checkpoint(strategy.state(), federation.failures)
+        (on_round or _log_round)(row)
+
+    final = strategy.evaluate(cfg.num_server_rounds + 1, nodes)  # unseen nodes: the serve phase
+    results.set_clients(nodes, final)
+    results.failures = federation.failures
+    results.write()
+    return results
+
+
+def _mean_accuracy(metrics: Mapping[int, Mapping[str, float]]) -> float | None:
+    if not metrics:
+        return None
+    return weighted_mean([m["accuracy"] for m in metrics.values()], [m["num-examples"] for m in metrics.values()])
+
+
+def _log_round(row: dict[str, Any]) -> None:
+    log.info("round %(round)d: %(seconds).1f s, loss %(train_loss)s, accuracy %(accuracy)s", row)
+
+
+def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundCallback | None = None) -> ServerApp:
+    """A ServerApp whose run config is the app's run config with `overrides` on top (the
+    simulation API passes no run config, so `florist simulate` passes it this way)."""
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        cfg = RunConfig.from_mapping({**context.run_config, **(overrides or {})})
+        run(grid, cfg, on_round)
+
+    return server_app
+
+
+app = make_server_app()

@@ -1,0 +1,74 @@
+"""The human report of a run: a markdown table like the papers' and two PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f}"
+
+
+def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(strategy, clients, n, mean %, bottom-decile %) for seen and unseen clients."""
+    rows = []
+    for group in ("seen", "unseen"):
+        s = results["summary"][group]
+        rows.append((results["strategy"], group, str(s["num_clients"]), _pct(s["mean_accuracy"]),
+                     _pct(s["bottom_decile_accuracy"])))  # fmt: skip
+    return rows
+
+
+def markdown(results: dict[str, Any]) -> str:
+    cfg, rounds = results["config"], results["rounds"]
+    lines = [
+        f"# florist run: {results['strategy']}",
+        "",
+        f"Partition `{cfg['partition']}`, model `{cfg['model']}`, {len(rounds)} rounds, seed {cfg['seed']}, "
+        f"unseen fraction {cfg['unseen-fraction']}.",
+        "",
+        "| strategy | clients | n | mean acc. (%) | bottom decile (%) |",
+        "|---|---|---:|---:|---:|",
+        *("| " + " | ".join(row) + " |" for row in summary_rows(results)),
+        "",
+        f"Training time {sum(r['seconds'] for r in rounds):.1f} s; bytes up "
+        f"{sum(r['bytes_up'] for r in rounds):,}, down {sum(r['bytes_down'] for r in rounds):,}.",
+    ]
+    if results.get("failures"):
+        lines += ["", f"{len(results['failures'])} node failures were left out of their rounds:", ""]
+        lines += [f"- round {f['round']}, {f['node']}, `{f['message_type']}`: {f['reason']}" for f in results["failures"]]
+    lines += ["", "![accuracy per round](accuracy_per_round.png)", "", "![per-client accuracy](client_accuracy.png)", ""]
+    return "\n".join(lines)
+
+
+def write_report(results: dict[str, Any], folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    (folder / "report.md").write_text(markdown(results))
+
+    evaluated = [r for r in results["rounds"] if r["accuracy"] is not None]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["round"] for r in evaluated], [100 * r["accuracy"] for r in evaluated], marker=".")
+    ax.set(xlabel="round", ylabel="seen-client mean accuracy (%)", title=f"{results['strategy']}: accuracy per round")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(folder / "accuracy_per_round.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    groups = [("seen", True), ("unseen", False)]
+    data = [[100 * c["accuracy"] for c in results["clients"] if c["seen"] == s and c["accuracy"] is not None]
+            for _, s in groups]  # fmt: skip
+    for i, values in enumerate(data):
+        ax.scatter([i + 1] * len(values), values, alpha=0.6)
+    ax.boxplot([v or [float("nan")] for v in data])
+    ax.set_xticks([1, 2], [f"{name} ({len(v)})" for (name, _), v in zip(groups, data)])
+    ax.set(ylabel="client test accuracy (%)", title=f"{results['strategy']}: per-client accuracy")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(folder / "client_accuracy.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,90 @@
+"""A run's results folder: `results.json`, `checkpoint.pt`, `report.md` and PNG plots.
+
+`results.json` and the checkpoint are rewritten atomically after every round, so a run that
+dies keeps everything up to its last finished round.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from florist.common.config import RunConfig
+from florist.common.metrics import summarize
+from florist.common.storage import atomic_write
+from florist.strategies.base import NodeInfo
+
+STANDARD_CLIENT_KEYS = ("accuracy", "num-examples", "num-train", "seen")
+
+
+class Results:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.folder = Path(cfg.results_dir).expanduser()
+        self.rounds: list[dict[str, Any]] = []
+        self.clients: list[dict[str, Any]] = []
+        self.failures: list[dict[str, Any]] = []
+
+    def add_round(
+        self, server_round: int, seconds: float, up: int, down: int, loss: float | None, accuracy: float | None
+    ) -> dict[str, Any]:
+        row = {"round": server_round, "seconds": round(seconds, 4), "bytes_up": up, "bytes_down": down,
+               "train_loss": loss, "accuracy": accuracy}  # fmt: skip
+        self.rounds.append(row)
+        return row
+
+    def set_clients(self, nodes: list[NodeInfo], metrics: dict[int, dict[str, float]]) -> None:
+        """Per-client rows from the final evaluation; nodes that failed it get accuracy None."""
+        self.clients = []
+        for node in nodes:
+            values = metrics.get(node.node_id)
+            row = {"client": node.key, "seen": node.seen, "num_train": node.num_train,
+                   "num_test": node.num_test, "accuracy": None if values is None else values["accuracy"]}  # fmt: skip
+            extra = {k.replace("-", "_"): v for k, v in (values or {}).items() if k not in STANDARD_CLIENT_KEYS}
+            self.clients.append(row | extra)
+
+    def summary(self) -> dict[str, dict[str, float | int]]:
+        out = {}
+        for group, seen in (("seen", True), ("unseen", False)):
+            rows = [c for c in self.clients if c["seen"] == seen and c["accuracy"] is not None]
+            out[group] = summarize([c["accuracy"] for c in rows], [c["num_test"] for c in rows])
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"strategy": self.cfg.strategy, "config": self.cfg.to_mapping(), "complete": bool(self.clients),
+                "rounds": self.rounds, "clients": self.clients, "summary": self.summary(),
+                "failures": self.failures}  # fmt: skip
+
+    def checkpoint(self, state: dict[str, torch.Tensor], failures: list[dict[str, Any]]) -> None:
+        """Save the server state and the history so far (called after every round)."""
+        self.failures = failures
+        last = self.rounds[-1]["round"] if self.rounds else 0
+        atomic_write(self.folder / "checkpoint.pt", lambda f: torch.save({"round": last, "state": state}, f))
+        atomic_write(self.folder / "results.json", lambda f: f.write(_dumps(self.to_json())))
+
+    def write(self) -> None:
+        """The final results.json, report.md and plots."""
+        from florist.server.report import write_report
+
+        atomic_write(self.folder / "results.json", lambda f: f.write(_dumps(self.to_json())))
+        write_report(self.to_json(), self.folder)
+
+
+def _dumps(value: Any) -> bytes:
+    """JSON with NaN written as null (JSON has no NaN)."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    return json.dumps(clean(value), indent=2).encode()
+

@@ -1,0 +1,9 @@
+"""Server halves of the algorithms, by the name `--strategy` and the run config take."""
+
+from florist.strategies.base import Federation, NodeInfo, Strategy
+from florist.strategies.fedavg import FedAvg, FedAvgFinetune
+from florist.strategies.local import Local
+
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (FedAvg, FedAvgFinetune, Local)}
+
+__all__ = ["STRATEGIES", "Federation", "NodeInfo", "Strategy"]

@@ -1,0 +1,186 @@
+"""The small base every strategy stands on.
+
+`Federation` wraps Flower's Grid with what every exchange needs: a timeout, replies mapped
+back to their node, failures logged and left out, and the bytes each way counted from the
+records actually sent. `Strategy` holds the run's settings and the round skeleton; a round is
+any number of exchanges (`Federation.exchange`), so multi-message algorithms fit the same
+mould as FedAvg.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
+
+from florist.common import protocol
+from florist.common.config import RunConfig
+from florist.common.metrics import weighted_mean
+from florist.common.models import Net, build_model
+
+log = logging.getLogger(__name__)
+
+# Run settings that stay on the server; everything else is sent to the clients.
+SERVER_ONLY = {"results-dir", "round-timeout", "node-wait-timeout", "min-nodes", "min-train-nodes", "fraction-train"}
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeInfo:
+    """What a node told the server about itself at the start of the run."""
+
+    node_id: int
+    key: str
+    seen: bool
+    num_train: int
+    num_test: int
+    input_shape: tuple[int, ...]
+
+    def __str__(self) -> str:
+        return f"node {self.node_id} ({self.key})"
+
+
+class Federation:
+    """Exchanges with the nodes: one message per node out, one reply per node back."""
+
+    def __init__(self, grid: Grid, timeout: float):
+        self.grid, self.timeout = grid, timeout
+        self.names: dict[int, str] = {}
+        self.bytes_up = self.bytes_down = 0
+        self.failures: list[dict[str, Any]] = []
+
+    def name(self, node_id: int) -> str:
+        return self.names.get(node_id, f"node {node_id}")
+
+    def wait_for_nodes(self, count: int, timeout: float) -> list[int]:
+        """Node ids once `count` nodes are connected; fails with a clear message after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while len(nodes := sorted(self.grid.get_node_ids())) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"only {len(nodes)} of {count} nodes connected within {timeout:.0f} s; start more "
+                    "SuperNodes or lower min-nodes"
+                )
+            time.sleep(0.5)
+        return nodes
+
+    def exchange(self, requests: Mapping[int, RecordDict], message_type: str, server_round: int) -> dict[int, RecordDict]:
+        """Send `requests[node]` to each node and return the good replies by node id.
+
+        A node that replies with an error, or not within the timeout, is logged, recorded in
+        `failures`, and absent from the result: the round goes on with the others.
+        """
+        if not requests:
+            return {}
+        messages = [
+            Message(content, dst_node_id=node, message_type=message_type, group_id=str(server_round))
+            for node, content in requests.items()
+        ]
+        self.bytes_down += sum(protocol.nbytes(m.content) for m in messages)
+        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        # Reply ids are known only after sending; errors made by the SuperLink carry its id, not the node's.
+        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+        good: dict[int, RecordDict] = {}
+        errored: set[int] = set()
+        for reply in replies:
+            node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+            if reply.has_error():
+                errored.add(node)
+                self.fail(node, message_type, server_round, f"error code {reply.error.code}: {reply.error.reason}")
+            else:
+                self.bytes_up += protocol.nbytes(reply.content)
+                good[node] = reply.content
+        for node in sorted(set(requests) - set(good) - errored):
+            self.fail(node, message_type, server_round, f"no reply within {self.timeout:.0f} s")
+        return good
+
+    def fail(self, node: int, message_type: str, server_round: int, reason: str) -> None:
+        """Record that `node` dropped out of this exchange, and say so in the log."""
+        log.warning("%s left out of %s in round %d: %s", self.name(node), message_type, server_round, reason)
+        self.failures.append({"round": server_round, "node_id": node, "node": self.name(node),
+                              "message_type": message_type, "reason": reason})  # fmt: skip
+
+    def take_bytes(self) -> tuple[int, int]:
+        """(bytes up, bytes down) since the last call."""
+        counts = (self.bytes_up, self.bytes_down)
+        self.bytes_up = self.bytes_down = 0
+        return counts
+
+
+TRAINED = ("num-examples", "train-loss")  # metrics every training reply carries
+TESTED = ("accuracy", "num-examples")  # metrics every evaluation reply carries
+
+
+class Strategy:
+    """A personalization algorithm's server half.
+
+    Subclasses set `name` and implement `train_round` (any number of exchanges) and
+    `evaluate` (per-node metrics with at least `accuracy` and `num-examples`); `evaluate` of
+    a node that never trained is the serve phase, where it gets its personalized model.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, cfg: RunConfig, federation: Federation, input_shape: tuple[int, ...]):
+        self.cfg, self.federation, self.input_shape = cfg, federation, input_shape
+
+    def new_model(self) -> Net:
+        """The run's model, seeded: clients that build it from the same seed get the same weights."""
+        torch.manual_seed(self.cfg.seed)
+        return build_model(self.cfg.model, self.input_shape, self.cfg.num_classes)
+
+    def sample(self, nodes: list[NodeInfo], server_round: int) -> list[NodeInfo]:
+        """`fraction-train` of the nodes (at least `min-train-nodes`), seeded by the round."""
+        count = min(len(nodes), max(self.cfg.min_train_nodes, math.ceil(self.cfg.fraction_train * len(nodes))))
+        picked = np.random.default_rng([self.cfg.seed, server_round]).choice(len(nodes), count, replace=False)
+        return [nodes[i] for i in sorted(picked)]
+
+    def client_config(self, server_round: int, **extra: Any) -> dict[str, Any]:
+        """The settings every client message carries, plus per-exchange `extra` keys."""
+        return client_settings(self.cfg, server_round) | {k.replace("_", "-"): v for k, v in extra.items()}
+
+    def broadcast(
+        self, nodes: list[NodeInfo], message_type: str, server_round: int, content: RecordDict, required: tuple[str, ...]
+    ) -> tuple[dict[int, RecordDict], dict[int, dict[str, float]]]:
+        """Send the same `content` to `nodes`; return the replies and the `metrics` of those
+        that carry the `required` ones (the others are recorded as failures)."""
+        replies = self.federation.exchange({n.node_id: content for n in nodes}, message_type, server_round)
+        metrics: dict[int, dict[str, float]] = {}
+        for node, reply in replies.items():
+            try:
+                metrics[node] = protocol.metrics_of(reply, required, self.federation.name(node))
+            except protocol.ProtocolError as err:
+                self.federation.fail(node, message_type, server_round, str(err))
+        return replies, metrics
+
+    def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
+        """Run one training round with `nodes`; return the mean training loss (None if none)."""
+        raise NotImplementedError
+
+    def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
+        """Per-node test metrics of each node's (personalized) model."""
+        raise NotImplementedError
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The server state to checkpoint after every round (empty when the server keeps none)."""
+        return {}
+
+
+def client_settings(cfg: RunConfig, server_round: int) -> dict[str, Any]:
+    """The run settings clients need (data, model, training), tagged with the round."""
+    return {k: v for k, v in cfg.to_mapping().items() if k not in SERVER_ONLY} | {"server-round": server_round}
+
+
+def mean_loss(metrics: Iterable[Mapping[str, float]]) -> float | None:
+    """Example-weighted mean of `train-loss` over replies (None when there are none)."""
+    rows = list(metrics)
+    if not rows:
+        return None
+    return weighted_mean([m["train-loss"] for m in rows], [m["num-examples"] for m in rows])

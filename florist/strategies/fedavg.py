@@ -1,0 +1,63 @@
+"""FedAvg (McMahan et al., 2017) and FedAvg+ (the global model fine-tuned on each client's
+train split before its test evaluation): the baselines personalization must beat."""
+
+from __future__ import annotations
+
+import torch
+
+from florist.common import protocol
+from florist.strategies.base import TESTED, TRAINED, NodeInfo, Strategy, mean_loss
+
+
+def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
+    """Σ w_k·θ_k / Σ w_k for floating tensors; integer buffers (BatchNorm's counters) are
+    taken from the client with the largest weight, since averaging a count means nothing."""
+    total = float(sum(weights))
+    heaviest = states[max(range(len(weights)), key=weights.__getitem__)]
+    return {
+        key: (sum(s[key].double() * (w / total) for s, w in zip(states, weights)).to(ref.dtype)
+              if ref.is_floating_point() else heaviest[key].clone())
+        for key, ref in states[0].items()
+    }  # fmt: skip
+
+
+class FedAvg(Strategy):
+    """Sample-weighted FedAvg on Flower's standard `train` / `evaluate` messages."""
+
+    name = "fedavg"
+    finetune = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model = self.new_model()
+
+    def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
+        request = protocol.content(protocol.to_record(self.model), self.client_config(server_round))
+        replies, metrics = self.broadcast(nodes, protocol.TRAIN, server_round, request, TRAINED)
+        reference, states, weights, losses = self.model.state_dict(), [], [], []
+        for node, values in metrics.items():
+            try:
+                states.append(protocol.state_of(replies[node][protocol.ARRAYS], reference, self.federation.name(node)))
+            except (protocol.ProtocolError, KeyError) as err:
+                self.federation.fail(node, protocol.TRAIN, server_round, f"bad model arrays: {err}")
+                continue
+            weights.append(values["num-examples"])
+            losses.append(values)
+        if states:
+            self.model.load_state_dict(weighted_average(states, weights))
+        return mean_loss(losses)
+
+    def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
+        config = self.client_config(server_round, finetune=self.finetune)
+        request = protocol.content(protocol.to_record(self.model), config)
+        return self.broadcast(nodes, protocol.EVALUATE, server_round, request, TESTED)[1]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+
+class FedAvgFinetune(FedAvg):
+    """FedAvg+: each client fine-tunes the global model on its train split before testing."""
+
+    name = "fedavg-ft"
+    finetune = True
