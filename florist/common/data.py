@@ -97,11 +97,11 @@ def partition_indices(
     if num_partitions < 1:
         raise ValueError(f"num-partitions must be >= 1, got {num_partitions}")
     _, labels = load_digits()
+    partitioner = make_partitioner(spec, num_partitions, seed, min_partition_size)
     if spec.startswith("pathological:") and int(spec.split(":")[1]) > DIGITS_CLASSES:
         raise ValueError(f"partition {spec!r}: K must be <= {DIGITS_CLASSES} classes")
     order = np.random.default_rng(seed).permutation(len(labels))
     dataset = Dataset.from_dict({"label": labels[order], "index": order})
-    partitioner = make_partitioner(spec, num_partitions, seed, min_partition_size)
     partitioner.dataset = dataset
     try:
         with warnings.catch_warnings():

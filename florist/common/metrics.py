@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
 
 def weighted_mean(values: Sequence[float], weights: Sequence[float]) -> float:
-    """Mean of `values` weighted by `weights` (e.g. test-set sizes); NaN when empty."""
-    total = float(np.sum(weights))
-    return float(np.dot(values, weights) / total) if len(values) and total > 0 else float("nan")
+    """Mean of `values` weighted by `weights` (e.g. test-set sizes); NaN when empty.
+
+    `math.fsum` makes the result independent of the order replies arrived in."""
+    total = math.fsum(weights)
+    return math.fsum(v * w for v, w in zip(values, weights)) / total if len(values) and total > 0 else float("nan")
 
 
 def bottom_decile(values: Sequence[float]) -> float:

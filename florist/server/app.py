@@ -4,6 +4,7 @@ and unseen clients, and write results (checkpointed after every round)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,7 +19,8 @@ from florist.server.results import Results
 from florist.strategies import STRATEGIES, Federation, NodeInfo, Strategy
 from florist.strategies.base import client_settings
 
-log = logging.getLogger(__name__)
+# A child of Flower's logger, so messages reach `flwr run --stream` and the SuperLink log.
+log = logging.getLogger("flwr").getChild(__name__)
 
 RoundCallback = Callable[[dict[str, Any]], None]
 
@@ -44,7 +46,7 @@ def discover(federation: Federation, cfg: RunConfig, strategy_name: str) -> list
         detail = ", ".join(f"{n.key}: {n.input_shape}" for n in nodes)
         raise ValueError(f"{strategy_name} needs one input shape across nodes, got {detail}")
     federation.names.update({n.node_id: str(n) for n in nodes})
-    return sorted(nodes, key=lambda n: n.key)
+    return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
 
 
 def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Results:
@@ -76,6 +78,10 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
     results.set_clients(nodes, final)
     results.failures = federation.failures
     results.write()
+    for group, summary in results.summary().items():
+        log.info("%s clients (%d): mean accuracy %.3f, bottom decile %.3f", group, summary["num_clients"],
+                 summary["mean_accuracy"], summary["bottom_decile_accuracy"])  # fmt: skip
+    log.info("results in %s", results.folder.resolve())
     return results
 
 
@@ -86,7 +92,7 @@ def _mean_accuracy(metrics: Mapping[int, Mapping[str, float]]) -> float | None:
 
 
 def _log_round(row: dict[str, Any]) -> None:
-    log.info("round %(round)d: %(seconds).1f s, loss %(train_loss)s, accuracy %(accuracy)s", row)
+    log.info("round %(round)d done in %(seconds).1f s: train loss %(train_loss)s, seen accuracy %(accuracy)s", row)
 
 
 def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundCallback | None = None) -> ServerApp:

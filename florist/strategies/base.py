@@ -26,7 +26,8 @@ from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
 from florist.common.models import Net, build_model
 
-log = logging.getLogger(__name__)
+# A child of Flower's logger, so messages reach `flwr run --stream` and the SuperLink log.
+log = logging.getLogger("flwr").getChild(__name__)
 
 # Run settings that stay on the server; everything else is sent to the clients.
 SERVER_ONLY = {"results-dir", "round-timeout", "node-wait-timeout", "min-nodes", "min-train-nodes", "fraction-train"}

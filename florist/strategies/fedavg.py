@@ -35,14 +35,14 @@ class FedAvg(Strategy):
         request = protocol.content(protocol.to_record(self.model), self.client_config(server_round))
         replies, metrics = self.broadcast(nodes, protocol.TRAIN, server_round, request, TRAINED)
         reference, states, weights, losses = self.model.state_dict(), [], [], []
-        for node, values in metrics.items():
+        for node in (n.node_id for n in nodes if n.node_id in metrics):  # fixed order: same seed, same sums
             try:
                 states.append(protocol.state_of(replies[node][protocol.ARRAYS], reference, self.federation.name(node)))
             except (protocol.ProtocolError, KeyError) as err:
                 self.federation.fail(node, protocol.TRAIN, server_round, f"bad model arrays: {err}")
                 continue
-            weights.append(values["num-examples"])
-            losses.append(values)
+            weights.append(metrics[node]["num-examples"])
+            losses.append(metrics[node])
         if states:
             self.model.load_state_dict(weighted_average(states, weights))
         return mean_loss(losses)

@@ -1,0 +1,31 @@
+# Two commands do all the set-up: `make demo` (run the main job) and `make test`.
+# Both create the virtual environment first when it is missing or pyproject.toml changed.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+export FLWR_TELEMETRY_ENABLED = 0
+export FLWR_DISABLE_UPDATE_CHECK = 1
+export RAY_USAGE_STATS_ENABLED = 0
+export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO = 0
+
+.PHONY: demo test env clean
+
+demo: $(VENV)/.installed
+	$(BIN)/florist simulate --strategy fedavg --num-clients 20 --partition dirichlet:0.3 --rounds 30 --seed 1 --results-dir results/demo
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+env: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), f"florist needs Python 3.11, $(PYTHON) is {sys.version.split()[0]}"'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+clean:
+	rm -rf $(VENV) results

@@ -1,0 +1,47 @@
+import pytest
+import torch
+
+from florist.common import protocol
+from florist.common.models import build_model
+
+
+def test_model_record_round_trip_is_exact():
+    model = build_model("cnn", (1, 8, 8), 10)
+    record = protocol.to_record(model)
+    state = protocol.state_of(record, model.state_dict(), "test")
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_mobilenet_round_trip_keeps_integer_buffers():
+    model = build_model("mobilenet_v2", (3, 32, 32), 10)
+    state = protocol.state_of(protocol.to_record(model), model.state_dict(), "test")
+    counters = [k for k in state if k.endswith("num_batches_tracked")]
+    assert counters and all(state[k].dtype == torch.int64 for k in counters)
+
+
+def test_wrong_shape_and_nan_are_refused_with_the_source():
+    reference = build_model("cnn", (1, 8, 8), 10).state_dict()
+    bad = dict(reference) | {"head.weight": torch.zeros(3, 3)}
+    with pytest.raises(protocol.ProtocolError, match=r"node 7: array 'head.weight' has shape \(3, 3\), expected \(10, 128\)"):
+        protocol.state_of(protocol.ArrayRecord(bad), reference, "node 7")
+    nan = dict(reference) | {"head.bias": torch.full((10,), float("nan"))}
+    with pytest.raises(protocol.ProtocolError, match="'head.bias' contains NaN"):
+        protocol.state_of(protocol.ArrayRecord(nan), reference, "node 7")
+    with pytest.raises(protocol.ProtocolError, match="missing"):
+        protocol.state_of(protocol.ArrayRecord({"head.bias": reference["head.bias"]}), reference, "node 7")
+
+
+def test_metrics_must_be_present_and_finite():
+    reply = protocol.content(metrics={"accuracy": float("inf"), "num-examples": 3})
+    with pytest.raises(protocol.ProtocolError, match="'accuracy' is missing or not a finite number"):
+        protocol.metrics_of(reply, ("accuracy",), "node 1")
+    with pytest.raises(protocol.ProtocolError, match="no 'metrics'"):
+        protocol.metrics_of(protocol.content(config={"a": 1}), ("accuracy",), "node 1")
+
+
+def test_nbytes_counts_the_payload():
+    small = protocol.content(protocol.to_record(build_model("mlp", (4,), 2)))
+    large = protocol.content(protocol.to_record(build_model("cnn", (1, 8, 8), 10)))
+    params = sum(p.numel() for p in build_model("cnn", (1, 8, 8), 10).parameters())
+    assert protocol.nbytes(small) < protocol.nbytes(large)
+    assert 4 * params <= protocol.nbytes(large) < 4 * params * 1.05  # float32 plus a little framing

@@ -1,0 +1,118 @@
+"""End-to-end runs in Flower's simulation runtime (Ray workers, real messages)."""
+
+import json
+import math
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.simulation import run_simulation
+
+from florist.client.app import app as florist_client_app
+from florist.client.app import build_client_app
+from florist.common.config import RunConfig
+from florist.common.models import build_model
+from florist.server.simulation import simulate
+
+# Ray workers must unpickle this module's functions (the failing mod) without importing it.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}}
+
+
+def _run(tmp_path, name, client_app=None, **overrides):
+    values = {"num-server-rounds": 3, "local-epochs": 2, "partition": "iid", "min-nodes": 6,
+              "results-dir": str(tmp_path / name)}
+    cfg = RunConfig.from_mapping(values | overrides)
+    return simulate(cfg, 6, client_app=client_app)
+
+
+@pytest.fixture(scope="module")
+def fedavg_run(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("sim"), "fedavg", partition="dirichlet:0.5")
+
+
+def test_fedavg_learns_and_writes_the_documented_results(fedavg_run, tmp_path_factory):
+    results = fedavg_run
+    assert results["strategy"] == "fedavg" and results["complete"]
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
+    for row in results["rounds"]:
+        assert set(row) == {"round", "seconds", "bytes_up", "bytes_down", "train_loss", "accuracy"}
+        assert row["bytes_up"] > 0 and row["bytes_down"] > 0 and math.isfinite(row["train_loss"])
+    assert results["rounds"][-1]["train_loss"] < results["rounds"][0]["train_loss"]
+    seen, unseen = results["summary"]["seen"], results["summary"]["unseen"]
+    assert seen["num_clients"] == 5 and unseen["num_clients"] == 1  # 0.2 × 6 held out
+    assert seen["mean_accuracy"] > 0.4  # chance is 0.1
+    assert set(seen) == {"mean_accuracy", "bottom_decile_accuracy", "num_clients"}
+    for client in results["clients"]:
+        assert {"client", "seen", "num_train", "num_test", "accuracy"} <= set(client)
+    folder = results["config"]["results-dir"]
+    import pathlib
+
+    names = {p.name for p in pathlib.Path(folder).iterdir()}
+    assert {"results.json", "report.md", "accuracy_per_round.png", "client_accuracy.png", "checkpoint.pt"} <= names
+
+
+def test_same_seed_same_per_client_accuracies(fedavg_run, tmp_path):
+    again = _run(tmp_path, "again", partition="dirichlet:0.5")
+    key = lambda r: [(c["client"], c["accuracy"]) for c in r["clients"]]  # noqa: E731
+    assert key(again) == key(fedavg_run)
+
+
+def fail_in_round_two(msg: Message, context: Context, call_next):
+    """A Flower mod: partition 2 crashes while training in round 2."""
+    config = msg.content.config_records.get("config", {})
+    if context.node_config["partition-id"] == 2 and msg.metadata.message_type == "train" and config.get("server-round") == 2:
+        raise RuntimeError("disk on fire")
+    return call_next(msg, context)
+
+
+def test_a_node_failing_mid_round_is_left_out_and_the_run_completes(tmp_path):
+    results = _run(tmp_path, "fail", client_app=build_client_app(mods=[fail_in_round_two]), **{"unseen-fraction": 0.0})
+    assert results["complete"] and len(results["rounds"]) == 3
+    [failure] = results["failures"]
+    assert failure["round"] == 2 and failure["message_type"] == "train"
+    assert "partition-2" in failure["node"] and "disk on fire" in failure["reason"]
+    assert all(math.isfinite(r["train_loss"]) for r in results["rounds"])
+    assert all(c["accuracy"] is not None for c in results["clients"])  # it is back for evaluation
+
+
+@pytest.mark.parametrize("strategy", ["local", "fedavg-ft"])
+def test_personalized_baselines_score_every_client(tmp_path, strategy):
+    results = _run(tmp_path, strategy, strategy=strategy, partition="pathological:2", **{"num-server-rounds": 2})
+    assert results["summary"]["unseen"]["num_clients"] == 1
+    assert all(c["accuracy"] is not None for c in results["clients"])
+    if strategy == "fedavg-ft":
+        assert all("global_accuracy" in c for c in results["clients"])
+    # on 2-class clients a personal model beats chance by far
+    assert results["summary"]["seen"]["mean_accuracy"] > 0.6
+
+
+def test_flowers_own_fedavg_drives_florist_clients():
+    """Flower's built-in strategy, florist's ClientApp, unchanged (standard train/evaluate)."""
+    outcome = {}
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        model = build_model("cnn", (1, 8, 8), 10)
+        strategy = FlowerFedAvg(fraction_train=1.0, min_available_nodes=4, min_train_nodes=4, min_evaluate_nodes=4)
+        result = strategy.start(
+            grid=grid, initial_arrays=ArrayRecord(model.state_dict()), num_rounds=2, timeout=300,
+            train_config=ConfigRecord({"lr": 0.2}),
+        )  # fmt: skip
+        outcome["initial"] = model.state_dict()
+        outcome["result"] = result
+
+    run_simulation(server_app=server, client_app=florist_client_app, num_supernodes=4, backend_config=BACKEND)
+    result = outcome["result"]
+    final = result.arrays.to_torch_state_dict()
+    assert any(not np.allclose(final[k], v) for k, v in outcome["initial"].items())
+    accuracy = result.evaluate_metrics_clientapp[2]["accuracy"]
+    train_loss = result.train_metrics_clientapp[2]["train-loss"]
+    assert accuracy > 0.2 and math.isfinite(train_loss)
+    json.dumps(dict(result.evaluate_metrics_clientapp[2]))  # plain numbers
