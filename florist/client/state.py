@@ -7,20 +7,18 @@ changes whenever a SuperNode restarts without an auth key.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from florist.common.storage import atomic_write
+from florist.common.storage import atomic_write, cache_dir
 
 
 def default_root() -> Path:
     """`$XDG_CACHE_HOME/florist/nodes` (usually `~/.cache/florist/nodes`)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "florist" / "nodes"
+    return cache_dir() / "nodes"
 
 
 class NodeState:

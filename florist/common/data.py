@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import warnings
 from pathlib import Path
 
 import numpy as np
+
+from florist.common.storage import atomic_write, cache_dir
 
 DIGITS_CLASSES = 10
 
@@ -91,7 +94,22 @@ def make_partitioner(spec: str, num_partitions: int, seed: int, min_partition_si
 def partition_indices(
     spec: str, num_partitions: int, seed: int, min_partition_size: int = 10
 ) -> tuple[np.ndarray, ...]:
-    """Indices into the digits for each partition (cached: every client of a process shares it)."""
+    """Indices into the digits for each partition.
+
+    Cached in memory and on disk: in deployment every message starts a fresh ClientApp
+    process, and building the partitions (importing `datasets`) would cost seconds each time.
+    """
+    name = re.sub(r"[^A-Za-z0-9.]", "_", f"digits-{spec}-{num_partitions}-{seed}-{min_partition_size}")
+    path = cache_dir() / "partitions" / f"{name}.npz"
+    if path.exists():
+        with np.load(path) as archive:
+            return tuple(archive[str(i)] for i in range(num_partitions))
+    parts = _partition(spec, num_partitions, seed, min_partition_size)
+    atomic_write(path, lambda f: np.savez(f, **{str(i): p for i, p in enumerate(parts)}))
+    return parts
+
+
+def _partition(spec: str, num_partitions: int, seed: int, min_partition_size: int) -> tuple[np.ndarray, ...]:
     from datasets import Dataset
 
     if num_partitions < 1:

@@ -1,5 +1,5 @@
-"""Atomic file writes: write to a temporary file beside the target, then rename over it, so
-readers (and a crash) never see half a file."""
+"""Files: atomic writes (a temporary file beside the target, renamed over it, so readers and
+crashes never see half a file) and florist's cache folder."""
 
 from __future__ import annotations
 
@@ -16,3 +16,8 @@ def atomic_write(path: Path, writer: Callable[[IO[bytes]], object]) -> Path:
         writer(tmp)
     os.replace(tmp.name, path)
     return path
+
+
+def cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/florist` (usually `~/.cache/florist`)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "florist"
