@@ -3,27 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from florist.common.config import RunConfig, parse_overrides
 
 
-def _simulate(args: argparse.Namespace) -> int:
+def _config(args: argparse.Namespace, num_nodes: int) -> RunConfig:
+    """The run config from the shared run flags, `--run-config` on top."""
+    flags = {"strategy": args.strategy, "partition": args.partition, "num-server-rounds": args.rounds,
+             "seed": args.seed, "unseen-fraction": args.unseen_fraction, "results-dir": args.results_dir}  # fmt: skip
+    values = {k: v for k, v in flags.items() if v is not None} | parse_overrides(args.run_config or "")
+    values.setdefault("min-nodes", num_nodes)
+    return RunConfig.from_mapping(values)
+
+
+def _console():
     from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _simulate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from florist.server.simulation import simulate
 
-    overrides = parse_overrides(args.run_config or "")
-    flags = {"strategy": args.strategy, "partition": args.partition, "num-server-rounds": args.rounds,
-             "seed": args.seed, "unseen-fraction": args.unseen_fraction, "results-dir": args.results_dir}  # fmt: skip
-    values = {k: v for k, v in flags.items() if v is not None} | overrides
-    values.setdefault("min-nodes", args.num_clients)
-    cfg = RunConfig.from_mapping(values)
-    console = Console(stderr=True)
-    start = time.monotonic()
+    cfg, console, start = _config(args, args.num_clients), _console(), time.monotonic()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:  # fmt: skip
         task = progress.add_task(f"{cfg.strategy} rounds", total=cfg.num_server_rounds, status="starting clients")
@@ -36,6 +45,82 @@ def _simulate(args: argparse.Namespace) -> int:
         results = simulate(cfg, args.num_clients, on_round)
     print_summary(results, console, time.monotonic() - start)
     return 0
+
+
+def _node_configs(num_nodes: int, state_root: Path) -> list[dict[str, Any]]:
+    return [{"partition-id": i, "num-partitions": num_nodes, "node-key": f"partition-{i}",
+             "state-dir": str(state_root / "node-state")} for i in range(num_nodes)]  # fmt: skip
+
+
+def _app_dir() -> Path:
+    """The florist source tree that `flwr run` bundles and ships to the federation."""
+    import florist
+
+    root = Path(florist.__file__).resolve().parents[1]
+    if not (root / "pyproject.toml").exists():
+        raise FileNotFoundError(
+            f"no pyproject.toml beside the florist package in {root}: deploy-local ships the app from a "
+            "florist source checkout (git clone + pip install -e .)"
+        )
+    return root
+
+
+def _deploy_local(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from florist.deploy.federation import LocalFederation
+
+    cfg, console, start = _config(args, args.num_nodes), _console(), time.monotonic()
+    results_dir = Path(cfg.results_dir).expanduser().resolve()
+    cfg = cfg.replace(results_dir=str(results_dir))
+    workdir = Path(args.state_dir or results_dir / "federation").expanduser().resolve()
+    run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.to_mapping().items())
+    with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth) as fed:
+        print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe()}", flush=True)
+        (results_dir / "results.json").unlink(missing_ok=True)
+        rc = subprocess.run(fed.run_command(_app_dir(), run_config), env=fed.env, cwd=workdir).returncode
+    results_file = results_dir / "results.json"
+    if rc != 0 or not results_file.exists():
+        raise RuntimeError(f"the run failed (flwr run exited {rc}); logs in {workdir / 'logs'}")
+    print_summary(json.loads(results_file.read_text()), console, time.monotonic() - start)
+    return 0
+
+
+def _local_federation(args: argparse.Namespace) -> int:
+    import signal
+
+    from florist.deploy.federation import LocalFederation
+
+    workdir = Path(args.state_dir).expanduser().resolve()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop our processes on `kill` too
+    with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth) as fed:
+        print(fed.describe().replace("...", f"partition=\"{args.partition}\""), flush=True)
+        print("Running; Ctrl-C stops the SuperLink and SuperNodes started here.", flush=True)
+        try:
+            while fed.superlink.alive():
+                time.sleep(1)
+            print(f"the SuperLink exited:\n{fed.superlink.tail()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("stopping...", flush=True)
+    return 0
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from florist.deploy.certs import make_certificates
+
+    paths = make_certificates(args.out, args.hosts.split(","), args.num_nodes)
+    print(f"CA: {paths['ca']}\nSuperLink certificate: {paths['server_cert']} (key {paths['server_key']})")
+    print(f"SuperNode keys: {Path(args.out) / 'keys'}/node-<i> and node-<i>.pub, i = 0..{args.num_nodes - 1}")
+    return 0
+
+
+def _join(args: argparse.Namespace) -> int:
+    from florist.deploy.join import join
+
+    return join(args.superlink, args.data_dir, root_certificates=args.root_certificates, auth_key=args.auth_key,
+                state_dir=args.state_dir, node_key=args.node_key, num_classes=args.num_classes,
+                max_wait_time=args.max_wait_time)  # fmt: skip
 
 
 def print_summary(results: dict[str, Any], console, wall: float) -> None:
@@ -52,32 +137,91 @@ def print_summary(results: dict[str, Any], console, wall: float) -> None:
     console.print(f"wall time {wall:.1f} s · results in {results['config']['results-dir']}/ (results.json, report.md, plots)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _run_options(parser: argparse.ArgumentParser) -> None:
     from florist.strategies import STRATEGIES
 
+    parser.add_argument("--strategy", choices=sorted(STRATEGIES), help="algorithm to run (default: fedavg)")
+    parser.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K (default: dirichlet:0.3)")
+    parser.add_argument("--rounds", type=int, help="server rounds (default: 30)")
+    parser.add_argument("--seed", type=int, help="seed for partitions, splits, init and sampling (default: 1)")
+    parser.add_argument("--unseen-fraction", type=float, help="fraction of clients held out of training (default: 0.2)")
+    parser.add_argument("--results-dir", help="output folder (default: results)")
+    parser.add_argument(
+        "--run-config", metavar='"k=v ..."',
+        help='any other run-config keys, as for `flwr run --run-config`, e.g. "lr=0.1 local-epochs=2"',
+    )  # fmt: skip
+
+
+def _federation_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-nodes", type=int, default=3, help="SuperNodes to start (default: 3)")
+    parser.add_argument("--tls", action="store_true", help="TLS on the Fleet API (certificates made on first use)")
+    parser.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="florist", description="Personalized federated learning on Flower: simulate, deploy, compare."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
     sim = sub.add_parser(
-        "simulate",
-        help="run a strategy in Flower's simulation runtime on the embedded digits",
+        "simulate", help="run a strategy in Flower's simulation runtime on the embedded digits",
         description="Run one strategy in Flower simulation (one process, Ray workers) and print the "
         "seen/unseen summary. Writes results.json, report.md and plots to --results-dir.",
-    )
-    sim.add_argument("--strategy", choices=sorted(STRATEGIES), help="algorithm to run (default: fedavg)")
+    )  # fmt: skip
+    _run_options(sim)
     sim.add_argument("--num-clients", type=int, default=20, help="simulated SuperNodes = partitions (default: 20)")
-    sim.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K (default: dirichlet:0.3)")
-    sim.add_argument("--rounds", type=int, help="server rounds (default: 30)")
-    sim.add_argument("--seed", type=int, help="seed for partitions, splits, init and sampling (default: 1)")
-    sim.add_argument("--unseen-fraction", type=float, help="fraction of clients held out of training (default: 0.2)")
-    sim.add_argument("--results-dir", help="output folder (default: results)")
-    sim.add_argument(
-        "--run-config",
-        metavar='"k=v ..."',
-        help='any other run-config keys, as for `flwr run --run-config`, e.g. "lr=0.1 local-epochs=2"',
-    )
     sim.set_defaults(func=_simulate)
+
+    dep = sub.add_parser(
+        "deploy-local", help="one-shot real deployment: SuperLink + SuperNodes on 127.0.0.1, run, collect, stop",
+        description="Start a SuperLink and --num-nodes SuperNodes as separate processes on 127.0.0.1 (gRPC Fleet "
+        "API), submit the run with `flwr run`, stream its log, print the summary, and stop every process it started.",
+    )  # fmt: skip
+    _run_options(dep)
+    _federation_options(dep)
+    dep.add_argument("--state-dir", help="federation folder: database, certificates, keys, logs, node state "
+                     "(default: RESULTS_DIR/federation)")  # fmt: skip
+    dep.set_defaults(func=_deploy_local)
+
+    fed = sub.add_parser(
+        "local-federation", help="start a SuperLink + SuperNodes on 127.0.0.1 and keep them running",
+        description="Start a SuperLink and --num-nodes SuperNodes (embedded digits partitions) on 127.0.0.1 with "
+        "free ports, wait until all are connected, print the addresses and the `flwr run` line, and run until "
+        "Ctrl-C, which stops exactly the processes started here.",
+    )  # fmt: skip
+    _federation_options(fed)
+    fed.add_argument("--partition", default="dirichlet:0.3", help="partition to put in the printed run line")
+    fed.add_argument("--state-dir", default="florist-federation",
+                     help="federation folder: SuperLink database (kept across restarts), certificates, keys, logs, "
+                     "node state (default: ./florist-federation)")  # fmt: skip
+    fed.set_defaults(func=_local_federation)
+
+    certs = sub.add_parser(
+        "certs", help="make a CA, a SuperLink certificate and SuperNode key pairs",
+        description="Write ca.crt/ca.key, server.pem/server.key (SANs from --hosts, plus 127.0.0.1) and "
+        "keys/node-<i>, keys/node-<i>.pub (ECDSA P-384, OpenSSH format) to --out.",
+    )  # fmt: skip
+    certs.add_argument("--out", required=True, help="output folder")
+    certs.add_argument("--hosts", required=True, help='names/IPs SuperNodes dial, comma-separated, e.g. "superlink,10.0.0.5"')
+    certs.add_argument("--num-nodes", type=int, default=3, help="SuperNode key pairs to make (default: 3)")
+    certs.set_defaults(func=_certs)
+
+    join = sub.add_parser(
+        "join", help="start a SuperNode on this box and join a running federation",
+        description="Check the data folder, then start a SuperNode for this box pointed at the SuperLink's Fleet "
+        "API, with node config data-dir, node-key and state-dir. Explains failures: unreachable SuperLink, "
+        "certificate mismatch, key not registered, ill-formed data.",
+    )  # fmt: skip
+    join.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's Fleet API address")
+    join.add_argument("--data-dir", required=True, help="train.npz + test.npz, or ImageFolder trees train/ and test/")
+    join.add_argument("--root-certificates", metavar="CA", help="CA certificate of the SuperLink (enables TLS)")
+    join.add_argument("--auth-key", metavar="KEY", help="this node's private key (its .pub registered on the SuperLink)")
+    join.add_argument("--state-dir", help="node state folder (default: ~/.cache/florist/nodes)")
+    join.add_argument("--node-key", help="stable name of this node (default: the host name)")
+    join.add_argument("--num-classes", type=int, default=10, help="label range to check the data against (default: 10)")
+    join.add_argument("--max-wait-time", type=float, default=60.0, help="give up connecting after this many seconds")
+    join.set_defaults(func=_join)
     return parser
 
 
@@ -85,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, TimeoutError) as err:
+    except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as err:
         print(f"florist: error: {err}", file=sys.stderr)
         return 2
 

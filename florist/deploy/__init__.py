@@ -1,0 +1,1 @@
+"""Running florist between real processes: local federations, certificates, edge boxes."""

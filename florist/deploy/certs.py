@@ -1,0 +1,96 @@
+"""Certificates and keys for a secured federation, made with the `cryptography` package that
+Flower already depends on: a CA, a SuperLink certificate for the names the SuperNodes dial,
+and one ECDSA key pair per SuperNode for SuperNode authentication."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+VALID_DAYS = 365
+
+
+def _name(common_name: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "florist"),
+                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])  # fmt: skip
+
+
+def _san(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def _write(path: Path, data: bytes, private: bool = False) -> Path:
+    path.write_bytes(data)
+    if private:
+        path.chmod(0o600)
+    return path
+
+
+def _pem_key(key) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+                             serialization.NoEncryption())  # fmt: skip
+
+
+def make_ca_and_server(out: Path, hosts: list[str]) -> dict[str, Path]:
+    """`ca.crt`/`ca.key` and `server.pem`/`server.key` valid for `hosts` (plus 127.0.0.1, which
+    the SuperLink's own ServerApp process dials)."""
+    hosts = list(dict.fromkeys([h.strip() for h in hosts if h.strip()] + ["127.0.0.1"]))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
+
+    ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    ca_cert = (
+        x509.CertificateBuilder().subject_name(_name("florist CA")).issuer_name(_name("florist CA"))
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    server_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    server_cert = (
+        x509.CertificateBuilder().subject_name(_name(hosts[0])).issuer_name(ca_cert.subject)
+        .public_key(server_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(start).not_valid_after(end)
+        .add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    pem = serialization.Encoding.PEM
+    return {
+        "ca": _write(out / "ca.crt", ca_cert.public_bytes(pem)),
+        "ca_key": _write(out / "ca.key", _pem_key(ca_key), private=True),
+        "server_cert": _write(out / "server.pem", server_cert.public_bytes(pem)),
+        "server_key": _write(out / "server.key", _pem_key(server_key), private=True),
+    }
+
+
+def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
+    """An ECDSA P-384 key pair in OpenSSH format (what `flwr supernode register` and
+    `flower-supernode --auth-supernode-private-key` read): `name` and `name.pub`."""
+    key = ec.generate_private_key(ec.SECP384R1())
+    out.mkdir(parents=True, exist_ok=True)
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                serialization.NoEncryption())  # fmt: skip
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return _write(out / name, private, private=True), _write(out / f"{name}.pub", public + b"\n")
+
+
+def make_certificates(out: str | Path, hosts: list[str], num_nodes: int) -> dict[str, Path]:
+    """Everything `florist certs` writes: CA, SuperLink certificate, `keys/node-<i>[.pub]`."""
+    out = Path(out)
+    paths = make_ca_and_server(out, hosts)
+    for i in range(num_nodes):
+        make_node_key(out / "keys", f"node-{i}")
+    return paths

@@ -1,0 +1,266 @@
+"""A real federation on one machine: one SuperLink and N SuperNodes as separate OS processes on
+127.0.0.1, talking over Flower's gRPC Fleet API, started and stopped by PID.
+
+Only the Fleet port is meant to face a network; the Control/Runtime HTTP port (run submission,
+no authentication in Flower 1.39) and each SuperNode's Runtime port always bind to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from florist.deploy.certs import make_ca_and_server, make_node_key
+
+log = logging.getLogger(__name__)
+
+CONNECTION = "florist-local"  # the name `flwr run . florist-local` uses
+
+
+def flower_env(flwr_home: Path) -> dict[str, str]:
+    """Environment for every Flower process: a private FLWR_HOME, no telemetry, no run-time
+    dependency installation (it would `uv sync` gigabytes per run), fast SuperExec polling."""
+    return os.environ | {
+        "FLWR_HOME": str(flwr_home),
+        "FLWR_TELEMETRY_ENABLED": "0",
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def flower_bin(name: str) -> str:
+    """A Flower executable from this Python's environment (works without an activated venv)."""
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def toml_node_config(values: dict[str, Any]) -> str:
+    """`--node-config` text: space-separated TOML `key=value` pairs."""
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in values.items())
+
+
+@dataclasses.dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds; only this PID."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+    def tail(self, lines: int = 15) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class LocalFederation:
+    """SuperLink + SuperNodes on loopback. Use as a context manager: everything it started is
+    stopped on exit (SuperNodes first), by PID."""
+
+    def __init__(
+        self,
+        workdir: str | Path,
+        node_configs: list[dict[str, Any]],
+        *,
+        tls: bool = False,
+        auth: bool = False,
+        max_wait_time: float = 120.0,
+    ):
+        if auth and not tls:
+            raise ValueError("SuperNode authentication needs TLS: pass --tls with --auth")
+        self.workdir = Path(workdir).expanduser().resolve()
+        self.node_configs, self.tls, self.auth, self.max_wait_time = node_configs, tls, auth, max_wait_time
+        self.flwr_home = self.workdir / "flwr-home"
+        self.certs, self.keys, self.logs = self.workdir / "certs", self.workdir / "keys", self.workdir / "logs"
+        self.database = self.workdir / "superlink.db"
+        self.fleet_port, self.control_port = free_port(), free_port()
+        self.node_ports = [free_port() for _ in node_configs]
+        self.superlink: Process | None = None
+        self.nodes: list[Process | None] = [None] * len(node_configs)
+        self.env = flower_env(self.flwr_home)
+
+    @property
+    def fleet_address(self) -> str:
+        return f"127.0.0.1:{self.fleet_port}"
+
+    @property
+    def control_address(self) -> str:
+        return f"127.0.0.1:{self.control_port}"
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> LocalFederation:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 180.0) -> None:
+        """Start the SuperLink, register node keys (with --auth), start and await the SuperNodes."""
+        for folder in (self.flwr_home, self.logs):
+            folder.mkdir(parents=True, exist_ok=True)
+        if self.tls and not (self.certs / "server.pem").exists():
+            make_ca_and_server(self.certs, ["localhost"])
+        self._write_connection()
+        self.start_superlink()
+        if self.auth:
+            for i in range(len(self.node_configs)):
+                self.register(self.node_key(i)[1])
+        for i in range(len(self.node_configs)):
+            self.start_node(i)
+        self.wait_for_nodes(len(self.node_configs), timeout)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            if node:
+                node.stop()
+        if self.superlink:
+            self.superlink.stop()
+
+    def _spawn(self, name: str, args: list[str]) -> Process:
+        log_path = self.logs / f"{name}.log"
+        handle: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - owned by the child from here on
+        popen = subprocess.Popen(
+            args, stdout=handle, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir, start_new_session=True
+        )
+        handle.close()
+        return Process(name, popen, log_path)
+
+    def start_superlink(self, timeout: float = 60.0) -> Process:
+        """(Re)start the SuperLink on the same ports and database, so node identities survive."""
+        security = (
+            ["--ssl-ca-certfile", str(self.certs / "ca.crt"), "--ssl-certfile", str(self.certs / "server.pem"),
+             "--ssl-keyfile", str(self.certs / "server.key")] if self.tls else ["--insecure"]
+        )  # fmt: skip
+        args = [flower_bin("flower-superlink"), *security, *(["--enable-supernode-auth"] if self.auth else []),
+                "--fleet-api-address", self.fleet_address, "--host", "127.0.0.1", "--port", str(self.control_port),
+                "--database", str(self.database), "--disable-runtime-dependency-installation"]  # fmt: skip
+        self.superlink = self._spawn("superlink", args)
+        self._wait_for_port(self.control_port, self.superlink, timeout)
+        self._wait_for_port(self.fleet_port, self.superlink, timeout)
+        return self.superlink
+
+    def node_key(self, i: int) -> tuple[Path, Path]:
+        """The key pair of node i, made on first use (kept across restarts)."""
+        private = self.keys / f"node-{i}"
+        return (private, private.with_suffix(".pub")) if private.exists() else make_node_key(self.keys, f"node-{i}")
+
+    def register(self, public_key: Path) -> None:
+        """`flwr supernode register KEY.pub` (idempotent across restarts of this federation)."""
+        marker = public_key.with_suffix(".registered")
+        if marker.exists():
+            return
+        result = self.flwr("supernode", "register", str(public_key), CONNECTION)
+        if result.returncode != 0:
+            raise RuntimeError(f"registering {public_key} failed:\n{result.stdout}{result.stderr}")
+        marker.write_text(result.stdout)
+
+    def start_node(self, i: int, *, private_key: Path | None = None, root_certificates: Path | None = None) -> Process:
+        """Start SuperNode i (bounded reconnection, so it never retries forever)."""
+        args = [flower_bin("flower-supernode"), "--superlink", self.fleet_address, "--port", str(self.node_ports[i]),
+                "--node-config", toml_node_config(self.node_configs[i]),
+                "--max-wait-time", str(self.max_wait_time)]  # fmt: skip
+        if self.tls:
+            args += ["--root-certificates", str(root_certificates or self.certs / "ca.crt")]
+            if self.auth:
+                args += ["--auth-supernode-private-key", str(private_key or self.node_key(i)[0])]
+        else:
+            args.append("--insecure")
+        self.nodes[i] = self._spawn(f"supernode-{i}", args)
+        return self.nodes[i]
+
+    # --- queries ---------------------------------------------------------------------------
+    def flwr(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        """Run the `flwr` CLI against this federation's private FLWR_HOME."""
+        return subprocess.run(
+            [flower_bin("flwr"), *args], env=self.env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout
+        )
+
+    def online_nodes(self) -> list[dict[str, Any]]:
+        result = self.flwr("supernode", "list", CONNECTION, "--format", "json")
+        try:
+            return [n for n in json.loads(result.stdout).get("nodes", []) if n.get("status") == "online"]
+        except json.JSONDecodeError:
+            return []
+
+    def wait_for_nodes(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.online_nodes()) < count:
+            dead = [n for n in self.nodes if n and not n.alive()]
+            if dead:
+                raise RuntimeError(f"{dead[0].name} exited (status {dead[0].popen.returncode}):\n{dead[0].tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than {count} SuperNodes connected within {timeout:.0f} s; logs in {self.logs}")
+            time.sleep(1.0)
+
+    def _wait_for_port(self, port: int, process: Process, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    return
+            if not process.alive():
+                raise RuntimeError(f"{process.name} exited (status {process.popen.returncode}):\n{process.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{process.name} did not open port {port} within {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def _write_connection(self) -> None:
+        """The `flwr` CLI connection `florist-local` in this federation's FLWR_HOME."""
+        security = f'root-certificates = "{self.certs / "ca.crt"}"' if self.tls else "insecure = true"
+        (self.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+            f'address = "{self.control_address}"\n{security}\n'
+        )
+
+    def run_command(self, app_dir: Path, run_config: str) -> list[str]:
+        return [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--stream", "--run-config", run_config]
+
+    def describe(self) -> str:
+        """What a user needs to know: addresses, and how to submit a run."""
+        nodes = "\n".join(f"  SuperNode {i}: pid {n.pid}, runtime 127.0.0.1:{self.node_ports[i]}, node config "
+                          f"{toml_node_config(self.node_configs[i])}" for i, n in enumerate(self.nodes) if n)  # fmt: skip
+        return (
+            f"SuperLink: pid {self.superlink.pid if self.superlink else '-'}\n"
+            f"  Fleet API (gRPC{', TLS' if self.tls else ''}{', node auth' if self.auth else ''}): {self.fleet_address}\n"
+            f"  Control + Runtime API (HTTP, loopback only): {self.control_address}\n"
+            f"  database: {self.database}\n{nodes}\n"
+            f"Submit a run from the florist checkout:\n"
+            f"  FLWR_HOME={self.flwr_home} FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 "
+            f"flwr run . {CONNECTION} --stream --run-config 'min-nodes={len(self.nodes)} ...'\n"
+            f"Logs: {self.logs}"
+        )

@@ -1,0 +1,102 @@
+"""`florist join`: start a SuperNode on an edge box, pointed at its own data folder and at a
+running SuperLink, and turn Flower's failure modes into messages that say what to fix."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from florist.common.data import folder_client
+from florist.deploy.federation import flower_bin, free_port, toml_node_config
+
+# (pattern in the SuperNode's output, what it means for the user)
+DIAGNOSES = [
+    ("CERTIFICATE_VERIFY_FAILED", "the SuperLink's TLS certificate does not verify against {ca}: wrong CA file, "
+     "or the certificate was not issued for the address {superlink} (check the --hosts given to `florist certs`)"),
+    ("must be registered", "this node's public key is not registered with the SuperLink. On the SuperLink's machine "
+     "run: flwr supernode register {pub} <connection>"),
+    ("WRONG_VERSION_NUMBER", "TLS mismatch: the SuperLink speaks TLS but this node was started without "
+     "--root-certificates (or the other way round)"),
+    ("Connection attempt failed", "cannot reach the SuperLink at {superlink} after retrying for {wait:.0f} s: "
+     "check the address, that the SuperLink runs, and that its Fleet port is open to this box"),
+]  # fmt: skip
+
+
+class JoinError(RuntimeError):
+    """The SuperNode could not join; the message says why and what to do."""
+
+
+def diagnose(output: str, **facts: object) -> str | None:
+    """The first known failure found in a SuperNode's output, explained."""
+    for pattern, explanation in DIAGNOSES:
+        if pattern in output:
+            return explanation.format(**facts)
+    return None
+
+
+def supernode_args(
+    superlink: str,
+    data_dir: Path,
+    *,
+    root_certificates: Path | None,
+    auth_key: Path | None,
+    state_dir: Path | None,
+    node_key: str,
+    max_wait_time: float,
+) -> list[str]:
+    node_config = {"data-dir": str(data_dir), "node-key": node_key} | ({"state-dir": str(state_dir)} if state_dir else {})
+    args = [flower_bin("flower-supernode"), "--superlink", superlink, "--node-config", toml_node_config(node_config),
+            "--port", str(free_port()), "--max-wait-time", str(max_wait_time)]  # fmt: skip
+    args += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
+    if auth_key:
+        args += ["--auth-supernode-private-key", str(auth_key)]
+    return args
+
+
+def join(
+    superlink: str,
+    data_dir: str | Path,
+    *,
+    root_certificates: str | Path | None = None,
+    auth_key: str | Path | None = None,
+    state_dir: str | Path | None = None,
+    node_key: str | None = None,
+    num_classes: int = 10,
+    max_wait_time: float = 60.0,
+) -> int:
+    """Check everything local first (data, files), then run the SuperNode in the foreground."""
+    if not re.fullmatch(r"[^\s:]+:\d+", superlink):
+        raise ValueError(f"--superlink must be HOST:PORT (the SuperLink's Fleet API), got {superlink!r}")
+    data_dir = Path(data_dir).expanduser().resolve()
+    client = folder_client(data_dir, num_classes, seed=0, val_fraction=0.15)  # fails here, naming the file
+    files = {"--root-certificates": root_certificates, "--auth-key": auth_key}
+    for flag, path in files.items():
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"{flag} {path}: no such file")
+    if auth_key and not root_certificates:
+        raise ValueError("node authentication runs over TLS: pass --root-certificates with --auth-key")
+    key = node_key or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "edge"
+    args = supernode_args(
+        superlink, data_dir, root_certificates=Path(root_certificates) if root_certificates else None,
+        auth_key=Path(auth_key) if auth_key else None, state_dir=Path(state_dir) if state_dir else None,
+        node_key=key, max_wait_time=max_wait_time,
+    )  # fmt: skip
+    labelled = "labelled" if client.labelled else "unlabeled"
+    print(f"florist join: node {key!r}, {len(client.x_train) + len(client.x_val)} train / {len(client.x_test)} test "
+          f"samples ({labelled}, shape {client.input_shape}) -> SuperLink {superlink}", flush=True)  # fmt: skip
+    if not root_certificates:
+        print("florist join: warning: no --root-certificates, traffic to the SuperLink is not encrypted", flush=True)
+    output: list[str] = []
+    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        for line in process.stdout:
+            sys.stdout.write(line)
+            output.append(line)
+            output[:] = output[-200:]
+    if process.returncode not in (0, -2, -15):
+        reason = diagnose("".join(output), superlink=superlink, ca=root_certificates, wait=max_wait_time,
+                          pub=f"{auth_key}.pub" if auth_key else "<key>.pub")  # fmt: skip
+        raise JoinError(reason or f"the SuperNode exited with status {process.returncode}; see its output above")
+    return 0
