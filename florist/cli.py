@@ -52,19 +52,6 @@ def _node_configs(num_nodes: int, state_root: Path) -> list[dict[str, Any]]:
              "state-dir": str(state_root / "node-state")} for i in range(num_nodes)]  # fmt: skip
 
 
-def _app_dir() -> Path:
-    """The florist source tree that `flwr run` bundles and ships to the federation."""
-    import florist
-
-    root = Path(florist.__file__).resolve().parents[1]
-    if not (root / "pyproject.toml").exists():
-        raise FileNotFoundError(
-            f"no pyproject.toml beside the florist package in {root}: deploy-local ships the app from a "
-            "florist source checkout (git clone + pip install -e .)"
-        )
-    return root
-
-
 def _deploy_local(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -74,11 +61,10 @@ def _deploy_local(args: argparse.Namespace) -> int:
     results_dir = Path(cfg.results_dir).expanduser().resolve()
     cfg = cfg.replace(results_dir=str(results_dir))
     workdir = Path(args.state_dir or results_dir / "federation").expanduser().resolve()
-    run_config = " ".join(f"{k}={json.dumps(v)}" for k, v in cfg.to_mapping().items())
     with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth) as fed:
         print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe()}", flush=True)
         (results_dir / "results.json").unlink(missing_ok=True)
-        rc = subprocess.run(fed.run_command(_app_dir(), run_config), env=fed.env, cwd=workdir).returncode
+        rc = subprocess.run(fed.run_command(cfg.to_mapping()), env=fed.env, cwd=workdir).returncode
     results_file = results_dir / "results.json"
     if rc != 0 or not results_file.exists():
         raise RuntimeError(f"the run failed (flwr run exited {rc}); logs in {workdir / 'logs'}")

@@ -40,7 +40,21 @@ class RunConfig:
     batch_size: int = 16
     finetune_epochs: int = 5
     finetune_lr: float = 0.05
+    # kNN-Per
+    knn_sigma: float = 1.0
+    knn_ks: str = "5,10"
+    knn_index: str = "flat"
+    knn_capacity: int = 0
+    knn_policy: str = "concat"
+    # serve phase: personalize nodes that connect after training
+    serve_seconds: float = 0.0
+    serve_count: int = 0
     results_dir: str = "results"
+
+    @property
+    def knn_k_grid(self) -> tuple[int, ...]:
+        """`knn-ks` ("5,10") as integers."""
+        return tuple(int(k) for k in self.knn_ks.split(","))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -84,6 +98,13 @@ class RunConfig:
             (self.finetune_epochs >= 0, "finetune-epochs must be >= 0"),
             (self.batch_size >= 1, "batch-size must be >= 1"),
             (self.num_classes >= 2, "num-classes must be >= 2"),
+            (self.knn_sigma > 0, "knn-sigma must be > 0"),
+            (all(p.strip().isdigit() and int(p) >= 1 for p in self.knn_ks.split(",")),
+             "knn-ks must list positive integers, e.g. \"5,10\""),
+            (self.knn_index in ("flat", "hnsw", "ivf"), "knn-index must be flat, hnsw or ivf"),
+            (self.knn_policy in ("concat", "fifo", "fixed"), "knn-policy must be concat, fifo or fixed"),
+            (self.knn_policy == "concat" or self.knn_capacity >= 1, "knn-policy fifo/fixed needs knn-capacity >= 1"),
+            (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
             (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),
         ]
         for ok, message in checks:

@@ -17,7 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from collections.abc import Mapping
+from typing import Any
 
 from florist.deploy.certs import make_ca_and_server, make_node_key
 
@@ -26,11 +27,10 @@ log = logging.getLogger(__name__)
 CONNECTION = "florist-local"  # the name `flwr run . florist-local` uses
 
 
-def flower_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for every Flower process: a private FLWR_HOME, no telemetry, no run-time
+def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
+    """Environment for every Flower process: FLWR_HOME (when given), no telemetry, no run-time
     dependency installation (it would `uv sync` gigabytes per run), fast SuperExec polling."""
-    return os.environ | {
-        "FLWR_HOME": str(flwr_home),
+    return os.environ | ({"FLWR_HOME": str(flwr_home)} if flwr_home else {}) | {
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -50,8 +50,19 @@ def flower_bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
+def app_dir() -> Path:
+    """The florist source tree, which `flwr run` bundles and ships to the federation."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").exists():
+        raise FileNotFoundError(
+            f"no pyproject.toml in {root}: runs are submitted from a florist source checkout "
+            "(git clone, then pip install -e .)"
+        )
+    return root
+
+
 def toml_node_config(values: dict[str, Any]) -> str:
-    """`--node-config` text: space-separated TOML `key=value` pairs."""
+    """`--node-config` / `--run-config` text: space-separated TOML `key=value` pairs."""
     return " ".join(f"{k}={json.dumps(v)}" for k, v in values.items())
 
 
@@ -69,7 +80,8 @@ class Process:
         return self.popen.poll() is None
 
     def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL after `grace` seconds; only this PID."""
+        """SIGTERM, then SIGKILL after `grace` seconds; then whatever it left in its own
+        process group (its SuperExec and ClientApp children), and nothing else."""
         if self.alive():
             self.popen.send_signal(signal.SIGTERM)
             try:
@@ -77,10 +89,23 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
+        try:
+            os.killpg(self.pid, signal.SIGTERM)  # the group was created for this process at spawn
+        except ProcessLookupError:
+            pass
 
     def tail(self, lines: int = 15) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> Process:
+    """Start `args` in its own session (so Ctrl-C reaches us first and `stop` can clean up its
+    process group), output appended to `log_path`."""
+    with open(log_path, "ab") as handle:
+        popen = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env or flower_env(),
+                                 cwd=cwd, start_new_session=True)  # fmt: skip
+    return Process(log_path.stem, popen, log_path)
 
 
 class LocalFederation:
@@ -152,13 +177,7 @@ class LocalFederation:
             self.superlink.stop()
 
     def _spawn(self, name: str, args: list[str]) -> Process:
-        log_path = self.logs / f"{name}.log"
-        handle: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - owned by the child from here on
-        popen = subprocess.Popen(
-            args, stdout=handle, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir, start_new_session=True
-        )
-        handle.close()
-        return Process(name, popen, log_path)
+        return spawn(args, self.logs / f"{name}.log", env=self.env, cwd=self.workdir)
 
     def start_superlink(self, timeout: float = 60.0) -> Process:
         """(Re)start the SuperLink on the same ports and database, so node identities survive."""
@@ -247,8 +266,10 @@ class LocalFederation:
             f'address = "{self.control_address}"\n{security}\n'
         )
 
-    def run_command(self, app_dir: Path, run_config: str) -> list[str]:
-        return [flower_bin("flwr"), "run", str(app_dir), CONNECTION, "--stream", "--run-config", run_config]
+    def run_command(self, run_config: Mapping[str, Any]) -> list[str]:
+        """`flwr run` of the florist app on this federation, streaming its log."""
+        return [flower_bin("flwr"), "run", str(app_dir()), CONNECTION, "--stream", "--run-config",
+                toml_node_config(dict(run_config))]  # fmt: skip
 
     def describe(self) -> str:
         """What a user needs to know: addresses, and how to submit a run."""

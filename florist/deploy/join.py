@@ -5,22 +5,26 @@ from __future__ import annotations
 
 import re
 import socket
-import subprocess
 import sys
+import time
 from pathlib import Path
 
+from florist.client.state import NodeState
 from florist.common.data import folder_client
-from florist.deploy.federation import flower_bin, free_port, toml_node_config
+from florist.deploy.federation import Process, flower_bin, free_port, spawn, toml_node_config
 
-# (pattern in the SuperNode's output, what it means for the user)
+# (patterns in the SuperNode's output, what it means for the user), most specific first
 DIAGNOSES = [
-    ("CERTIFICATE_VERIFY_FAILED", "the SuperLink's TLS certificate does not verify against {ca}: wrong CA file, "
-     "or the certificate was not issued for the address {superlink} (check the --hosts given to `florist certs`)"),
-    ("must be registered", "this node's public key is not registered with the SuperLink. On the SuperLink's machine "
-     "run: flwr supernode register {pub} <connection>"),
-    ("WRONG_VERSION_NUMBER", "TLS mismatch: the SuperLink speaks TLS but this node was started without "
+    (("CERTIFICATE_VERIFY_FAILED", "certificate signature failure", "SSL/TLS handshake error"),
+     "the SuperLink's TLS certificate does not verify against {ca}: wrong CA file, or the certificate was "
+     "not issued for the address {superlink} (check the --hosts given to `florist certs`)"),
+    (("[code: 2004]",), "this node's public key is not registered with the SuperLink. On the SuperLink's "
+     "machine run: flwr supernode register {pub} <connection>"),
+    (("[code: 2001]",), "the SuperLink requires SuperNode authentication: pass --auth-key with a private key "
+     "whose .pub is registered there (flwr supernode register KEY.pub <connection>)"),
+    (("WRONG_VERSION_NUMBER",), "TLS mismatch: the SuperLink speaks TLS but this node was started without "
      "--root-certificates (or the other way round)"),
-    ("Connection attempt failed", "cannot reach the SuperLink at {superlink} after retrying for {wait:.0f} s: "
+    (("Connection attempt failed",), "cannot reach the SuperLink at {superlink} after retrying for {wait:.0f} s: "
      "check the address, that the SuperLink runs, and that its Fleet port is open to this box"),
 ]  # fmt: skip
 
@@ -31,8 +35,8 @@ class JoinError(RuntimeError):
 
 def diagnose(output: str, **facts: object) -> str | None:
     """The first known failure found in a SuperNode's output, explained."""
-    for pattern, explanation in DIAGNOSES:
-        if pattern in output:
+    for patterns, explanation in DIAGNOSES:
+        if any(p in output for p in patterns):
             return explanation.format(**facts)
     return None
 
@@ -54,6 +58,25 @@ def supernode_args(
     if auth_key:
         args += ["--auth-supernode-private-key", str(auth_key)]
     return args
+
+
+def follow(process: Process, log_path: Path) -> str:
+    """Echo the process's log while it runs; return all of it once it has exited. (Waiting
+    for EOF on a pipe would hang: the SuperNode's SuperExec child inherits it.)"""
+    shown = 0
+    try:
+        while True:
+            done = not process.alive()
+            text = log_path.read_text(errors="replace")
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+            if done:
+                return text
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        process.stop()
+        return log_path.read_text(errors="replace")
 
 
 def join(
@@ -89,14 +112,14 @@ def join(
           f"samples ({labelled}, shape {client.input_shape}) -> SuperLink {superlink}", flush=True)  # fmt: skip
     if not root_certificates:
         print("florist join: warning: no --root-certificates, traffic to the SuperLink is not encrypted", flush=True)
-    output: list[str] = []
-    with subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
-        for line in process.stdout:
-            sys.stdout.write(line)
-            output.append(line)
-            output[:] = output[-200:]
-    if process.returncode not in (0, -2, -15):
-        reason = diagnose("".join(output), superlink=superlink, ca=root_certificates, wait=max_wait_time,
+    log_path = NodeState(state_dir, key).path("supernode.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.unlink(missing_ok=True)
+    process = spawn(args, log_path)
+    output = follow(process, log_path)
+    process.stop()  # also ends what the SuperNode left in its process group
+    if process.popen.returncode not in (0, -2, -15):
+        reason = diagnose(output, superlink=superlink, ca=root_certificates, wait=max_wait_time,
                           pub=f"{auth_key}.pub" if auth_key else "<key>.pub")  # fmt: skip
-        raise JoinError(reason or f"the SuperNode exited with status {process.returncode}; see its output above")
+        raise JoinError(reason or f"the SuperNode exited with status {process.popen.returncode}; see its output above")
     return 0

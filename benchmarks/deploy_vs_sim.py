@@ -1,0 +1,84 @@
+"""Seconds per round: the same FedAvg job in Flower simulation and in a real deployment
+(SuperLink + SuperNodes as processes on 127.0.0.1), measured side by side, and where the
+deployment's time goes.
+
+    python benchmarks/deploy_vs_sim.py [--nodes 3] [--rounds 3]
+
+Prints a table; nothing is asserted. The breakdown per exchange:
+- training + evaluation: the handler's own work, measured in simulation (per-exchange time there);
+- ClientApp process start: Flower starts a fresh `flwr-clientapp` process per message, which
+  imports torch and florist and loads the node's data (measured by timing that import here);
+- the rest: Flower's polling (SuperNode pulls every 3 s when idle; SuperExec and reply polling)
+  and gRPC/HTTP transfers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from florist.common.config import RunConfig
+from florist.deploy.federation import LocalFederation, flower_bin
+from florist.server.simulation import simulate
+
+EXCHANGES_PER_ROUND = 2  # FedAvg: train, then evaluate the seen clients
+
+
+def median_round(results: dict) -> float:
+    """Median seconds of the rounds after the first (the first includes warm-up)."""
+    return statistics.median(r["seconds"] for r in results["rounds"][1:])
+
+
+def clientapp_start_seconds(repeats: int = 3) -> float:
+    """What a fresh ClientApp process pays before its handler runs: `flwr-clientapp` start-up
+    plus importing florist's client (torch) and loading an embedded partition."""
+    code = ("import florist.client.app; from florist.common.data import embedded_client; "
+            "embedded_client(0, 3, 'iid', 1, 0.15, 0.2)")  # fmt: skip
+    times = []
+    for _ in range(repeats):
+        start = time.monotonic()
+        subprocess.run([flower_bin("flwr-clientapp"), "--help"], capture_output=True, check=True)
+        subprocess.run([sys.executable, "-c", code], check=True)
+        times.append(time.monotonic() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="florist-bench-"))
+    values = {"num-server-rounds": args.rounds, "partition": "iid", "min-nodes": args.nodes, "unseen-fraction": 0.0}
+
+    sim = simulate(RunConfig.from_mapping(values | {"results-dir": str(work / "sim")}), args.nodes)
+    configs = [{"partition-id": i, "num-partitions": args.nodes, "state-dir": str(work / "state")}
+               for i in range(args.nodes)]  # fmt: skip
+    with LocalFederation(work / "federation", configs) as fed:
+        command = fed.run_command(values | {"results-dir": str(work / "deploy")})
+        subprocess.run(command, env=fed.env, check=True, capture_output=True)
+    deploy = json.loads((work / "deploy" / "results.json").read_text())
+
+    sim_round, deploy_round = median_round(sim), median_round(deploy)
+    start = clientapp_start_seconds()
+    per_exchange = deploy_round / EXCHANGES_PER_ROUND
+    work_share = sim_round / EXCHANGES_PER_ROUND
+    same = [c["accuracy"] for c in sim["clients"]] == [c["accuracy"] for c in deploy["clients"]]
+    print(f"FedAvg, {args.nodes} nodes, {args.rounds} rounds, iid digits; median of rounds 2..{args.rounds}")
+    print(f"{'seconds per round, simulation':<48}{sim_round:8.2f}")
+    print(f"{'seconds per round, deployment':<48}{deploy_round:8.2f}   ({deploy_round / sim_round:.0f}x)")
+    print(f"{'per exchange in deployment':<48}{per_exchange:8.2f}")
+    print(f"{'  training/evaluation (simulation exchange)':<48}{work_share:8.2f}")
+    print(f"{'  ClientApp process start + imports + data':<48}{start:8.2f}")
+    print(f"{'  Flower polling and transfers (the rest)':<48}{per_exchange - work_share - start:8.2f}")
+    print(f"per-client accuracies identical in both: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Real processes: a SuperLink and SuperNodes on 127.0.0.1 talking over the gRPC Fleet API.
+
+Every process is started by the test's LocalFederation and stopped by PID; every wait is bounded.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from florist.cli import main
+from florist.deploy.certs import make_ca_and_server, make_node_key
+from florist.deploy.federation import LocalFederation, free_port
+from florist.deploy.join import JoinError, join
+
+RUN = {"strategy": "fedavg", "partition": "iid", "local-epochs": 2, "unseen-fraction": 0.0, "round-timeout": 120.0}
+
+
+def node_configs(n: int, root: Path) -> list[dict]:
+    return [{"partition-id": i, "num-partitions": n, "state-dir": str(root / "state")} for i in range(n)]
+
+
+def connected_pids(port: int) -> set[int]:
+    """PIDs holding an ESTABLISHED TCP connection to local `port` (read from /proc; gRPC uses
+    IPv4-mapped IPv6 sockets, so both tables count)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[2].split(":")[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    pids = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                pids.add(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def submit(fed: LocalFederation, results: Path, **overrides) -> dict:
+    config = RUN | {"min-nodes": len(fed.nodes), "results-dir": str(results)} | overrides
+    done = subprocess.run(fed.run_command(config), env=fed.env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((results / "results.json").read_text())
+
+
+def labelled_folder(path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    path.mkdir(parents=True)
+    for split in ("train", "test"):
+        np.savez(path / f"{split}.npz", x=rng.random((20, 1, 8, 8), dtype=np.float32), y=rng.integers(0, 10, 20))
+    return path
+
+
+def test_deploy_local_runs_fedavg_over_grpc(tmp_path):
+    args = ["deploy-local", "--strategy", "fedavg", "--num-nodes", "3", "--rounds", "2", "--partition", "iid",
+            "--results-dir", str(tmp_path / "out"), "--run-config", "unseen-fraction=0.0 local-epochs=2"]  # fmt: skip
+    assert main(args) == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["complete"] and len(results["rounds"]) == 2 and not results["failures"]
+    assert results["summary"]["seen"]["num_clients"] == 3
+    assert results["summary"]["seen"]["mean_accuracy"] > 0.4  # chance is 0.1
+    superlink_log = (tmp_path / "out" / "federation" / "logs" / "superlink.log").read_text()
+    assert "Starting Fleet API (gRPC-rere)" in superlink_log
+    assert superlink_log.count("[Fleet.ActivateNode]") >= 3
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not leftovers  # every process it started is gone
+
+
+@pytest.fixture(scope="module")
+def secure_federation(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tls")
+    with LocalFederation(root, node_configs(3, root), tls=True, auth=True) as fed:
+        yield fed
+
+
+def test_tls_auth_federation_trains_over_the_fleet_connection(secure_federation, tmp_path):
+    fed = secure_federation
+    on_fleet = connected_pids(fed.fleet_port)
+    assert all(node.pid in on_fleet for node in fed.nodes)  # each SuperNode holds a gRPC connection to the Fleet port
+    results = submit(fed, tmp_path / "out", **{"num-server-rounds": 1})
+    assert results["complete"] and results["summary"]["seen"]["num_clients"] == 3
+
+
+def test_unregistered_key_is_refused_clearly(secure_federation, tmp_path):
+    stranger, _ = make_node_key(tmp_path, "stranger")
+    with pytest.raises(JoinError, match="not registered.*flwr supernode register"):
+        join(secure_federation.fleet_address, labelled_folder(tmp_path / "data"),
+             root_certificates=secure_federation.certs / "ca.crt", auth_key=stranger, max_wait_time=20)  # fmt: skip
+
+
+def test_node_without_the_right_ca_cannot_connect(secure_federation, tmp_path):
+    other_ca = make_ca_and_server(tmp_path / "other", ["localhost"])["ca"]
+    with pytest.raises(JoinError, match="does not verify"):
+        join(secure_federation.fleet_address, labelled_folder(tmp_path / "data"), root_certificates=other_ca,
+             auth_key=secure_federation.node_key(0)[0], max_wait_time=20)  # fmt: skip
+
+
+def test_unreachable_superlink_gives_up_with_a_clear_error(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(JoinError, match="cannot reach the SuperLink"):
+        join(f"127.0.0.1:{free_port()}", labelled_folder(tmp_path / "data"), max_wait_time=5)
+    assert time.monotonic() - start < 60
+
+
+def test_join_checks_the_data_folder_before_connecting(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        join("127.0.0.1:9092", tmp_path / "missing")
+
+
+def test_superlink_restart_keeps_nodes_and_the_next_run_works(tmp_path):
+    with LocalFederation(tmp_path, node_configs(2, tmp_path)) as fed:
+        before = sorted(n["node-id"] for n in fed.online_nodes())
+        fed.superlink.stop()
+        fed.start_superlink()
+        fed.wait_for_nodes(2, timeout=180)
+        assert sorted(n["node-id"] for n in fed.online_nodes()) == before
+        results = submit(fed, tmp_path / "out", **{"num-server-rounds": 1})
+        assert results["complete"] and results["summary"]["seen"]["num_clients"] == 2
+
+
+def test_a_supernode_killed_mid_run_is_left_out(tmp_path):
+    with LocalFederation(tmp_path, node_configs(3, tmp_path)) as fed:
+        config = RUN | {"min-nodes": 3, "num-server-rounds": 2, "round-timeout": 45.0, "results-dir": str(tmp_path / "out")}
+        run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        progress = tmp_path / "out" / "results.json"
+        deadline = time.monotonic() + 300
+        while not (progress.exists() and json.loads(progress.read_text())["rounds"]):  # round 1 finished
+            assert run.poll() is None and time.monotonic() < deadline, run.stdout.read() if run.poll() is not None else "timeout"
+            time.sleep(0.5)
+        os.kill(fed.nodes[2].pid, signal.SIGKILL)
+        output, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, output[-3000:]
+        results = json.loads(progress.read_text())
+        assert results["complete"] and len(results["rounds"]) == 2
+        assert results["failures"] and all("partition-2" in f["node"] for f in results["failures"])
+        assert "partition-2" in output  # the server log names the node that failed
+        scored = {c["client"]: c["accuracy"] for c in results["clients"]}
+        assert scored["partition-2"] is None and scored["partition-0"] is not None and scored["partition-1"] is not None

@@ -1,0 +1,58 @@
+"""No Docker engine runs here: validate the compose file with the Compose v2 binary and lint the
+Dockerfiles with hadolint, both from PyPI (dev extra)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import compose
+import pytest
+
+from florist.deploy.certs import make_certificates
+
+DOCKER = Path(__file__).parents[2] / "docker"
+COMPOSE = Path(compose.__file__).parent / "docker-compose"  # the Go binary, not the always-0 wrapper
+HADOLINT = Path(sys.executable).parent / "hadolint"
+
+
+def compose_config(compose_file: Path, certs: Path) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "FLORIST_CERTS": str(certs)}
+    return subprocess.run([str(COMPOSE), "-f", str(compose_file), "config", "-q"], capture_output=True, text=True, env=env)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("certs")
+    make_certificates(out, ["superlink", "localhost"], 3)
+    return out
+
+
+def test_compose_file_is_valid(certs):
+    result = compose_config(DOCKER / "compose.yaml", certs)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_validator_catches_a_broken_compose_file(certs, tmp_path):
+    broken = tmp_path / "compose.yaml"
+    broken.write_text((DOCKER / "compose.yaml").read_text().replace("condition: service_healthy", "condition: healthy"))
+    assert compose_config(broken, certs).returncode != 0
+
+
+def test_only_the_fleet_port_faces_the_network():
+    text = (DOCKER / "compose.yaml").read_text()
+    assert '"9092:9092"' in text and '"127.0.0.1:8000:8000"' in text
+    assert '"8000:8000"' not in text and "9094:" not in text
+
+
+@pytest.mark.parametrize("dockerfile", sorted(DOCKER.glob("**/Dockerfile*")), ids=lambda p: p.name)
+def test_dockerfiles_pass_hadolint(dockerfile):
+    result = subprocess.run([str(HADOLINT), str(dockerfile)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_can_fail(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get install curl\n")
+    assert subprocess.run([str(HADOLINT), str(bad)], capture_output=True).returncode != 0
+    assert shutil.which(str(HADOLINT))
