@@ -144,6 +144,16 @@ def _federation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
 
 
+def _datastore_add(args: argparse.Namespace) -> int:
+    from florist.client.knnper import add_samples
+    from florist.client.state import NodeState
+
+    state = NodeState(args.state_dir, args.node_key)
+    before, after = add_samples(state, args.data_dir)
+    print(f"datastore of node {args.node_key!r} ({state.folder}): {before} -> {after} entries")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="florist", description="Personalized federated learning on Flower: simulate, deploy, compare."
@@ -208,6 +218,19 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--num-classes", type=int, default=10, help="label range to check the data against (default: 10)")
     join.add_argument("--max-wait-time", type=float, default=60.0, help="give up connecting after this many seconds")
     join.set_defaults(func=_join)
+
+    store = sub.add_parser(
+        "datastore", help="manage a node's kNN-Per datastore",
+        description="A node's kNN-Per datastore lives in its state folder, beside the global model it was built "
+        "with. `add` appends new local samples without retraining the global model, under the run's capacity and "
+        "policy (concat: keep all; fifo: keep the newest knn-capacity; fixed: keep the first knn-capacity).",
+    )  # fmt: skip
+    store_sub = store.add_subparsers(dest="action", required=True, metavar="ACTION")
+    add = store_sub.add_parser("add", help="embed a folder's labelled samples and add them to the datastore")
+    add.add_argument("--data-dir", required=True, help="train.npz/test.npz or ImageFolder trees with the new samples")
+    add.add_argument("--state-dir", help="the node's state folder (node config state-dir; default ~/.cache/florist/nodes)")
+    add.add_argument("--node-key", required=True, help="the node's key (node config node-key, e.g. partition-3)")
+    add.set_defaults(func=_datastore_add)
     return parser
 
 

@@ -3,6 +3,7 @@
 import json
 import math
 import sys
+from pathlib import Path
 
 import cloudpickle
 import numpy as np
@@ -14,6 +15,7 @@ from flwr.simulation import run_simulation
 
 from florist.client.app import app as florist_client_app
 from florist.client.app import build_client_app
+from florist.common import knn
 from florist.common.config import RunConfig
 from florist.common.models import build_model
 from florist.server.simulation import simulate
@@ -50,10 +52,7 @@ def test_fedavg_learns_and_writes_the_documented_results(fedavg_run, tmp_path_fa
     assert set(seen) == {"mean_accuracy", "bottom_decile_accuracy", "num_clients"}
     for client in results["clients"]:
         assert {"client", "seen", "num_train", "num_test", "accuracy"} <= set(client)
-    folder = results["config"]["results-dir"]
-    import pathlib
-
-    names = {p.name for p in pathlib.Path(folder).iterdir()}
+    names = {p.name for p in Path(results["config"]["results-dir"]).iterdir()}
     assert {"results.json", "report.md", "accuracy_per_round.png", "client_accuracy.png", "checkpoint.pt"} <= names
 
 
@@ -81,13 +80,19 @@ def test_a_node_failing_mid_round_is_left_out_and_the_run_completes(tmp_path):
     assert all(c["accuracy"] is not None for c in results["clients"])  # it is back for evaluation
 
 
-@pytest.mark.parametrize("strategy", ["local", "fedavg-ft"])
-def test_personalized_baselines_score_every_client(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", ["local", "fedavg-ft", "knnper"])
+def test_personalized_strategies_score_every_client(tmp_path, strategy):
     results = _run(tmp_path, strategy, strategy=strategy, partition="pathological:2", **{"num-server-rounds": 2})
     assert results["summary"]["unseen"]["num_clients"] == 1
     assert all(c["accuracy"] is not None for c in results["clients"])
-    if strategy == "fedavg-ft":
+    if strategy in ("fedavg-ft", "knnper"):
         assert all("global_accuracy" in c for c in results["clients"])
+    if strategy == "knnper":
+        assert all(c["lambda"] in knn.LAMBDA_GRID and c["k"] in (5, 10) for c in results["clients"])
+        assert all(c["datastore_size"] == c["num_train"] for c in results["clients"])
+        mean = lambda key: np.mean([c[key] for c in results["clients"]])  # noqa: E731
+        assert mean("accuracy") >= mean("global_accuracy")  # λ is tuned on validation, so it rarely hurts
+        assert (Path(results["config"]["results-dir"]) / "lambda_vs_size.png").exists()
     # on 2-class clients a personal model beats chance by far
     assert results["summary"]["seen"]["mean_accuracy"] > 0.6
 

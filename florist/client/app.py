@@ -9,7 +9,7 @@ import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from florist.client import fedavg, local
+from florist.client import fedavg, knnper, local
 from florist.client.node import Node, node_of
 from florist.common import protocol
 
@@ -40,6 +40,7 @@ def build_client_app(mods: Sequence[Callable] = ()) -> ClientApp:
     app.evaluate()(handle(lambda node, msg, ctx: fedavg.evaluate(node, msg.content)))
     app.train("local")(handle(lambda node, msg, ctx: local.train(node, ctx.state)))
     app.evaluate("local")(handle(lambda node, msg, ctx: local.evaluate(node, ctx.state, msg.content)))
+    app.evaluate("knnper")(handle(lambda node, msg, ctx: knnper.evaluate(node, msg.content)))
     return app
 
 

@@ -13,6 +13,7 @@ import functools
 import re
 import zlib
 
+import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 
@@ -34,6 +35,7 @@ class Node:
     data: data_lib.ClientData
     state: NodeState
     server_round: int
+    node_config: dict
 
     def new_model(self) -> Net:
         """The run's model, initialised exactly as the server initialises the global one."""
@@ -53,11 +55,15 @@ class Node:
         )  # fmt: skip
 
     def test_reply(self, model: Net, **extra: float) -> RecordDict:
-        """The standard evaluate reply: accuracy and loss on this node's test split."""
+        """The standard evaluate reply: accuracy and loss of `model` on this node's test split."""
+        return self.score_reply(training.predict_proba(model, self.data.x_test), **extra)
+
+    def score_reply(self, probs: np.ndarray, **extra: float) -> RecordDict:
+        """The standard evaluate reply for test-split class probabilities (N_test×C)."""
         d = self.data
         if d.y_test is None:
             raise ValueError(f"node {self.key}: cannot score a model without test labels")
-        loss, accuracy = training.evaluate(model, d.x_test, d.y_test)
+        accuracy, loss = float((probs.argmax(1) == d.y_test).mean()), training.log_loss(probs, d.y_test)
         metrics = {"num-examples": len(d.x_test), "num-train": len(d.x_train), "seen": int(self.seen)}
         return protocol.content(metrics=metrics | {"accuracy": accuracy, "loss": loss} | extra)
 
@@ -91,7 +97,7 @@ def node_of(msg: Message, context: Context) -> Node:
         default_key = f"partition-{pid}"
         seen = pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed)
     key = str(node_config.get("node-key", default_key))
-    return Node(key, seen, cfg, client, NodeState(node_config.get("state-dir"), key), server_round)
+    return Node(key, seen, cfg, client, NodeState(node_config.get("state-dir"), key), server_round, dict(node_config))
 
 
 @functools.lru_cache(maxsize=4)

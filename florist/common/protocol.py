@@ -20,6 +20,7 @@ TRAIN = "train"  # Flower's standard: train the sent model, reply arrays + metri
 EVALUATE = "evaluate"  # Flower's standard: evaluate the sent model (optionally fine-tuned first)
 TRAIN_LOCAL = "train.local"  # Local baseline: train the client's own model
 EVALUATE_LOCAL = "evaluate.local"  # Local baseline: evaluate the client's own model
+EVALUATE_KNNPER = "evaluate.knnper"  # kNN-Per: personalize the sent model with the local datastore
 
 
 class ProtocolError(ValueError):

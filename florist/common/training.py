@@ -54,6 +54,14 @@ def predict_proba(model: nn.Module, x: np.ndarray, batch_size: int = 512) -> np.
     return torch.cat(chunks).numpy()
 
 
+@torch.no_grad()
+def embed(model: nn.Module, x: np.ndarray, batch_size: int = 512) -> np.ndarray:
+    """`model.features(x)`, the last hidden layer, as float32 N×D."""
+    model.eval()
+    chunks = [model.features(torch.from_numpy(x[i : i + batch_size])) for i in range(0, len(x), batch_size)]
+    return torch.cat(chunks).numpy().astype(np.float32)
+
+
 def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) on a labelled set."""
     probs = predict_proba(model, x)
@@ -62,4 +70,4 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, flo
 
 def log_loss(probs: np.ndarray, y: np.ndarray) -> float:
     """Mean negative log-likelihood of the true labels (probabilities clipped at 1e-12)."""
-    return float(-np.log(np.clip(probs[np.arange(len(y)), y], 1e-12, None)).mean())
+    return 0.0 - float(np.log(np.clip(probs[np.arange(len(y)), y], 1e-12, None)).mean())  # 0.0 -: no "-0.0"

@@ -30,7 +30,10 @@ CONNECTION = "florist-local"  # the name `flwr run . florist-local` uses
 def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
     """Environment for every Flower process: FLWR_HOME (when given), no telemetry, no run-time
     dependency installation (it would `uv sync` gigabytes per run), fast SuperExec polling."""
-    return os.environ | ({"FLWR_HOME": str(flwr_home)} if flwr_home else {}) | {
+    # Flower starts `flower-superexec`, `flwr-serverapp` and `flwr-clientapp` by name: put this
+    # environment's scripts first on PATH, so it works without an activated virtualenv.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return os.environ | ({"FLWR_HOME": str(flwr_home)} if flwr_home else {}) | {"PATH": path} | {
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -154,8 +157,9 @@ class LocalFederation:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def start(self, timeout: float = 180.0) -> None:
-        """Start the SuperLink, register node keys (with --auth), start and await the SuperNodes."""
+    def start(self, timeout: float = 180.0, num_started: int | None = None) -> None:
+        """Start the SuperLink, register node keys (with --auth), start and await the first
+        `num_started` SuperNodes (all by default; the others can join later with `start_node`)."""
         for folder in (self.flwr_home, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
         if self.tls and not (self.certs / "server.pem").exists():
@@ -165,9 +169,10 @@ class LocalFederation:
         if self.auth:
             for i in range(len(self.node_configs)):
                 self.register(self.node_key(i)[1])
-        for i in range(len(self.node_configs)):
+        count = len(self.node_configs) if num_started is None else num_started
+        for i in range(count):
             self.start_node(i)
-        self.wait_for_nodes(len(self.node_configs), timeout)
+        self.wait_for_nodes(count, timeout)
 
     def stop(self) -> None:
         for node in self.nodes:

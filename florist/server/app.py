@@ -3,6 +3,7 @@ and unseen clients, and write results (checkpointed after every round)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -25,9 +26,9 @@ log = logging.getLogger("flwr").getChild(__name__)
 RoundCallback = Callable[[dict[str, Any]], None]
 
 
-def discover(federation: Federation, cfg: RunConfig, strategy_name: str) -> list[NodeInfo]:
-    """Ask every connected node who it is (one `query.info` exchange)."""
-    node_ids = federation.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout)
+def discover(federation: Federation, cfg: RunConfig, node_ids: list[int]) -> list[NodeInfo]:
+    """Ask nodes who they are (one `query.info` exchange); a node with an ill-formed answer is
+    recorded as failed and left out."""
     request = protocol.content(config=client_settings(cfg, 0))
     replies = federation.exchange({n: request for n in node_ids}, protocol.INFO, 0)
     nodes = []
@@ -39,12 +40,6 @@ def discover(federation: Federation, cfg: RunConfig, strategy_name: str) -> list
                                   int(metrics["num-test"]), tuple(int(d) for d in config["input-shape"])))  # fmt: skip
         except (protocol.ProtocolError, KeyError) as err:
             federation.fail(node_id, protocol.INFO, 0, f"ill-formed info reply: {err}")
-    if not nodes:
-        raise RuntimeError("no node answered the info request; see the warnings above for each node's error")
-    shapes = {n.input_shape for n in nodes}
-    if len(shapes) > 1:
-        detail = ", ".join(f"{n.key}: {n.input_shape}" for n in nodes)
-        raise ValueError(f"{strategy_name} needs one input shape across nodes, got {detail}")
     federation.names.update({n.node_id: str(n) for n in nodes})
     return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
 
@@ -55,7 +50,12 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
         raise ValueError(f"unknown strategy {cfg.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
     federation = Federation(grid, cfg.round_timeout)
     results = Results(cfg)
-    nodes = discover(federation, cfg, cfg.strategy)
+    nodes = discover(federation, cfg, federation.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
+    if not nodes:
+        raise RuntimeError("no node answered the info request; see the warnings above for each node's error")
+    if len(shapes := {n.input_shape for n in nodes}) > 1:
+        detail = ", ".join(f"{n.key}: {n.input_shape}" for n in nodes)
+        raise ValueError(f"one input shape is needed across nodes, got {detail} ({len(shapes)} shapes)")
     seen, unseen = [n for n in nodes if n.seen], [n for n in nodes if not n.seen]
     log.info("%d nodes: %d seen (train), %d unseen (serve only)", len(nodes), len(seen), len(unseen))
     if not seen:
@@ -74,8 +74,10 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
         results.checkpoint(strategy.state(), federation.failures)
         (on_round or _log_round)(row)
 
-    final = strategy.evaluate(cfg.num_server_rounds + 1, nodes)  # unseen nodes: the serve phase
-    results.set_clients(nodes, final)
+    final_round = cfg.num_server_rounds + 1
+    scores = strategy.evaluate(final_round, seen) | strategy.serve(final_round, unseen)
+    late = serve_late_joiners(federation, strategy, cfg, {n.node_id for n in nodes}, scores)
+    results.set_clients(nodes + late, scores)
     results.failures = federation.failures
     results.write()
     for group, summary in results.summary().items():
@@ -83,6 +85,35 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
                  summary["mean_accuracy"], summary["bottom_decile_accuracy"])  # fmt: skip
     log.info("results in %s", results.folder.resolve())
     return results
+
+
+def serve_late_joiners(
+    federation: Federation, strategy: Strategy, cfg: RunConfig, known: set[int], scores: dict[int, dict[str, float]]
+) -> list[NodeInfo]:
+    """The serve phase for nodes that connect after training (deployment): each gets its
+    personalized model from `strategy.serve`, until `serve-seconds` have passed or
+    `serve-count` nodes were served. Their scores are added to `scores`."""
+    if cfg.serve_seconds <= 0:
+        return []
+    log.info("serving nodes that join in the next %.0f s", cfg.serve_seconds)
+    deadline, served = time.monotonic() + cfg.serve_seconds, []
+    while time.monotonic() < deadline and not (cfg.serve_count and len(served) >= cfg.serve_count):
+        new = sorted(set(federation.grid.get_node_ids()) - known)
+        if not new:
+            time.sleep(1.0)
+            continue
+        known.update(new)
+        joined = []
+        for node in discover(federation, cfg, new):
+            if node.input_shape != strategy.input_shape:
+                federation.fail(node.node_id, protocol.INFO, 0, f"input shape {node.input_shape}, expected "
+                                f"{strategy.input_shape}")  # fmt: skip
+                continue
+            joined.append(dataclasses.replace(node, seen=False))  # joined after training: unseen by definition
+        log.info("serving %s", ", ".join(str(n) for n in joined) or "nobody (no valid node)")
+        scores.update(strategy.serve(cfg.num_server_rounds + 1, joined))
+        served += joined
+    return served
 
 
 def _mean_accuracy(metrics: Mapping[int, Mapping[str, float]]) -> float | None:

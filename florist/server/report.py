@@ -5,18 +5,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from florist.common.metrics import summarize
+
 
 def _pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
 
 def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
-    """(strategy, clients, n, mean %, bottom-decile %) for seen and unseen clients."""
+    """(strategy, clients, n, mean %, bottom-decile %) for seen and unseen clients; strategies
+    that report the global model beside their personalized one get a "(global model)" row."""
     rows = []
-    for group in ("seen", "unseen"):
+    for group, seen in (("seen", True), ("unseen", False)):
         s = results["summary"][group]
         rows.append((results["strategy"], group, str(s["num_clients"]), _pct(s["mean_accuracy"]),
                      _pct(s["bottom_decile_accuracy"])))  # fmt: skip
+        clients = [c for c in results["clients"] if c["seen"] == seen and c.get("global_accuracy") is not None]
+        if clients:
+            g = summarize([c["global_accuracy"] for c in clients], [c["num_test"] for c in clients])
+            rows.append(("  (global model)", group, str(g["num_clients"]), _pct(g["mean_accuracy"]),
+                         _pct(g["bottom_decile_accuracy"])))  # fmt: skip
     return rows
 
 
@@ -39,6 +47,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", f"{len(results['failures'])} node failures were left out of their rounds:", ""]
         lines += [f"- round {f['round']}, {f['node']}, `{f['message_type']}`: {f['reason']}" for f in results["failures"]]
     lines += ["", "![accuracy per round](accuracy_per_round.png)", "", "![per-client accuracy](client_accuracy.png)", ""]
+    if any("lambda" in c for c in results["clients"]):
+        lines += ["![lambda vs local data size](lambda_vs_size.png)", ""]
     return "\n".join(lines)
 
 
@@ -71,4 +81,21 @@ def write_report(results: dict[str, Any], folder: Path) -> None:
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(folder / "client_accuracy.png", dpi=120)
+    plt.close(fig)
+    if any("lambda" in c for c in results["clients"]):
+        _lambda_plot(results, folder, plt)
+
+
+def _lambda_plot(results: dict[str, Any], folder: Path, plt) -> None:
+    """λ chosen per client against its local training-set size (the kNN-Per paper's Fig. 8)."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, seen in (("seen", True), ("unseen", False)):
+        rows = [c for c in results["clients"] if c["seen"] == seen and c.get("lambda") is not None]
+        ax.scatter([c["num_train"] for c in rows], [c["lambda"] for c in rows], label=name, alpha=0.7)
+    ax.set(xlabel="local training samples", ylabel="λ chosen on validation", ylim=(-0.05, 1.05),
+           title=f"{results['strategy']}: λ vs local data size")  # fmt: skip
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(folder / "lambda_vs_size.png", dpi=120)
     plt.close(fig)

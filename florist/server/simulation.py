@@ -19,6 +19,9 @@ class _DropDeprecation(logging.Filter):
         return "run_simulation" not in record.getMessage()
 
 
+_DROP_DEPRECATION = _DropDeprecation()
+
+
 def simulate(cfg: RunConfig, num_clients: int, on_round=None, client_app=None) -> dict[str, Any]:
     """Run `cfg` on `num_clients` simulated SuperNodes; return the parsed results.json."""
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -31,7 +34,7 @@ def simulate(cfg: RunConfig, num_clients: int, on_round=None, client_app=None) -
 
     if num_clients < cfg.min_nodes:
         raise ValueError(f"num-clients ({num_clients}) must be at least min-nodes ({cfg.min_nodes})")
-    FLOWER_LOGGER.addFilter(_DropDeprecation())
+    FLOWER_LOGGER.addFilter(_DROP_DEPRECATION)  # adding the same filter twice is a no-op
     run_simulation(
         server_app=make_server_app(cfg.to_mapping(), on_round),
         client_app=client_app or default_client_app,

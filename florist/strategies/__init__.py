@@ -2,8 +2,9 @@
 
 from florist.strategies.base import Federation, NodeInfo, Strategy
 from florist.strategies.fedavg import FedAvg, FedAvgFinetune
+from florist.strategies.knnper import KnnPer
 from florist.strategies.local import Local
 
-STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (FedAvg, FedAvgFinetune, Local)}
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (FedAvg, FedAvgFinetune, Local, KnnPer)}
 
 __all__ = ["STRATEGIES", "Federation", "NodeInfo", "Strategy"]

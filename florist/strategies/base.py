@@ -139,8 +139,8 @@ class Strategy:
     """A personalization algorithm's server half.
 
     Subclasses set `name` and implement `train_round` (any number of exchanges) and
-    `evaluate` (per-node metrics with at least `accuracy` and `num-examples`); `evaluate` of
-    a node that never trained is the serve phase, where it gets its personalized model.
+    `evaluate` (per-node metrics with at least `accuracy` and `num-examples`); `serve` gives
+    nodes that never trained their personalized model (by default through `evaluate`).
     """
 
     name: ClassVar[str]
@@ -184,6 +184,12 @@ class Strategy:
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
         """Per-node test metrics of each node's (personalized) model."""
         raise NotImplementedError
+
+    def serve(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
+        """The serve phase: personalize and score nodes that took no part in training (held-out
+        clients, or nodes that joined afterwards). No training happens on any side beyond what
+        the strategy's personalization itself does; by default that is its evaluation."""
+        return self.evaluate(server_round, nodes)
 
     def state(self) -> dict[str, torch.Tensor]:
         """The server state to checkpoint after every round (empty when the server keeps none)."""

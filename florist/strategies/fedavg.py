@@ -25,6 +25,7 @@ class FedAvg(Strategy):
     """Sample-weighted FedAvg on Flower's standard `train` / `evaluate` messages."""
 
     name = "fedavg"
+    evaluate_type = protocol.EVALUATE
     finetune = False
 
     def __init__(self, *args, **kwargs):
@@ -48,9 +49,10 @@ class FedAvg(Strategy):
         return mean_loss(losses)
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
+        """Send the global model with `evaluate_type`; clients personalize it their way."""
         config = self.client_config(server_round, finetune=self.finetune)
         request = protocol.content(protocol.to_record(self.model), config)
-        return self.broadcast(nodes, protocol.EVALUATE, server_round, request, TESTED)[1]
+        return self.broadcast(nodes, self.evaluate_type, server_round, request, TESTED)[1]
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()

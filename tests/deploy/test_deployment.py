@@ -144,3 +144,27 @@ def test_a_supernode_killed_mid_run_is_left_out(tmp_path):
         assert "partition-2" in output  # the server log names the node that failed
         scored = {c["client"]: c["accuracy"] for c in results["clients"]}
         assert scored["partition-2"] is None and scored["partition-0"] is not None and scored["partition-1"] is not None
+
+
+def test_knnper_personalizes_a_node_that_joins_after_training(tmp_path):
+    fed = LocalFederation(tmp_path, node_configs(4, tmp_path))
+    try:
+        fed.start(num_started=3)
+        config = RUN | {"strategy": "knnper", "partition": "pathological:2", "min-nodes": 3, "num-server-rounds": 2,
+                        "serve-seconds": 240.0, "serve-count": 1, "results-dir": str(tmp_path / "out")}  # fmt: skip
+        run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        progress, deadline = tmp_path / "out" / "results.json", time.monotonic() + 400
+        while not (progress.exists() and len(json.loads(progress.read_text())["rounds"]) == 2):  # training done
+            assert run.poll() is None and time.monotonic() < deadline, run.stdout.read() if run.poll() is not None else "timeout"
+            time.sleep(0.5)
+        fed.start_node(3)  # the late joiner
+        output, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, output[-3000:]
+        results = json.loads(progress.read_text())
+        late = [c for c in results["clients"] if c["client"] == "partition-3"]
+        assert len(late) == 1 and not late[0]["seen"]  # joined after training: unseen
+        assert late[0]["datastore_size"] == late[0]["num_train"] and late[0]["lambda"] in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+        assert results["summary"]["unseen"]["num_clients"] == 1 and results["summary"]["seen"]["num_clients"] == 3
+        assert (tmp_path / "state" / "partition-3" / "datastore.npz").exists()  # persisted in its state folder
+    finally:
+        fed.stop()

@@ -1,0 +1,66 @@
+"""kNN-Per on a real node: embedded digits, a trained CNN, a FAISS datastore in a state folder."""
+
+import numpy as np
+import pytest
+
+from florist.cli import main
+from florist.client import knnper
+from florist.client.node import Node
+from florist.client.state import NodeState
+from florist.common import data, knn, training
+from florist.common.config import RunConfig
+
+
+def make_node(tmp_path, **config) -> Node:
+    cfg = RunConfig.from_mapping({"partition": "pathological:2"} | config)
+    client = data.embedded_client(4, 10, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction)
+    return Node("partition-4", True, cfg, client, NodeState(tmp_path, "partition-4"), 1, {})
+
+
+@pytest.fixture
+def trained(tmp_path):
+    node = make_node(tmp_path)
+    model = node.new_model()
+    node.fit(model, epochs=3)  # a partly trained "global" model
+    return node, model
+
+
+def test_lambda_zero_reproduces_the_global_model_on_every_test_point(trained):
+    node, model = trained
+    store = knnper.datastore_for(node, model, "v1")
+    p_global = training.predict_proba(model, node.data.x_test)
+    for k in (1, 5, 10):
+        mixed = knn.mix(knnper.knn_proba(node, model, store, node.data.x_test, k), p_global, 0.0)
+        assert np.array_equal(mixed, p_global)
+        assert (mixed.argmax(1) == p_global.argmax(1)).all()
+
+
+def test_datastore_holds_the_train_split_and_is_reused_for_the_same_model(trained):
+    node, model = trained
+    store = knnper.datastore_for(node, model, "v1")
+    assert len(store) == len(node.data.x_train) and store.dim == 128
+    _, labels = store.search(training.embed(model, node.data.x_train), 1)
+    assert (labels[:, 0] == node.data.y_train).all()  # each stored point finds itself
+    store.add(store.embeddings[:3], store.labels[:3])
+    store.save(node.state)
+    assert len(knnper.datastore_for(node, model, "v1")) == len(node.data.x_train) + 3  # reused, not rebuilt
+    assert len(knnper.datastore_for(node, model, "v2")) == len(node.data.x_train)  # new global model: rebuilt
+
+
+def test_datastore_add_command_embeds_new_samples_under_fifo(tmp_path):
+    node = make_node(tmp_path, **{"knn-policy": "fifo", "knn-capacity": 60})
+    model = node.new_model()
+    knnper.datastore_for(node, model, "v1")
+    x, y = data.load_digits()
+    new = tmp_path / "new"
+    new.mkdir()
+    for split in ("train", "test"):
+        np.savez(new / f"{split}.npz", x=x[:25], y=y[:25])
+    assert main(["datastore", "add", "--state-dir", str(tmp_path), "--node-key", "partition-4", "--data-dir", str(new)]) == 0
+    store = knnper.Datastore.load(node.state)
+    assert len(store) == 60 and store.labels[-1] == y[24]  # the newest 60 kept
+    assert np.allclose(store.embeddings[-1], training.embed(model, x[24:25])[0], atol=1e-6)
+
+
+def test_datastore_add_without_a_datastore_says_so(tmp_path):
+    assert main(["datastore", "add", "--state-dir", str(tmp_path), "--node-key", "n1", "--data-dir", str(tmp_path)]) == 2
