@@ -72,13 +72,23 @@ def _deploy_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def _local_federation(args: argparse.Namespace) -> int:
+def _interrupt_on_signals() -> None:
+    """Ctrl-C and SIGTERM both raise KeyboardInterrupt, so the processes we started are stopped
+    either way (and Ctrl-C works even where the shell started us with SIGINT ignored)."""
     import signal
 
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _local_federation(args: argparse.Namespace) -> int:
     from florist.deploy.federation import LocalFederation
 
     workdir = Path(args.state_dir).expanduser().resolve()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop our processes on `kill` too
+    _interrupt_on_signals()
     with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth) as fed:
         print(fed.describe().replace("...", f"partition=\"{args.partition}\""), flush=True)
         print("Running; Ctrl-C stops the SuperLink and SuperNodes started here.", flush=True)
@@ -104,6 +114,7 @@ def _certs(args: argparse.Namespace) -> int:
 def _join(args: argparse.Namespace) -> int:
     from florist.deploy.join import join
 
+    _interrupt_on_signals()
     return join(args.superlink, args.data_dir, root_certificates=args.root_certificates, auth_key=args.auth_key,
                 state_dir=args.state_dir, node_key=args.node_key, num_classes=args.num_classes,
                 max_wait_time=args.max_wait_time)  # fmt: skip

@@ -17,12 +17,11 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 
+from florist.client.state import NodeState
 from florist.common import data as data_lib
+from florist.common import protocol, training
 from florist.common.config import RunConfig
 from florist.common.models import Net, build_model
-from florist.common import protocol, training
-from florist.common.protocol import CONFIG
-from florist.client.state import NodeState
 
 
 @dataclasses.dataclass
@@ -73,8 +72,8 @@ def settings(msg: Message, context: Context) -> RunConfig:
     e.g. Flower's `server-round`)."""
     known = set(RunConfig().to_mapping())
     layers = dict(context.run_config)
-    if CONFIG in msg.content.config_records:
-        layers.update(msg.content.config_records[CONFIG])
+    if protocol.CONFIG in msg.content.config_records:
+        layers.update(msg.content.config_records[protocol.CONFIG])
     return RunConfig.from_mapping({k: v for k, v in layers.items() if k in known})
 
 
@@ -82,8 +81,8 @@ def node_of(msg: Message, context: Context) -> Node:
     cfg = settings(msg, context)
     node_config = context.node_config
     server_round = 0
-    if CONFIG in msg.content.config_records:
-        server_round = int(msg.content.config_records[CONFIG].get("server-round", 0))
+    if protocol.CONFIG in msg.content.config_records:
+        server_round = int(msg.content.config_records[protocol.CONFIG].get("server-round", 0))
     if "data-dir" in node_config:
         data_dir = str(node_config["data-dir"])
         client = _cached_folder(data_dir, cfg.num_classes, cfg.seed, cfg.val_fraction)
