@@ -35,9 +35,9 @@ def datastore_for(node: Node, model: Net, version: str) -> Datastore:
     return store
 
 
-def knn_proba(node: Node, model: Net, store: Datastore, x: np.ndarray, k: int) -> np.ndarray:
-    """p_kNN for inputs `x` from their k nearest stored embeddings."""
-    return knn.knn_proba(*store.search(training.embed(model, x), k), node.cfg.num_classes, node.cfg.knn_sigma)
+def knn_proba(node: Node, store: Datastore, embeddings: np.ndarray, k: int) -> np.ndarray:
+    """p_kNN for already-embedded inputs from their k nearest stored embeddings."""
+    return knn.knn_proba(*store.search(embeddings, k), node.cfg.num_classes, node.cfg.knn_sigma)
 
 
 def evaluate(node: Node, content: RecordDict) -> RecordDict:
@@ -46,10 +46,11 @@ def evaluate(node: Node, content: RecordDict) -> RecordDict:
     model = received_model(node, content)
     store = datastore_for(node, model, content.array_records[protocol.ARRAYS].object_id)
     d = node.data
-    by_k = {k: knn_proba(node, model, store, d.x_val, k) for k in node.cfg.knn_k_grid}
+    emb_val = training.embed(model, d.x_val)  # once, searched for every k of the grid
+    by_k = {k: knn_proba(node, store, emb_val, k) for k in node.cfg.knn_k_grid}
     choice = knn.select(training.predict_proba(model, d.x_val), by_k, d.y_val)
     p_global = training.predict_proba(model, d.x_test)
-    mixed = knn.mix(knn_proba(node, model, store, d.x_test, choice.k), p_global, choice.lam)
+    mixed = knn.mix(knn_proba(node, store, training.embed(model, d.x_test), choice.k), p_global, choice.lam)
     extra = {"global-accuracy": float((p_global.argmax(1) == d.y_test).mean()), "lambda": choice.lam,
              "k": choice.k, "datastore-size": len(store)}  # fmt: skip
     return node.score_reply(mixed, **extra)

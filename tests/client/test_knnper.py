@@ -29,8 +29,9 @@ def test_lambda_zero_reproduces_the_global_model_on_every_test_point(trained):
     node, model = trained
     store = knnper.datastore_for(node, model, "v1")
     p_global = training.predict_proba(model, node.data.x_test)
+    embeddings = training.embed(model, node.data.x_test)
     for k in (1, 5, 10):
-        mixed = knn.mix(knnper.knn_proba(node, model, store, node.data.x_test, k), p_global, 0.0)
+        mixed = knn.mix(knnper.knn_proba(node, store, embeddings, k), p_global, 0.0)
         assert np.array_equal(mixed, p_global)
         assert (mixed.argmax(1) == p_global.argmax(1)).all()
 

@@ -51,6 +51,15 @@ def submit(fed: LocalFederation, results: Path, **overrides) -> dict:
     return json.loads((results / "results.json").read_text())
 
 
+def wait_for_rounds(run: subprocess.Popen, progress: Path, rounds: int, timeout: float) -> None:
+    """Until the run's checkpointed results.json lists `rounds` rounds; fails if the run ends first."""
+    deadline = time.monotonic() + timeout
+    while not (progress.exists() and len(json.loads(progress.read_text())["rounds"]) >= rounds):
+        assert run.poll() is None, run.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, f"fewer than {rounds} rounds after {timeout:.0f} s"
+        time.sleep(0.5)
+
+
 def labelled_folder(path: Path) -> Path:
     rng = np.random.default_rng(0)
     path.mkdir(parents=True)
@@ -131,10 +140,7 @@ def test_a_supernode_killed_mid_run_is_left_out(tmp_path):
         config = RUN | {"min-nodes": 3, "num-server-rounds": 2, "round-timeout": 45.0, "results-dir": str(tmp_path / "out")}
         run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         progress = tmp_path / "out" / "results.json"
-        deadline = time.monotonic() + 300
-        while not (progress.exists() and json.loads(progress.read_text())["rounds"]):  # round 1 finished
-            assert run.poll() is None and time.monotonic() < deadline, run.stdout.read() if run.poll() is not None else "timeout"
-            time.sleep(0.5)
+        wait_for_rounds(run, progress, 1, timeout=300)
         os.kill(fed.nodes[2].pid, signal.SIGKILL)
         output, _ = run.communicate(timeout=600)
         assert run.returncode == 0, output[-3000:]
@@ -153,10 +159,8 @@ def test_knnper_personalizes_a_node_that_joins_after_training(tmp_path):
         config = RUN | {"strategy": "knnper", "partition": "pathological:2", "min-nodes": 3, "num-server-rounds": 2,
                         "serve-seconds": 240.0, "serve-count": 1, "results-dir": str(tmp_path / "out")}  # fmt: skip
         run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        progress, deadline = tmp_path / "out" / "results.json", time.monotonic() + 400
-        while not (progress.exists() and len(json.loads(progress.read_text())["rounds"]) == 2):  # training done
-            assert run.poll() is None and time.monotonic() < deadline, run.stdout.read() if run.poll() is not None else "timeout"
-            time.sleep(0.5)
+        progress = tmp_path / "out" / "results.json"
+        wait_for_rounds(run, progress, 2, timeout=400)  # training done
         fed.start_node(3)  # the late joiner
         output, _ = run.communicate(timeout=600)
         assert run.returncode == 0, output[-3000:]
