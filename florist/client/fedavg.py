@@ -15,9 +15,7 @@ from florist.common.models import Net
 def received_model(node: Node, content: RecordDict) -> Net:
     """The model sent under `arrays`, checked against this run's architecture."""
     model = node.new_model()
-    if protocol.ARRAYS not in content.array_records:
-        raise protocol.ProtocolError(f"node {node.key}: message has no {protocol.ARRAYS!r} ArrayRecord")
-    model.load_state_dict(protocol.state_of(content.array_records[protocol.ARRAYS], model.state_dict(), "server"))
+    model.load_state_dict(protocol.arrays_of(content, model.state_dict(), f"node {node.key}: the server's message"))
     return model
 
 

@@ -51,6 +51,13 @@ def state_of(record: ArrayRecord, reference: Mapping[str, torch.Tensor], source:
     return state
 
 
+def arrays_of(content: RecordDict, reference: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """The `arrays` record of a message, checked against `reference` as in `state_of`."""
+    if ARRAYS not in content.array_records:
+        raise ProtocolError(f"{source}: message has no {ARRAYS!r} ArrayRecord")
+    return state_of(content.array_records[ARRAYS], reference, source)
+
+
 def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> dict[str, float]:
     """The `metrics` record of a reply, with `required` keys present and finite."""
     if METRICS not in content.metric_records:

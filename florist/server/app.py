@@ -60,7 +60,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
     log.info("%d nodes: %d seen (train), %d unseen (serve only)", len(nodes), len(seen), len(unseen))
     if not seen:
         raise RuntimeError("no seen node to train with: every node is held out as unseen")
-    strategy: Strategy = STRATEGIES[cfg.strategy](cfg, federation, nodes[0].input_shape)
+    strategy: Strategy = STRATEGIES[cfg.strategy](cfg, federation, nodes[0].input_shape, len(seen))
     federation.take_bytes()
 
     for server_round in range(1, cfg.num_server_rounds + 1):

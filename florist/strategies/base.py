@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -131,6 +131,13 @@ class Federation:
         return counts
 
 
+class Reply(NamedTuple):
+    """A node's checked reply: its metrics, and its arrays when the exchange expects some."""
+
+    metrics: dict[str, float]
+    arrays: dict[str, torch.Tensor]
+
+
 TRAINED = ("num-examples", "train-loss")  # metrics every training reply carries
 TESTED = ("accuracy", "num-examples")  # metrics every evaluation reply carries
 
@@ -145,8 +152,9 @@ class Strategy:
 
     name: ClassVar[str]
 
-    def __init__(self, cfg: RunConfig, federation: Federation, input_shape: tuple[int, ...]):
-        self.cfg, self.federation, self.input_shape = cfg, federation, input_shape
+    def __init__(self, cfg: RunConfig, federation: Federation, input_shape: tuple[int, ...], num_seen: int):
+        """`num_seen`: how many nodes train (some algorithms size their networks by it)."""
+        self.cfg, self.federation, self.input_shape, self.num_seen = cfg, federation, input_shape, num_seen
 
     def new_model(self) -> Net:
         """The run's model, seeded: clients that build it from the same seed get the same weights."""
@@ -163,19 +171,31 @@ class Strategy:
         """The settings every client message carries, plus per-exchange `extra` keys."""
         return client_settings(self.cfg, server_round) | {k.replace("_", "-"): v for k, v in extra.items()}
 
-    def broadcast(
-        self, nodes: list[NodeInfo], message_type: str, server_round: int, content: RecordDict, required: tuple[str, ...]
-    ) -> tuple[dict[int, RecordDict], dict[int, dict[str, float]]]:
-        """Send the same `content` to `nodes`; return the replies and the `metrics` of those
-        that carry the `required` ones (the others are recorded as failures)."""
-        replies = self.federation.exchange({n.node_id: content for n in nodes}, message_type, server_round)
-        metrics: dict[int, dict[str, float]] = {}
-        for node, reply in replies.items():
+    def ask(
+        self, requests: Mapping[int, RecordDict], message_type: str, server_round: int, required: tuple[str, ...],
+        reference: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[int, Reply]:
+        """Send `requests[node]` to each node; return, by node, the replies whose `metrics`
+        carry the `required` ones and, when a `reference` is given, whose `arrays` match it
+        (keys, shapes, finite values). Any other reply is recorded as a failure."""
+        good: dict[int, Reply] = {}
+        for node, content in self.federation.exchange(requests, message_type, server_round).items():
+            name = self.federation.name(node)
             try:
-                metrics[node] = protocol.metrics_of(reply, required, self.federation.name(node))
+                metrics = protocol.metrics_of(content, required, name)
+                arrays = {} if reference is None else protocol.arrays_of(content, reference, name)
             except protocol.ProtocolError as err:
                 self.federation.fail(node, message_type, server_round, str(err))
-        return replies, metrics
+                continue
+            good[node] = Reply(metrics, arrays)
+        return good
+
+    def broadcast(
+        self, nodes: list[NodeInfo], message_type: str, server_round: int, content: RecordDict,
+        required: tuple[str, ...], reference: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[int, Reply]:
+        """`ask` with the same `content` for every node."""
+        return self.ask({n.node_id: content for n in nodes}, message_type, server_round, required, reference)
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         """Run one training round with `nodes`; return the mean training loss (None if none)."""
@@ -199,6 +219,11 @@ class Strategy:
 def client_settings(cfg: RunConfig, server_round: int) -> dict[str, Any]:
     """The run settings clients need (data, model, training), tagged with the round."""
     return {k: v for k, v in cfg.to_mapping().items() if k not in SERVER_ONLY} | {"server-round": server_round}
+
+
+def metrics_of(replies: Mapping[int, Reply]) -> dict[int, dict[str, float]]:
+    """The metrics of each node's reply (what `evaluate` and `serve` return)."""
+    return {node: reply.metrics for node, reply in replies.items()}
 
 
 def mean_loss(metrics: Iterable[Mapping[str, float]]) -> float | None:

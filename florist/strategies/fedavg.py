@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from florist.common import protocol
-from florist.strategies.base import TESTED, TRAINED, NodeInfo, Strategy, mean_loss
+from florist.strategies.base import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, metrics_of
 
 
 def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
@@ -34,25 +34,17 @@ class FedAvg(Strategy):
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         request = protocol.content(protocol.to_record(self.model), self.client_config(server_round))
-        replies, metrics = self.broadcast(nodes, protocol.TRAIN, server_round, request, TRAINED)
-        reference, states, weights, losses = self.model.state_dict(), [], [], []
-        for node in (n.node_id for n in nodes if n.node_id in metrics):  # fixed order: same seed, same sums
-            try:
-                states.append(protocol.state_of(replies[node][protocol.ARRAYS], reference, self.federation.name(node)))
-            except (protocol.ProtocolError, KeyError) as err:
-                self.federation.fail(node, protocol.TRAIN, server_round, f"bad model arrays: {err}")
-                continue
-            weights.append(metrics[node]["num-examples"])
-            losses.append(metrics[node])
-        if states:
-            self.model.load_state_dict(weighted_average(states, weights))
-        return mean_loss(losses)
+        replies = self.broadcast(nodes, protocol.TRAIN, server_round, request, TRAINED, self.model.state_dict())
+        done = [replies[n.node_id] for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
+        if done:
+            self.model.load_state_dict(weighted_average([r.arrays for r in done], [r.metrics["num-examples"] for r in done]))
+        return mean_loss(r.metrics for r in done)
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
         """Send the global model with `evaluate_type`; clients personalize it their way."""
         config = self.client_config(server_round, finetune=self.finetune)
         request = protocol.content(protocol.to_record(self.model), config)
-        return self.broadcast(nodes, self.evaluate_type, server_round, request, TESTED)[1]
+        return metrics_of(self.broadcast(nodes, self.evaluate_type, server_round, request, TESTED))
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()

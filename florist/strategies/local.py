@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from florist.common import protocol
-from florist.strategies.base import TESTED, TRAINED, NodeInfo, Strategy, mean_loss
+from florist.strategies.base import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, metrics_of
 
 
 class Local(Strategy):
@@ -11,11 +11,11 @@ class Local(Strategy):
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         request = protocol.content(config=self.client_config(server_round))
-        _, metrics = self.broadcast(nodes, protocol.TRAIN_LOCAL, server_round, request, TRAINED)
-        return mean_loss(metrics.values())
+        replies = self.broadcast(nodes, protocol.TRAIN_LOCAL, server_round, request, TRAINED)
+        return mean_loss(r.metrics for r in replies.values())
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
         # A node with no model yet (unseen, or never sampled) trains one with the seen nodes' budget.
         budget = max(1, self.cfg.num_server_rounds * self.cfg.local_epochs)
         request = protocol.content(config=self.client_config(server_round, scratch_epochs=budget))
-        return self.broadcast(nodes, protocol.EVALUATE_LOCAL, server_round, request, TESTED)[1]
+        return metrics_of(self.broadcast(nodes, protocol.EVALUATE_LOCAL, server_round, request, TESTED))
