@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -19,31 +21,45 @@ def train(
     x: np.ndarray,
     y: np.ndarray,
     *,
-    epochs: int,
+    epochs: int = 1,
+    steps: int | None = None,
     batch_size: int,
     lr: float,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> float:
-    """Mini-batch SGD on cross-entropy; returns the mean loss of the last epoch."""
+    """Mini-batch SGD on cross-entropy for `epochs` passes, or for exactly `steps` mini-batches
+    when given (reshuffling at each pass). Returns the mean loss over the last pass (or over
+    all steps)."""
     if len(x) == 0:
         raise ValueError("cannot train on an empty set")
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     inputs, targets = torch.from_numpy(x), torch.from_numpy(y)
-    loss_sum = 0.0
-    for _ in range(epochs):
-        loss_sum = 0.0
-        for batch in torch.randperm(len(x), generator=generator).split(batch_size):
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(inputs[batch]), targets[batch])
-            loss.backward()
-            optimizer.step()
-            loss_sum += loss.item() * len(batch)
+    loss_sum, seen = 0.0, 0
+    for batch in _batches(len(x), batch_size, epochs, steps, generator):
+        if steps is None and seen >= len(x):  # a new epoch: report the last one only
+            loss_sum, seen = 0.0, 0
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(inputs[batch]), targets[batch])
+        loss.backward()
+        optimizer.step()
+        loss_sum, seen = loss_sum + loss.item() * len(batch), seen + len(batch)
     if not np.isfinite(loss_sum):
         raise FloatingPointError(f"training diverged (loss {loss_sum}); lower lr (was {lr})")
-    return loss_sum / len(x)
+    return loss_sum / seen
+
+
+def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator: torch.Generator | None):
+    """Index batches: `epochs` shuffled passes, or the first `steps` batches of as many passes as needed."""
+    count = 0
+    for _ in range(epochs) if steps is None else itertools.count():
+        for batch in torch.randperm(n, generator=generator).split(batch_size):
+            if steps is not None and count == steps:
+                return
+            count += 1
+            yield batch
 
 
 @torch.no_grad()
