@@ -41,28 +41,33 @@ class Node:
         torch.manual_seed(self.cfg.seed)
         return build_model(self.cfg.model, self.data.input_shape, self.cfg.num_classes)
 
-    def fit(self, model: Net, epochs: int, lr: float | None = None, salt: int = 0) -> float:
-        """Train `model` on this node's train split with the run's settings; the shuffling is
-        seeded by (seed, round, node, salt) so the same seed repeats the same run."""
+    def fit(self, model: Net, epochs: int, lr: float | None = None, salt: int = 0, **options) -> float:
+        """Train `model` on this node's train split with the run's settings (`options` override
+        `training.train`'s, e.g. `steps`); the shuffling is seeded by (seed, round, node, salt)
+        so the same seed repeats the same run."""
         if not self.data.labelled:
             raise ValueError(f"node {self.key}: this strategy needs labelled data, but the node's data has no y")
         cfg, d = self.cfg, self.data
         generator = training.seeded_generator(cfg.seed, self.server_round, zlib.crc32(self.key.encode()), salt)
-        return training.train(
-            model, d.x_train, d.y_train, epochs=epochs, batch_size=cfg.batch_size, lr=lr or cfg.lr,
-            momentum=cfg.momentum, weight_decay=cfg.weight_decay, generator=generator,
-        )  # fmt: skip
+        settings = {"epochs": epochs, "batch_size": cfg.batch_size, "lr": lr or cfg.lr, "momentum": cfg.momentum,
+                    "weight_decay": cfg.weight_decay, "generator": generator}  # fmt: skip
+        return training.train(model, d.x_train, d.y_train, **settings | options)
 
     def test_reply(self, model: Net, **extra: float) -> RecordDict:
         """The standard evaluate reply: accuracy and loss of `model` on this node's test split."""
         return self.score_reply(training.predict_proba(model, self.data.x_test), **extra)
 
     def score_reply(self, probs: np.ndarray, **extra: float) -> RecordDict:
-        """The standard evaluate reply for test-split class probabilities (N_test×C)."""
+        """The standard evaluate reply for test-split class probabilities (N_test×C). With
+        `mask-classes`, `masked-accuracy` (only the classes of the train split may win) rides
+        beside the honest all-class `accuracy`."""
         d = self.data
         if d.y_test is None:
             raise ValueError(f"node {self.key}: cannot score a model without test labels")
         accuracy, loss = float((probs.argmax(1) == d.y_test).mean()), training.log_loss(probs, d.y_test)
+        if self.cfg.mask_classes and d.labelled:  # opt-in: the score PeFLL's reference code reports
+            present = np.bincount(d.y_train, minlength=probs.shape[1]) > 0
+            extra = {"masked-accuracy": float(((probs * present).argmax(1) == d.y_test).mean())} | extra
         metrics = {"num-examples": len(d.x_test), "num-train": len(d.x_train), "seen": int(self.seen)}
         return protocol.content(metrics=metrics | {"accuracy": accuracy, "loss": loss} | extra)
 

@@ -46,6 +46,18 @@ class RunConfig:
     knn_index: str = "flat"
     knn_capacity: int = 0
     knn_policy: str = "concat"
+    # PeFLL
+    pefll_embed_dim: int = 0
+    pefll_batch: int = 32
+    pefll_local_steps: int = 50
+    pefll_hidden: int = 100
+    pefll_optimizer: str = "adam"
+    pefll_server_lr: float = 1e-3
+    pefll_l2_hyper: float = 1e-3
+    pefll_l2_embed: float = 1e-3
+    pefll_l2_model: float = 5e-5
+    # evaluation: also report accuracy with the output masked to the train split's classes
+    mask_classes: bool = False
     # serve phase: personalize nodes that connect after training
     serve_seconds: float = 0.0
     serve_count: int = 0
@@ -104,6 +116,12 @@ class RunConfig:
             (self.knn_index in ("flat", "hnsw", "ivf"), "knn-index must be flat, hnsw or ivf"),
             (self.knn_policy in ("concat", "fifo", "fixed"), "knn-policy must be concat, fifo or fixed"),
             (self.knn_policy == "concat" or self.knn_capacity >= 1, "knn-policy fifo/fixed needs knn-capacity >= 1"),
+            (self.pefll_embed_dim >= 0, "pefll-embed-dim must be >= 0 (0: 1 + n/4)"),
+            (min(self.pefll_batch, self.pefll_local_steps, self.pefll_hidden) >= 1,
+             "pefll-batch, pefll-local-steps and pefll-hidden must be >= 1"),
+            (self.pefll_optimizer in ("sgd", "adam"), "pefll-optimizer must be sgd or adam"),
+            (self.pefll_server_lr > 0, "pefll-server-lr must be > 0"),
+            (min(self.pefll_l2_hyper, self.pefll_l2_embed, self.pefll_l2_model) >= 0, "pefll-l2-* must be >= 0"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
             (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),
         ]

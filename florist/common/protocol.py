@@ -21,6 +21,10 @@ EVALUATE = "evaluate"  # Flower's standard: evaluate the sent model (optionally 
 TRAIN_LOCAL = "train.local"  # Local baseline: train the client's own model
 EVALUATE_LOCAL = "evaluate.local"  # Local baseline: evaluate the client's own model
 EVALUATE_KNNPER = "evaluate.knnper"  # kNN-Per: personalize the sent model with the local datastore
+PEFLL_DESCRIBE = "query.pefll_describe"  # PeFLL 1: embedding net η_v -> descriptor v = mean φ(x, y)
+PEFLL_TRAIN = "train.pefll"  # PeFLL 2: θ = h(v) -> Δθ after k local steps
+PEFLL_EMBED = "train.pefll_embed"  # PeFLL 3: Δv -> Δη_v, Δv backpropagated through φ
+PEFLL_EVALUATE = "evaluate.pefll"  # PeFLL-predict: θ = h(v) -> test metrics, no training
 
 
 class ProtocolError(ValueError):

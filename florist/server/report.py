@@ -12,19 +12,25 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
 
+# Per-client fields some strategies report beside `accuracy`, each summarized in its own row.
+SECONDARY = {"global_accuracy": "  (global model)", "masked_accuracy": "  (masked to train classes)"}
+
+
 def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
-    """(strategy, clients, n, mean %, bottom-decile %) for seen and unseen clients; strategies
-    that report the global model beside their personalized one get a "(global model)" row."""
+    """(strategy, clients, n, mean %, bottom-decile %) for seen and unseen clients, plus a row
+    for each `SECONDARY` field the clients carry (the global model's accuracy beside the
+    personalized one; the accuracy with outputs masked to the train split's classes)."""
     rows = []
     for group, seen in (("seen", True), ("unseen", False)):
         s = results["summary"][group]
         rows.append((results["strategy"], group, str(s["num_clients"]), _pct(s["mean_accuracy"]),
                      _pct(s["bottom_decile_accuracy"])))  # fmt: skip
-        clients = [c for c in results["clients"] if c["seen"] == seen and c.get("global_accuracy") is not None]
-        if clients:
-            g = summarize([c["global_accuracy"] for c in clients], [c["num_test"] for c in clients])
-            rows.append(("  (global model)", group, str(g["num_clients"]), _pct(g["mean_accuracy"]),
-                         _pct(g["bottom_decile_accuracy"])))  # fmt: skip
+        for field, label in SECONDARY.items():
+            clients = [c for c in results["clients"] if c["seen"] == seen and c.get(field) is not None]
+            if clients:
+                g = summarize([c[field] for c in clients], [c["num_test"] for c in clients])
+                rows.append((label, group, str(g["num_clients"]), _pct(g["mean_accuracy"]),
+                             _pct(g["bottom_decile_accuracy"])))  # fmt: skip
     return rows
 
 

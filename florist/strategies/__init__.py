@@ -4,7 +4,8 @@ from florist.strategies.base import Federation, NodeInfo, Strategy
 from florist.strategies.fedavg import FedAvg, FedAvgFinetune
 from florist.strategies.knnper import KnnPer
 from florist.strategies.local import Local
+from florist.strategies.pefll import PeFLL
 
-STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (FedAvg, FedAvgFinetune, Local, KnnPer)}
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (FedAvg, FedAvgFinetune, Local, KnnPer, PeFLL)}
 
 __all__ = ["STRATEGIES", "Federation", "NodeInfo", "Strategy"]

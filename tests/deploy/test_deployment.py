@@ -4,6 +4,7 @@ Every process is started by the test's LocalFederation and stopped by PID; every
 """
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -152,23 +153,36 @@ def test_a_supernode_killed_mid_run_is_left_out(tmp_path):
         assert scored["partition-2"] is None and scored["partition-0"] is not None and scored["partition-1"] is not None
 
 
-def test_knnper_personalizes_a_node_that_joins_after_training(tmp_path):
+def run_with_late_joiner(tmp_path: Path, **overrides) -> dict:
+    """Train with 3 SuperNodes, then start a 4th one; the server serves it before finishing."""
     fed = LocalFederation(tmp_path, node_configs(4, tmp_path))
     try:
         fed.start(num_started=3)
-        config = RUN | {"strategy": "knnper", "partition": "pathological:2", "min-nodes": 3, "num-server-rounds": 2,
-                        "serve-seconds": 240.0, "serve-count": 1, "results-dir": str(tmp_path / "out")}  # fmt: skip
+        config = RUN | {"min-nodes": 3, "serve-seconds": 240.0, "serve-count": 1, "results-dir": str(tmp_path / "out")}
+        config |= overrides
         run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         progress = tmp_path / "out" / "results.json"
-        wait_for_rounds(run, progress, 2, timeout=400)  # training done
+        wait_for_rounds(run, progress, config["num-server-rounds"], timeout=400)  # training done
         fed.start_node(3)  # the late joiner
         output, _ = run.communicate(timeout=600)
         assert run.returncode == 0, output[-3000:]
-        results = json.loads(progress.read_text())
-        late = [c for c in results["clients"] if c["client"] == "partition-3"]
-        assert len(late) == 1 and not late[0]["seen"]  # joined after training: unseen
-        assert late[0]["datastore_size"] == late[0]["num_train"] and late[0]["lambda"] in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
-        assert results["summary"]["unseen"]["num_clients"] == 1 and results["summary"]["seen"]["num_clients"] == 3
-        assert (tmp_path / "state" / "partition-3" / "datastore.npz").exists()  # persisted in its state folder
     finally:
         fed.stop()
+    results = json.loads(progress.read_text())
+    assert results["summary"]["unseen"]["num_clients"] == 1 and results["summary"]["seen"]["num_clients"] == 3
+    [late] = [c for c in results["clients"] if c["client"] == "partition-3"]
+    assert not late["seen"] and late["accuracy"] is not None  # joined after training: unseen, and served
+    return results
+
+
+def test_knnper_personalizes_a_node_that_joins_after_training(tmp_path):
+    results = run_with_late_joiner(tmp_path, strategy="knnper", partition="pathological:2", **{"num-server-rounds": 2})
+    [late] = [c for c in results["clients"] if c["client"] == "partition-3"]
+    assert late["datastore_size"] == late["num_train"] and late["lambda"] in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+    assert (tmp_path / "state" / "partition-3" / "datastore.npz").exists()  # persisted in its state folder
+
+
+def test_pefll_trains_in_three_exchanges_and_predicts_a_model_for_a_late_joiner(tmp_path):
+    results = run_with_late_joiner(tmp_path, strategy="pefll", **{"num-server-rounds": 1, "pefll-local-steps": 10})
+    assert not results["failures"] and math.isfinite(results["rounds"][0]["train_loss"])
+    assert all(c["accuracy"] is not None for c in results["clients"])  # PeFLL-predict for all four
