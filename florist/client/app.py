@@ -41,10 +41,10 @@ def build_client_app(mods: Sequence[Callable] = ()) -> ClientApp:
     app.train("local")(handle(lambda node, msg, ctx: local.train(node, ctx.state)))
     app.evaluate("local")(handle(lambda node, msg, ctx: local.evaluate(node, ctx.state, msg.content)))
     app.evaluate("knnper")(handle(lambda node, msg, ctx: knnper.evaluate(node, msg.content)))
-    app.query("pefll_describe")(handle(lambda node, msg, ctx: pefll.describe(node, msg.content, ctx.state)))
-    app.train("pefll")(handle(lambda node, msg, ctx: pefll.train(node, msg.content)))
-    app.train("pefll_embed")(handle(lambda node, msg, ctx: pefll.backprop(node, msg.content, ctx.state)))
-    app.evaluate("pefll")(handle(lambda node, msg, ctx: pefll.evaluate(node, msg.content)))
+    app.query("describe")(handle(lambda node, msg, ctx: pefll.describe(node, msg.content, ctx.state)))
+    app.train("generated")(handle(lambda node, msg, ctx: pefll.train(node, msg.content)))
+    app.train("encoder")(handle(lambda node, msg, ctx: pefll.backprop(node, msg.content, ctx.state)))
+    app.evaluate("generated")(handle(lambda node, msg, ctx: pefll.evaluate(node, msg.content)))
     return app
 
 

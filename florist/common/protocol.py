@@ -21,10 +21,11 @@ EVALUATE = "evaluate"  # Flower's standard: evaluate the sent model (optionally 
 TRAIN_LOCAL = "train.local"  # Local baseline: train the client's own model
 EVALUATE_LOCAL = "evaluate.local"  # Local baseline: evaluate the client's own model
 EVALUATE_KNNPER = "evaluate.knnper"  # kNN-Per: personalize the sent model with the local datastore
-PEFLL_DESCRIBE = "query.pefll_describe"  # PeFLL 1: embedding net η_v -> descriptor v = mean φ(x, y)
-PEFLL_TRAIN = "train.pefll"  # PeFLL 2: θ = h(v) -> Δθ after k local steps
-PEFLL_EMBED = "train.pefll_embed"  # PeFLL 3: Δv -> Δη_v, Δv backpropagated through φ
-PEFLL_EVALUATE = "evaluate.pefll"  # PeFLL-predict: θ = h(v) -> test metrics, no training
+# Hypernetwork strategies (PeFLL; a round is DESCRIBE, TRAIN_GENERATED, TRAIN_ENCODER):
+DESCRIBE = "query.describe"  # encoder η_v down -> the client's descriptor v up
+TRAIN_GENERATED = "train.generated"  # θ = h(v) down -> Δθ after k local steps up
+TRAIN_ENCODER = "train.encoder"  # Δv down -> Δη_v up, Δv backpropagated through the encoder
+EVALUATE_GENERATED = "evaluate.generated"  # θ = h(v) down -> test metrics up, no training
 
 
 class ProtocolError(ValueError):

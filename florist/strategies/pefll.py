@@ -27,7 +27,7 @@ class PeFLL(Strategy):
         self.template = template.state_dict()
         self.embed_dim = cfg.pefll_embed_dim or default_embed_dim(self.num_seen)
         self.hyper = HyperNetwork(template, self.embed_dim, cfg.pefll_hidden)
-        self.embed = EmbeddingNet(self.input_shape, cfg.num_classes, self.embed_dim)
+        self.embed = self.new_encoder()
         # Both optimizers take the pseudo-gradient −mean Δη. SGD with weight decay 2λ is then
         # Algorithm 2's η ← (1 − 2βλ)η + β·mean Δη; AdamW decays the same way before Adam's step.
         groups = [{"params": list(self.hyper.parameters()), "weight_decay": 2 * cfg.pefll_l2_hyper},
@@ -35,28 +35,32 @@ class PeFLL(Strategy):
         optimizer = torch.optim.SGD if cfg.pefll_optimizer == "sgd" else torch.optim.AdamW
         self.optimizer = optimizer(groups, lr=cfg.pefll_server_lr)
 
+    def new_encoder(self) -> torch.nn.Module:
+        """The network that turns a client's data into its descriptor: φ on (x, y)."""
+        return EmbeddingNet(self.input_shape, self.cfg.num_classes, self.embed_dim)
+
     def config(self, server_round: int, **extra) -> dict:
         return self.client_config(server_round, embed_dim=self.embed_dim, **extra)
 
-    def describe(self, server_round: int, nodes: list[NodeInfo], predict: bool) -> dict[int, torch.Tensor]:
-        """η_v down, each node's descriptor v up (over its whole train split when `predict`)."""
-        request = protocol.content(protocol.to_record(self.embed), self.config(server_round, predict=predict))
+    def describe(self, server_round: int, nodes: list[NodeInfo], **flags: bool) -> dict[int, torch.Tensor]:
+        """η_v down, each node's descriptor v up (over its whole train split with `predict`)."""
+        request = protocol.content(protocol.to_record(self.embed), self.config(server_round, **flags))
         reference = {DESCRIPTOR: torch.zeros(self.embed_dim)}
-        replies = self.broadcast(nodes, protocol.PEFLL_DESCRIBE, server_round, request, ("num-examples",), reference)
+        replies = self.broadcast(nodes, protocol.DESCRIBE, server_round, request, ("num-examples",), reference)
         return {node: reply.arrays[DESCRIPTOR] for node, reply in replies.items()}
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
-        descriptors = self.describe(server_round, nodes, predict=False)
+        descriptors = self.describe(server_round, nodes)
         v = {node: d.clone().requires_grad_() for node, d in descriptors.items()}
         theta = {node: self.hyper(v[node]) for node in v}
         config = self.config(server_round)
         requests = {node: protocol.content(ArrayRecord(t), config) for node, t in theta.items()}
-        trained = self.ask(requests, protocol.PEFLL_TRAIN, server_round, TRAINED, self.template)
+        trained = self.ask(requests, protocol.TRAIN_GENERATED, server_round, TRAINED, self.template)
         # Δv_i = (∂θ_i/∂v_i)ᵀ Δθ_i, a vector-Jacobian product through h.
         dv = {node: torch.autograd.grad(_inner(theta[node], r.arrays), v[node], retain_graph=True)[0]
               for node, r in trained.items()}  # fmt: skip
         requests = {node: protocol.content(ArrayRecord({DESCRIPTOR: g}), config) for node, g in dv.items()}
-        embedded = self.ask(requests, protocol.PEFLL_EMBED, server_round, ("num-examples",), self.embed.state_dict())
+        embedded = self.ask(requests, protocol.TRAIN_ENCODER, server_round, ("num-examples",), self.embed.state_dict())
         # Only clients that completed all three exchanges count; fixed order: same seed, same sums.
         done = [n.node_id for n in nodes if n.node_id in embedded]
         if done:
@@ -73,12 +77,19 @@ class PeFLL(Strategy):
         self.optimizer.step()
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
-        """PeFLL-predict: η_v down, v up, θ = h(v) down, test metrics up."""
-        descriptors = self.describe(server_round, nodes, predict=True)
+        return self.predict(server_round, nodes, serve=False)
+
+    def serve(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
+        return self.predict(server_round, nodes, serve=True)
+
+    def predict(self, server_round: int, nodes: list[NodeInfo], serve: bool) -> dict[int, dict[str, float]]:
+        """PeFLL-predict: η_v down, v up, θ = h(v) down, test metrics up. `serve` tells the
+        nodes that they are being served (they never trained)."""
+        descriptors = self.describe(server_round, nodes, predict=True, serve=serve)
         config = self.config(server_round)
         with torch.no_grad():
             requests = {node: protocol.content(ArrayRecord(self.hyper(v)), config) for node, v in descriptors.items()}
-        return metrics_of(self.ask(requests, protocol.PEFLL_EVALUATE, server_round, TESTED))
+        return metrics_of(self.ask(requests, protocol.EVALUATE_GENERATED, server_round, TESTED))
 
     def state(self) -> dict[str, torch.Tensor]:
         nets = {"hyper": self.hyper, "embed": self.embed}

@@ -100,12 +100,12 @@ def fail_in_message(message_type: str):
 def test_a_client_failing_in_exchange_three_is_left_out_of_the_update(tmp_path):
     """The update with a client lost in exchange 3 equals the update without it (lost in 1)."""
     settings = {"pefll-local-steps": 5, "pefll-embed-dim": 2}
-    _, late, after_late = _simulate(tmp_path, "late", 3, build_client_app([fail_in_message(protocol.PEFLL_EMBED)]),
+    _, late, after_late = _simulate(tmp_path, "late", 3, build_client_app([fail_in_message(protocol.TRAIN_ENCODER)]),
                                     **settings)
-    _, early, after_early = _simulate(tmp_path, "early", 3, build_client_app([fail_in_message(protocol.PEFLL_DESCRIBE)]),
+    _, early, after_early = _simulate(tmp_path, "early", 3, build_client_app([fail_in_message(protocol.DESCRIBE)]),
                                       **settings)
     [failure] = late["failures"]
-    assert failure["message_type"] == protocol.PEFLL_EMBED and "partition-2" in failure["node"]
+    assert failure["message_type"] == protocol.TRAIN_ENCODER and "partition-2" in failure["node"]
     assert "power cut" in failure["reason"]
     assert all(torch.isfinite(v).all() for v in after_late.values())
     for key, value in after_late.items():
