@@ -5,7 +5,8 @@ Flower simulation, seen and unseen clients, mean and bottom decile.
         [--strategies local fedavg fedavg-ft knnper] [--partitions pathological:2 dirichlet:0.3] \
         [--seeds 1 2] [--num-clients 20] [--rounds 30] [--run-config "eval-every=0"]
 
-FedAvg is not run separately when kNN-Per runs: kNN-Per trains exactly FedAvg's global model
+Costs are per training round as the run logged them (evaluation rounds included; the default
+`eval-every=0` leaves evaluation out). FedAvg is not run separately when kNN-Per runs: kNN-Per trains exactly FedAvg's global model
 (same seed, same rounds) and reports its per-client accuracy as `global_accuracy` (λ = 0), so
 the FedAvg row is taken from there (`--strategies fedavg` runs it on its own instead).
 Each run's results folder is kept under --out; the table goes to stdout and --out/table.md.
@@ -33,6 +34,13 @@ def summaries(results: dict, key: str) -> dict[str, dict]:
     return out
 
 
+def costs(results: dict) -> dict[str, float]:
+    """Mean kB up / down and seconds per training round (evaluation rounds included)."""
+    rounds = results["rounds"]
+    mean = lambda key: float(np.mean([r[key] for r in rounds]))  # noqa: E731
+    return {"kb_up": mean("bytes_up") / 1e3, "kb_down": mean("bytes_down") / 1e3, "seconds": mean("seconds")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -57,13 +65,15 @@ def main() -> None:
                 start = time.monotonic()
                 results = simulate(RunConfig.from_mapping(values), args.num_clients)
                 print(f"{partition} seed {seed} {strategy}: {time.monotonic() - start:.0f} s", flush=True)
-                table.setdefault((partition, strategy), []).append(summaries(results, "accuracy"))
+                table.setdefault((partition, strategy), []).append(summaries(results, "accuracy") | costs(results))
                 if derive_fedavg and strategy == "knnper":
-                    table.setdefault((partition, "fedavg"), []).append(summaries(results, "global_accuracy"))
+                    derived = summaries(results, "global_accuracy") | costs(results)
+                    table.setdefault((partition, "fedavg"), []).append(derived)
 
     lines = [f"{args.num_clients} clients, {args.rounds} rounds, seeds {args.seeds}: mean over seeds (± spread)", "",
-             "| partition | strategy | seen mean | seen bottom 10% | unseen mean | unseen bottom 10% |",
-             "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+             "| partition | strategy | seen mean | seen bottom 10% | unseen mean | unseen bottom 10% "
+             "| kB up / round | kB down / round | s / round |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for partition in args.partitions:
         for strategy in args.strategies:
             runs = table.get((partition, strategy), [])
@@ -72,6 +82,8 @@ def main() -> None:
                 for key in ("mean_accuracy", "bottom_decile_accuracy"):
                     values = np.array([r[group][key] for r in runs]) * 100
                     cells.append(f"{values.mean():.1f} ± {np.ptp(values) / 2:.1f}" if len(values) else "–")
+            for key in ("kb_up", "kb_down", "seconds"):
+                cells.append(f"{np.mean([r[key] for r in runs]):.1f}" if runs else "–")
             lines.append(f"| {partition} | {strategy} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     print(text)

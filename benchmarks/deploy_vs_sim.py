@@ -1,8 +1,8 @@
-"""Seconds per round: the same FedAvg job in Flower simulation and in a real deployment
+"""Seconds per round: the same job (FedAvg unless --strategy) in Flower simulation and in a real deployment
 (SuperLink + SuperNodes as processes on 127.0.0.1), measured side by side, and where the
 deployment's time goes.
 
-    python benchmarks/deploy_vs_sim.py [--nodes 3] [--rounds 3]
+    python benchmarks/deploy_vs_sim.py [--nodes 3] [--rounds 3] [--strategy fedavg]
 
 Prints a table; nothing is asserted. The breakdown per exchange:
 - training + evaluation: the handler's own work, measured in simulation (per-exchange time there);
@@ -28,7 +28,9 @@ from florist.common.config import RunConfig
 from florist.deploy.federation import LocalFederation, flower_bin
 from florist.server.simulation import simulate
 
-EXCHANGES_PER_ROUND = 2  # FedAvg: train, then evaluate the seen clients
+# Exchanges per round with evaluation: FedAvg-like strategies train, then evaluate; PeFLL
+# trains in three exchanges, then predicts in two (descriptor, then model).
+EXCHANGES_PER_ROUND = {"pefll": 5}
 
 
 def median_round(results: dict) -> float:
@@ -54,9 +56,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--strategy", default="fedavg")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="florist-bench-"))
-    values = {"num-server-rounds": args.rounds, "partition": "iid", "min-nodes": args.nodes, "unseen-fraction": 0.0}
+    values = {"strategy": args.strategy, "num-server-rounds": args.rounds, "partition": "iid", "min-nodes": args.nodes, "unseen-fraction": 0.0}
 
     sim = simulate(RunConfig.from_mapping(values | {"results-dir": str(work / "sim")}), args.nodes)
     configs = [{"partition-id": i, "num-partitions": args.nodes, "state-dir": str(work / "state")}
@@ -68,10 +71,10 @@ def main() -> None:
 
     sim_round, deploy_round = median_round(sim), median_round(deploy)
     start = clientapp_start_seconds()
-    per_exchange = deploy_round / EXCHANGES_PER_ROUND
-    work_share = sim_round / EXCHANGES_PER_ROUND
+    exchanges = EXCHANGES_PER_ROUND.get(args.strategy, 2)
+    per_exchange, work_share = deploy_round / exchanges, sim_round / exchanges
     same = [c["accuracy"] for c in sim["clients"]] == [c["accuracy"] for c in deploy["clients"]]
-    print(f"FedAvg, {args.nodes} nodes, {args.rounds} rounds, iid digits; median of rounds 2..{args.rounds}")
+    print(f"{args.strategy}, {exchanges} exchanges per round, {args.nodes} nodes, {args.rounds} rounds, iid digits; median of rounds 2..{args.rounds}")
     print(f"{'seconds per round, simulation':<48}{sim_round:8.2f}")
     print(f"{'seconds per round, deployment':<48}{deploy_round:8.2f}   ({deploy_round / sim_round:.0f}x)")
     print(f"{'per exchange in deployment':<48}{per_exchange:8.2f}")
