@@ -7,6 +7,7 @@ instead of deep inside a round.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,16 +47,20 @@ class RunConfig:
     knn_index: str = "flat"
     knn_capacity: int = 0
     knn_policy: str = "concat"
-    # PeFLL
-    pefll_embed_dim: int = 0
-    pefll_batch: int = 32
-    pefll_local_steps: int = 50
-    pefll_hidden: int = 100
-    pefll_optimizer: str = "adam"
-    pefll_server_lr: float = 1e-3
-    pefll_l2_hyper: float = 1e-3
-    pefll_l2_embed: float = 1e-3
-    pefll_l2_model: float = 5e-5
+    # hypernetwork strategies (pefll, odpfl)
+    hn_embed_dim: int = 0
+    hn_batch: int = 32
+    hn_local_steps: int = 50
+    hn_hidden: int = 100
+    hn_optimizer: str = "adam"
+    hn_server_lr: float = 1e-3
+    hn_l2_hyper: float = 1e-3
+    hn_l2_embed: float = 1e-3
+    hn_l2_model: float = 5e-5
+    # OD-PFL: descriptors of unlabeled data, Gaussian noise for nodes being served
+    odpfl_encode_batch: int = 256
+    dp_epsilon: float = math.inf
+    dp_delta: float = 1e-5
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = False
     # serve phase: personalize nodes that connect after training
@@ -116,12 +121,15 @@ class RunConfig:
             (self.knn_index in ("flat", "hnsw", "ivf"), "knn-index must be flat, hnsw or ivf"),
             (self.knn_policy in ("concat", "fifo", "fixed"), "knn-policy must be concat, fifo or fixed"),
             (self.knn_policy == "concat" or self.knn_capacity >= 1, "knn-policy fifo/fixed needs knn-capacity >= 1"),
-            (self.pefll_embed_dim >= 0, "pefll-embed-dim must be >= 0 (0: 1 + n/4)"),
-            (min(self.pefll_batch, self.pefll_local_steps, self.pefll_hidden) >= 1,
-             "pefll-batch, pefll-local-steps and pefll-hidden must be >= 1"),
-            (self.pefll_optimizer in ("sgd", "adam"), "pefll-optimizer must be sgd or adam"),
-            (self.pefll_server_lr > 0, "pefll-server-lr must be > 0"),
-            (min(self.pefll_l2_hyper, self.pefll_l2_embed, self.pefll_l2_model) >= 0, "pefll-l2-* must be >= 0"),
+            (self.hn_embed_dim >= 0, "hn-embed-dim must be >= 0 (0: 1 + n/4)"),
+            (min(self.hn_batch, self.hn_local_steps, self.hn_hidden) >= 1,
+             "hn-batch, hn-local-steps and hn-hidden must be >= 1"),
+            (self.hn_optimizer in ("sgd", "adam"), "hn-optimizer must be sgd or adam"),
+            (self.hn_server_lr > 0, "hn-server-lr must be > 0"),
+            (min(self.hn_l2_hyper, self.hn_l2_embed, self.hn_l2_model) >= 0, "hn-l2-* must be >= 0"),
+            (self.odpfl_encode_batch >= 1, "odpfl-encode-batch must be >= 1"),
+            (self.dp_epsilon > 0, "dp-epsilon must be > 0 (inf: no noise)"),
+            (0 < self.dp_delta < 1, "dp-delta must be in (0, 1)"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
             (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),
         ]

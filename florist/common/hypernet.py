@@ -1,10 +1,12 @@
-"""PeFLL's two networks (Scott et al., 2024). The embedding network φ turns a client's
-labelled data into a descriptor v = mean φ(x, y); the hypernetwork h maps v to every
-parameter θ of the client model. The server owns both; clients evaluate φ only."""
+"""The networks of the hypernetwork strategies. An encoder turns a client's data into a
+descriptor v: PeFLL's embedding network (Scott et al., 2024) reads labelled pairs, OD-PFL's
+set encoder unlabeled samples only. The hypernetwork h maps v to every parameter θ of the
+client model. The server owns both; clients evaluate the encoder only."""
 
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -13,29 +15,64 @@ from torch import nn
 from florist.common.models import Net
 
 
-class EmbeddingNet(nn.Module):
-    """φ(x, y): a small conv net for images (an MLP for flat inputs) whose features are
-    joined with the one-hot label before two fully connected layers."""
+def _trunk(in_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
+    """Per-sample features for the encoders: a small conv net for images (pooled to 2×2, so
+    any image size works), flattening for vectors. Returns the module and its width."""
+    if len(in_shape) == 3:
+        convs = nn.Sequential(
+            nn.Conv2d(in_shape[0], 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        )  # fmt: skip
+        return convs, 32 * 2 * 2
+    return nn.Flatten(), math.prod(in_shape)
+
+
+class Encoder(nn.Module):
+    """A per-sample network whose mean over a client's samples is the client's descriptor."""
+
+    uses_labels: ClassVar[bool]
+
+    def describe(self, x: torch.Tensor, y: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        """The exact mean of the per-sample outputs, `chunk` samples at a time (0: all at once)."""
+        step = chunk or len(x)
+        parts = [self(x[i : i + step], None if y is None else y[i : i + step]) for i in range(0, len(x), step)]
+        return sum(part.sum(0) for part in parts) / len(x)
+
+
+class EmbeddingNet(Encoder):
+    """PeFLL's φ(x, y): per-sample features joined with the one-hot label, then two fully
+    connected layers; the descriptor is their mean over the samples."""
+
+    uses_labels = True
 
     def __init__(self, in_shape: tuple[int, ...], num_classes: int, embed_dim: int, hidden: int = 64):
         super().__init__()
         self.num_classes = num_classes
-        if len(in_shape) == 3:
-            self.body: nn.Module = nn.Sequential(
-                nn.Conv2d(in_shape[0], 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
-            )  # fmt: skip
-            width = 32 * 2 * 2
-        else:
-            self.body, width = nn.Flatten(), math.prod(in_shape)
+        self.body, width = _trunk(in_shape)
         self.head = nn.Sequential(nn.Linear(width + num_classes, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.head(torch.cat([self.body(x), F.one_hot(y, self.num_classes).to(x.dtype)], dim=1))
 
-    def describe(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The client descriptor v: φ averaged over the samples."""
-        return self(x, y).mean(0)
+
+class SetEncoder(Encoder):
+    """OD-PFL's DeepSets encoder on unlabeled samples: g(D) = ψ(mean_i φ(x_i)), with φ's
+    output on the unit sphere and ψ the identity. Then replacing one of the |D| samples moves
+    g by at most 2/|D| in L2, the sensitivity the served node's Gaussian noise is calibrated
+    to; a learned ψ after the mean would void that bound."""
+
+    uses_labels = False
+
+    def __init__(self, in_shape: tuple[int, ...], num_classes: int, embed_dim: int, hidden: int = 64):
+        super().__init__()
+        body, width = _trunk(in_shape)
+        self.phi = nn.Sequential(body, nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return F.normalize(self.phi(x), dim=1)
+
+
+ENCODERS: dict[str, type[Encoder]] = {"pefll": EmbeddingNet, "odpfl": SetEncoder}
 
 
 class HyperNetwork(nn.Module):

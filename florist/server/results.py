@@ -38,12 +38,13 @@ class Results:
         return row
 
     def set_clients(self, nodes: list[NodeInfo], metrics: dict[int, dict[str, float]]) -> None:
-        """Per-client rows from the final evaluation; nodes that failed it get accuracy None."""
+        """Per-client rows from the final evaluation; nodes that failed it, or could not be
+        scored (no test labels), get accuracy None."""
         self.clients = []
         for node in nodes:
             values = metrics.get(node.node_id)
             row = {"client": node.key, "seen": node.seen, "num_train": node.num_train,
-                   "num_test": node.num_test, "accuracy": None if values is None else values["accuracy"]}  # fmt: skip
+                   "num_test": node.num_test, "accuracy": (values or {}).get("accuracy")}  # fmt: skip
             extra = {k.replace("-", "_"): v for k, v in (values or {}).items() if k not in STANDARD_CLIENT_KEYS}
             self.clients.append(row | extra)
 

@@ -4,8 +4,9 @@ from florist.strategies.base import Federation, NodeInfo, Strategy
 from florist.strategies.fedavg import FedAvg, FedAvgFinetune
 from florist.strategies.knnper import KnnPer
 from florist.strategies.local import Local
+from florist.strategies.odpfl import ODPFL
 from florist.strategies.pefll import PeFLL
 
-STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (FedAvg, FedAvgFinetune, Local, KnnPer, PeFLL)}
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (FedAvg, FedAvgFinetune, Local, KnnPer, PeFLL, ODPFL)}
 
 __all__ = ["STRATEGIES", "Federation", "NodeInfo", "Strategy"]

@@ -11,8 +11,8 @@ from flwr.app import ArrayRecord
 
 from florist.client.pefll import DESCRIPTOR
 from florist.common import protocol
-from florist.common.hypernet import EmbeddingNet, HyperNetwork, default_embed_dim
-from florist.strategies.base import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, metrics_of
+from florist.common.hypernet import ENCODERS, Encoder, HyperNetwork, default_embed_dim
+from florist.strategies.base import TESTED, TRAINED, NodeInfo, Reply, Strategy, mean_loss
 
 Params = dict[str, torch.Tensor]
 
@@ -25,33 +25,32 @@ class PeFLL(Strategy):
         cfg = self.cfg
         template = self.new_model()  # seeds torch, so both networks below start alike for a seed
         self.template = template.state_dict()
-        self.embed_dim = cfg.pefll_embed_dim or default_embed_dim(self.num_seen)
-        self.hyper = HyperNetwork(template, self.embed_dim, cfg.pefll_hidden)
+        self.embed_dim = cfg.hn_embed_dim or default_embed_dim(self.num_seen)
+        self.hyper = HyperNetwork(template, self.embed_dim, cfg.hn_hidden)
         self.embed = self.new_encoder()
         # Both optimizers take the pseudo-gradient −mean Δη. SGD with weight decay 2λ is then
         # Algorithm 2's η ← (1 − 2βλ)η + β·mean Δη; AdamW decays the same way before Adam's step.
-        groups = [{"params": list(self.hyper.parameters()), "weight_decay": 2 * cfg.pefll_l2_hyper},
-                  {"params": list(self.embed.parameters()), "weight_decay": 2 * cfg.pefll_l2_embed}]  # fmt: skip
-        optimizer = torch.optim.SGD if cfg.pefll_optimizer == "sgd" else torch.optim.AdamW
-        self.optimizer = optimizer(groups, lr=cfg.pefll_server_lr)
+        groups = [{"params": list(self.hyper.parameters()), "weight_decay": 2 * cfg.hn_l2_hyper},
+                  {"params": list(self.embed.parameters()), "weight_decay": 2 * cfg.hn_l2_embed}]  # fmt: skip
+        optimizer = torch.optim.SGD if cfg.hn_optimizer == "sgd" else torch.optim.AdamW
+        self.optimizer = optimizer(groups, lr=cfg.hn_server_lr)
 
-    def new_encoder(self) -> torch.nn.Module:
-        """The network that turns a client's data into its descriptor: φ on (x, y)."""
-        return EmbeddingNet(self.input_shape, self.cfg.num_classes, self.embed_dim)
+    def new_encoder(self) -> Encoder:
+        """The network that turns a client's data into its descriptor (by strategy name)."""
+        return ENCODERS[self.name](self.input_shape, self.cfg.num_classes, self.embed_dim)
 
     def config(self, server_round: int, **extra) -> dict:
         return self.client_config(server_round, embed_dim=self.embed_dim, **extra)
 
-    def describe(self, server_round: int, nodes: list[NodeInfo], **flags: bool) -> dict[int, torch.Tensor]:
+    def describe(self, server_round: int, nodes: list[NodeInfo], **flags: bool) -> dict[int, Reply]:
         """η_v down, each node's descriptor v up (over its whole train split with `predict`)."""
         request = protocol.content(protocol.to_record(self.embed), self.config(server_round, **flags))
         reference = {DESCRIPTOR: torch.zeros(self.embed_dim)}
-        replies = self.broadcast(nodes, protocol.DESCRIBE, server_round, request, ("num-examples",), reference)
-        return {node: reply.arrays[DESCRIPTOR] for node, reply in replies.items()}
+        return self.broadcast(nodes, protocol.DESCRIBE, server_round, request, ("num-examples",), reference)
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
-        descriptors = self.describe(server_round, nodes)
-        v = {node: d.clone().requires_grad_() for node, d in descriptors.items()}
+        described = self.describe(server_round, nodes)
+        v = {node: r.arrays[DESCRIPTOR].clone().requires_grad_() for node, r in described.items()}
         theta = {node: self.hyper(v[node]) for node in v}
         config = self.config(server_round)
         requests = {node: protocol.content(ArrayRecord(t), config) for node, t in theta.items()}
@@ -83,13 +82,16 @@ class PeFLL(Strategy):
         return self.predict(server_round, nodes, serve=True)
 
     def predict(self, server_round: int, nodes: list[NodeInfo], serve: bool) -> dict[int, dict[str, float]]:
-        """PeFLL-predict: η_v down, v up, θ = h(v) down, test metrics up. `serve` tells the
-        nodes that they are being served (they never trained)."""
-        descriptors = self.describe(server_round, nodes, predict=True, serve=serve)
+        """η_v down, v up, θ = h(v) down, test metrics up (PeFLL-predict). Nodes being served
+        may hold no labels (OD-PFL): they keep their model and report no accuracy. Each row
+        carries the descriptor's sample count and, when noised, its privacy settings."""
+        described = self.describe(server_round, nodes, predict=True, serve=serve)
         config = self.config(server_round)
         with torch.no_grad():
-            requests = {node: protocol.content(ArrayRecord(self.hyper(v)), config) for node, v in descriptors.items()}
-        return metrics_of(self.ask(requests, protocol.EVALUATE_GENERATED, server_round, TESTED))
+            requests = {node: protocol.content(ArrayRecord(self.hyper(r.arrays[DESCRIPTOR])), config)
+                        for node, r in described.items()}  # fmt: skip
+        scored = self.ask(requests, protocol.EVALUATE_GENERATED, server_round, ("num-examples",) if serve else TESTED)
+        return {node: reply.metrics | _descriptor_fields(described[node].metrics) for node, reply in scored.items()}
 
     def state(self) -> dict[str, torch.Tensor]:
         nets = {"hyper": self.hyper, "embed": self.embed}
@@ -99,3 +101,8 @@ class PeFLL(Strategy):
 def _inner(theta: Params, delta: Params) -> torch.Tensor:
     """⟨θ, Δθ⟩ summed over all tensors; its gradient is the vector-Jacobian product with Δθ."""
     return sum((theta[k] * delta[k]).sum() for k in theta)
+
+
+def _descriptor_fields(metrics: dict[str, float]) -> dict[str, float]:
+    """What a node said about its descriptor: how many samples, and any privacy settings."""
+    return {"descriptor-size": metrics["num-examples"]} | {k: v for k, v in metrics.items() if k.startswith("dp-")}

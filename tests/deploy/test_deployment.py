@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 
 from florist.cli import main
+from florist.common.data import load_digits
+from florist.common.knn import LAMBDA_GRID
+from florist.common.models import build_model
 from florist.deploy.certs import make_ca_and_server, make_node_key
 from florist.deploy.federation import LocalFederation, free_port
 from florist.deploy.join import JoinError, join
@@ -153,9 +156,11 @@ def test_a_supernode_killed_mid_run_is_left_out(tmp_path):
         assert scored["partition-2"] is None and scored["partition-0"] is not None and scored["partition-1"] is not None
 
 
-def run_with_late_joiner(tmp_path: Path, **overrides) -> dict:
-    """Train with 3 SuperNodes, then start a 4th one; the server serves it before finishing."""
-    fed = LocalFederation(tmp_path, node_configs(4, tmp_path))
+def run_with_late_joiner(tmp_path: Path, late: dict | None = None, **overrides) -> dict:
+    """Train with 3 SuperNodes, then start a 4th one (node config `late`, else partition 3);
+    the server serves it before finishing."""
+    configs = node_configs(4, tmp_path)
+    fed = LocalFederation(tmp_path, configs[:3] + [late or configs[3]])
     try:
         fed.start(num_started=3)
         config = RUN | {"min-nodes": 3, "serve-seconds": 240.0, "serve-count": 1, "results-dir": str(tmp_path / "out")}
@@ -169,20 +174,38 @@ def run_with_late_joiner(tmp_path: Path, **overrides) -> dict:
     finally:
         fed.stop()
     results = json.loads(progress.read_text())
-    assert results["summary"]["unseen"]["num_clients"] == 1 and results["summary"]["seen"]["num_clients"] == 3
-    [late] = [c for c in results["clients"] if c["client"] == "partition-3"]
-    assert not late["seen"] and late["accuracy"] is not None  # joined after training: unseen, and served
+    assert results["summary"]["seen"]["num_clients"] == 3
+    [joined] = [c for c in results["clients"] if not c["seen"]]  # joined after training: unseen
+    assert joined["client"] == (late or {}).get("node-key", "partition-3")
     return results
 
 
 def test_knnper_personalizes_a_node_that_joins_after_training(tmp_path):
     results = run_with_late_joiner(tmp_path, strategy="knnper", partition="pathological:2", **{"num-server-rounds": 2})
     [late] = [c for c in results["clients"] if c["client"] == "partition-3"]
-    assert late["datastore_size"] == late["num_train"] and late["lambda"] in (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+    assert results["summary"]["unseen"]["num_clients"] == 1  # scored
+    assert late["datastore_size"] == late["num_train"] and late["lambda"] in LAMBDA_GRID
     assert (tmp_path / "state" / "partition-3" / "datastore.npz").exists()  # persisted in its state folder
 
 
 def test_pefll_trains_in_three_exchanges_and_predicts_a_model_for_a_late_joiner(tmp_path):
-    results = run_with_late_joiner(tmp_path, strategy="pefll", **{"num-server-rounds": 1, "pefll-local-steps": 10})
+    results = run_with_late_joiner(tmp_path, strategy="pefll", **{"num-server-rounds": 1, "hn-local-steps": 10})
     assert not results["failures"] and math.isfinite(results["rounds"][0]["train_loss"])
     assert all(c["accuracy"] is not None for c in results["clients"])  # PeFLL-predict for all four
+
+
+def test_odpfl_serves_a_late_node_that_has_no_labels(tmp_path):
+    folder = tmp_path / "newcomer"
+    folder.mkdir()
+    x, _ = load_digits()
+    np.savez(folder / "train.npz", x=x[:80])  # no y anywhere: nothing to train or score with
+    np.savez(folder / "test.npz", x=x[80:100])
+    late = {"data-dir": str(folder), "node-key": "newcomer", "state-dir": str(tmp_path / "state"), "dp-epsilon": 3.0}
+    results = run_with_late_joiner(tmp_path, late, strategy="odpfl", partition="pathological:2",
+                                   **{"num-server-rounds": 1, "hn-local-steps": 10})  # fmt: skip
+    [newcomer] = [c for c in results["clients"] if c["client"] == "newcomer"]
+    assert newcomer["accuracy"] is None and newcomer["dp_epsilon"] == 3.0 and newcomer["dp_sigma"] > 0
+    assert newcomer["descriptor_size"] == newcomer["num_train"]
+    saved = np.load(tmp_path / "state" / "newcomer" / "generated-model.npz")  # the node keeps its model
+    assert set(saved.files) == set(build_model("cnn", (1, 8, 8), 10).state_dict())
+    assert not [f for f in results["failures"] if f["node"].endswith("(newcomer)")]

@@ -1,5 +1,5 @@
-"""PeFLL: the networks' shapes, and its math and failure handling through Flower's simulation
-runtime (real messages between the server and client halves)."""
+"""PeFLL (and the machinery OD-PFL shares with it): the networks' shapes, and the math and
+failure handling through Flower's simulation runtime (real messages between the halves)."""
 
 import math
 import sys
@@ -17,7 +17,7 @@ from florist.common.config import RunConfig
 from florist.common.hypernet import EmbeddingNet, HyperNetwork, default_embed_dim
 from florist.common.models import build_model
 from florist.server.simulation import simulate
-from florist.strategies.pefll import PeFLL
+from florist.strategies import STRATEGIES
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers unpickle the mods below
 
@@ -60,17 +60,19 @@ def _simulate(tmp_path, name, num_clients, client_app=None, **overrides):
     return cfg, results, torch.load(tmp_path / name / "checkpoint.pt")["state"]
 
 
-def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradient(tmp_path):
+@pytest.mark.parametrize("strategy", ["pefll", "odpfl"])
+def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradient(tmp_path, strategy):
     """One client, one plain SGD step of size α, no regularization: the update the three
-    exchanges produce is −α·∇L of L(h(v(S; η_v); η_h); S), differentiated end to end."""
+    exchanges produce is −α·∇L of L(h(v(S; η_v); η_h); S), differentiated end to end
+    (OD-PFL's encoder reads x only: v(X; η_v))."""
     alpha = 1.0
     cfg, results, after = _simulate(
-        tmp_path, "chain", 1, lr=alpha, **{"pefll-local-steps": 1, "batch-size": 4096, "pefll-batch": 4096,
-        "pefll-l2-hyper": 0.0, "pefll-l2-embed": 0.0, "pefll-l2-model": 0.0, "pefll-optimizer": "sgd",
-        "pefll-server-lr": 1.0, "min-train-nodes": 1, "pefll-embed-dim": 3})  # fmt: skip
+        tmp_path, "chain", 1, strategy=strategy, lr=alpha, **{"hn-local-steps": 1, "batch-size": 4096, "hn-batch": 4096,
+        "hn-l2-hyper": 0.0, "hn-l2-embed": 0.0, "hn-l2-model": 0.0, "hn-optimizer": "sgd",
+        "hn-server-lr": 1.0, "min-train-nodes": 1, "hn-embed-dim": 3})  # fmt: skip
     assert results["complete"] and not results["failures"]
 
-    server = PeFLL(cfg, None, (1, 8, 8), 1)  # the same seed: the networks before the round
+    server = STRATEGIES[strategy](cfg, None, (1, 8, 8), 1)  # the same seed: the networks before the round
     client = data_lib.embedded_client(0, 1, "iid", cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size)
     x, y = torch.from_numpy(client.x_train), torch.from_numpy(client.y_train)
     theta = server.hyper(server.embed.describe(x, y))
@@ -99,7 +101,7 @@ def fail_in_message(message_type: str):
 
 def test_a_client_failing_in_exchange_three_is_left_out_of_the_update(tmp_path):
     """The update with a client lost in exchange 3 equals the update without it (lost in 1)."""
-    settings = {"pefll-local-steps": 5, "pefll-embed-dim": 2}
+    settings = {"hn-local-steps": 5, "hn-embed-dim": 2}
     _, late, after_late = _simulate(tmp_path, "late", 3, build_client_app([fail_in_message(protocol.TRAIN_ENCODER)]),
                                     **settings)
     _, early, after_early = _simulate(tmp_path, "early", 3, build_client_app([fail_in_message(protocol.DESCRIBE)]),
