@@ -52,6 +52,12 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("failures"):
         lines += ["", f"{len(results['failures'])} node failures were left out of their rounds:", ""]
         lines += [f"- round {f['round']}, {f['node']}, `{f['message_type']}`: {f['reason']}" for f in results["failures"]]
+    private = [c for c in results["clients"] if c.get("dp_sigma")]
+    if private:
+        lines += ["", "Descriptors sent with Gaussian noise for (ε, δ)-differential privacy:", "",
+                  "| client | \\|D\\| | ε | δ | σ | accuracy (%) |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {c['client']} | {c['descriptor_size']} | {c['dp_epsilon']:g} | {c['dp_delta']:g} | "
+                  f"{c['dp_sigma']:.4f} | {_pct(c['accuracy'])} |" for c in private]  # fmt: skip
     lines += ["", "![accuracy per round](accuracy_per_round.png)", "", "![per-client accuracy](client_accuracy.png)", ""]
     if any("lambda" in c for c in results["clients"]):
         lines += ["![lambda vs local data size](lambda_vs_size.png)", ""]

@@ -105,5 +105,7 @@ def test_odpfl_simulation_serves_held_out_clients_from_their_unlabeled_data(tmp_
     assert novel["dp_epsilon"] == 3.0 and novel["descriptor_size"] == novel["num_train"]
     assert novel["dp_sigma"] == pytest.approx(privacy.gaussian_sigma(3.0, 1e-5, novel["num_train"]))
     assert all("dp_sigma" not in c for c in results["clients"] if c["seen"])  # noise is for nodes being served
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert f"| {novel['client']} | {novel['num_train']} | 3 | 1e-05 | {novel['dp_sigma']:.4f} |" in report
     assert all(math.isfinite(r["train_loss"]) for r in results["rounds"])
     assert results["summary"]["seen"]["mean_accuracy"] > 0.5  # two classes per client; chance over ten is 0.1
