@@ -237,22 +237,41 @@ def _read_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | No
     return _check_arrays(str(path), arrays["x"], arrays.get("y"), num_classes)
 
 
-def _read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+def _read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """An ImageFolder tree (`path/<class>/*.png`, labelled), or images directly in `path`
+    (unlabeled, e.g. a node that will only be served)."""
     from torchvision.datasets import ImageFolder
-    from torchvision.transforms.functional import pil_to_tensor
+    from torchvision.datasets.folder import IMG_EXTENSIONS
 
     if not path.is_dir():
-        raise FileNotFoundError(f"{path} is missing; expected an ImageFolder tree (one folder per class)")
-    try:
-        folder = ImageFolder(str(path))
-    except (FileNotFoundError, RuntimeError) as err:
-        raise ValueError(f"{path} is not a valid ImageFolder tree (one sub-folder of images per class): {err}") from err
-    images = [pil_to_tensor(folder.loader(p)).numpy() for p, _ in folder.samples]
+        raise FileNotFoundError(
+            f"{path} is missing; expected an ImageFolder tree (one folder per class) or a folder of unlabeled images"
+        )
+    loose = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMG_EXTENSIONS)
+    if loose and not any(f.is_dir() for f in path.iterdir()):
+        files, y = [str(f) for f in loose], None
+    else:
+        try:
+            folder = ImageFolder(str(path))
+        except (FileNotFoundError, RuntimeError) as err:
+            raise ValueError(f"{path} is not a valid ImageFolder tree (one sub-folder of images per class) nor a "
+                             f"folder of images: {err}") from err  # fmt: skip
+        files, y = [f for f, _ in folder.samples], np.asarray(folder.targets)
+    images = [_load_image(f) for f in files]
     shapes = {im.shape for im in images}
     if len(shapes) > 1:
         raise ValueError(f"{path}: images have different shapes {sorted(shapes)}; expected one size")
     x = np.stack(images).astype(np.float32) / 255.0
-    return _check_arrays(str(path), x, np.asarray(folder.targets), num_classes)
+    return _check_arrays(str(path), x, y, num_classes)
+
+
+def _load_image(file: str) -> np.ndarray:
+    """C×H×W uint8: grayscale stays one channel (digits-like data), anything else becomes RGB."""
+    from PIL import Image
+    from torchvision.transforms.functional import pil_to_tensor
+
+    with Image.open(file) as image:
+        return pil_to_tensor(image if image.mode in ("L", "RGB") else image.convert("RGB")).numpy()
 
 
 def _check_arrays(

@@ -141,3 +141,15 @@ def test_image_folder_tree(tmp_path):
     assert sorted(set(client.y_train.tolist()) | set(client.y_val.tolist())) == [0, 1]
     with pytest.raises(ValueError, match=r"labels \[1\] are outside \[0, 1\)"):
         data.folder_client(tmp_path, 1, 0, 0.2)
+
+
+def test_a_folder_of_loose_images_is_unlabeled_data(tmp_path):
+    from PIL import Image
+
+    for split in ("train", "test"):
+        (tmp_path / split).mkdir()
+        for i in range(4):
+            Image.fromarray(np.full((8, 8), 60 * i, dtype=np.uint8)).save(tmp_path / split / f"{i}.png")
+    client = data.folder_client(tmp_path, 10, 0, 0.25)
+    assert not client.labelled and client.y_test is None
+    assert client.input_shape == (1, 8, 8) and len(client.x_train) + len(client.x_val) == 4
