@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -65,8 +66,15 @@ def app_dir() -> Path:
 
 
 def toml_node_config(values: dict[str, Any]) -> str:
-    """`--node-config` / `--run-config` text: space-separated TOML `key=value` pairs."""
-    return " ".join(f"{k}={json.dumps(v)}" for k, v in values.items())
+    """`--node-config` / `--run-config` text: space-separated TOML `key=value` pairs (JSON
+    spells strings, numbers and booleans as TOML does, except inf and nan)."""
+    return " ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf", "-inf", "nan": TOML's spelling, not JSON's "Infinity"
+    return json.dumps(value)
 
 
 @dataclasses.dataclass
