@@ -28,9 +28,9 @@ from florist.common.config import RunConfig
 from florist.deploy.federation import LocalFederation, flower_bin
 from florist.server.simulation import simulate
 
-# Exchanges per round with evaluation: FedAvg-like strategies train, then evaluate; PeFLL
-# trains in three exchanges, then predicts in two (descriptor, then model).
-EXCHANGES_PER_ROUND = {"pefll": 5}
+# Exchanges per round with evaluation: FedAvg-like strategies train, then evaluate; PeFLL and
+# OD-PFL train in three exchanges, then predict in two (descriptor, then model).
+EXCHANGES_PER_ROUND = {"pefll": 5, "odpfl": 5}
 
 
 def median_round(results: dict) -> float:

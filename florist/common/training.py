@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import torch
@@ -38,7 +39,8 @@ def train(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
     inputs, targets = torch.from_numpy(x), torch.from_numpy(y)
     loss_sum, seen = 0.0, 0
-    for batch in _batches(len(x), batch_size, epochs, steps, generator):
+    count = steps if steps is not None else epochs * math.ceil(len(x) / batch_size)
+    for batch in itertools.islice(_batches(len(x), batch_size, generator), count):
         if steps is None and seen >= len(x):  # a new epoch: report the last one only
             loss_sum, seen = 0.0, 0
         optimizer.zero_grad()
@@ -51,15 +53,10 @@ def train(
     return loss_sum / seen
 
 
-def _batches(n: int, batch_size: int, epochs: int, steps: int | None, generator: torch.Generator | None):
-    """Index batches: `epochs` shuffled passes, or the first `steps` batches of as many passes as needed."""
-    count = 0
-    for _ in range(epochs) if steps is None else itertools.count():
-        for batch in torch.randperm(n, generator=generator).split(batch_size):
-            if steps is not None and count == steps:
-                return
-            count += 1
-            yield batch
+def _batches(n: int, batch_size: int, generator: torch.Generator | None):
+    """Shuffled index batches, one pass after another, without end."""
+    while True:
+        yield from torch.randperm(n, generator=generator).split(batch_size)
 
 
 @torch.no_grad()
