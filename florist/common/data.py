@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import re
 import warnings
 from pathlib import Path
@@ -90,26 +91,40 @@ def make_partitioner(spec: str, num_partitions: int, seed: int, min_partition_si
     )
 
 
+def _digits_order(seed: int) -> np.ndarray:
+    """The seeded order of the digits: the public set P is its head, clients share the rest."""
+    return np.random.default_rng(seed).permutation(len(load_digits()[1]))
+
+
+def embedded_public(size: int, seed: int) -> np.ndarray:
+    """The default public unlabeled set P: `size` digits that no client owns (their x only)."""
+    if not 0 < size < len(load_digits()[1]):
+        raise ValueError(f"public-size must be in [1, {len(load_digits()[1])}), got {size}")
+    return load_digits()[0][_digits_order(seed)[:size]]
+
+
 @functools.cache
 def partition_indices(
-    spec: str, num_partitions: int, seed: int, min_partition_size: int = 10
+    spec: str, num_partitions: int, seed: int, min_partition_size: int = 10, public_size: int = 0
 ) -> tuple[np.ndarray, ...]:
-    """Indices into the digits for each partition.
+    """Indices into the digits for each partition, leaving out the `public_size` digits of P.
 
     Cached in memory and on disk: in deployment every message starts a fresh ClientApp
     process, and building the partitions (importing `datasets`) would cost seconds each time.
     """
-    name = re.sub(r"[^A-Za-z0-9.]", "_", f"digits-{spec}-{num_partitions}-{seed}-{min_partition_size}")
-    path = cache_dir() / "partitions" / f"{name}.npz"
+    name = f"digits-{spec}-{num_partitions}-{seed}-{min_partition_size}-p{public_size}"
+    path = cache_dir() / "partitions" / f"{re.sub(r'[^A-Za-z0-9.]', '_', name)}.npz"
     if path.exists():
         with np.load(path) as archive:
             return tuple(archive[str(i)] for i in range(num_partitions))
-    parts = _partition(spec, num_partitions, seed, min_partition_size)
+    parts = _partition(spec, num_partitions, seed, min_partition_size, public_size)
     atomic_write(path, lambda f: np.savez(f, **{str(i): p for i, p in enumerate(parts)}))
     return parts
 
 
-def _partition(spec: str, num_partitions: int, seed: int, min_partition_size: int) -> tuple[np.ndarray, ...]:
+def _partition(
+    spec: str, num_partitions: int, seed: int, min_partition_size: int, public_size: int
+) -> tuple[np.ndarray, ...]:
     from datasets import Dataset
 
     if num_partitions < 1:
@@ -118,7 +133,7 @@ def _partition(spec: str, num_partitions: int, seed: int, min_partition_size: in
     partitioner = make_partitioner(spec, num_partitions, seed, min_partition_size)
     if spec.startswith("pathological:") and int(spec.split(":")[1]) > DIGITS_CLASSES:
         raise ValueError(f"partition {spec!r}: K must be <= {DIGITS_CLASSES} classes")
-    order = np.random.default_rng(seed).permutation(len(labels))
+    order = _digits_order(seed)[public_size:]
     dataset = Dataset.from_dict({"label": labels[order], "index": order})
     partitioner.dataset = dataset
     try:
@@ -127,7 +142,7 @@ def _partition(spec: str, num_partitions: int, seed: int, min_partition_size: in
             parts = [np.asarray(partitioner.load_partition(i)["index"]) for i in range(num_partitions)]
     except ValueError as err:
         raise ValueError(
-            f"cannot partition {len(labels)} digits into {num_partitions} clients with "
+            f"cannot partition {len(order)} digits into {num_partitions} clients with "
             f"{spec!r} and at least {min_partition_size} samples each ({err}). Use fewer "
             "clients, a larger alpha, or a smaller min-partition-size."
         ) from err
@@ -168,12 +183,13 @@ def embedded_client(
     val_fraction: float,
     test_fraction: float,
     min_partition_size: int = 10,
+    public_size: int = 0,
 ) -> ClientData:
     """Client `partition_id`'s digits, split into train / validation / test."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
     x, y = load_digits()
-    own = partition_indices(spec, num_partitions, seed, min_partition_size)[partition_id]
+    own = partition_indices(spec, num_partitions, seed, min_partition_size, public_size)[partition_id]
     train, val, test = split_indices(len(own), val_fraction, test_fraction, seed * 100_003 + partition_id)
     return ClientData(
         x[own[train]], y[own[train]], x[own[val]], y[own[val]], x[own[test]], y[own[test]], DIGITS_CLASSES
@@ -222,6 +238,26 @@ def folder_client(data_dir: str | Path, num_classes: int, seed: int, val_fractio
     return ClientData(
         x_train[train], take(y_train, train), x_train[val], take(y_train, val), x_test, y_test, num_classes
     )
+
+
+def folder_public(public_dir: str | Path, num_classes: int) -> np.ndarray:
+    """A user-supplied public set P: `public.npz` with array x (labels, if any, are not used)
+    or a folder of images."""
+    root = Path(public_dir).expanduser()
+    if (root / "public.npz").is_file():
+        return _read_npz(root / "public.npz", num_classes)[0]
+    if not root.is_dir():
+        raise FileNotFoundError(f"public-dir {str(root)!r} does not exist; expected a folder holding public.npz "
+                                "(array x) or images")  # fmt: skip
+    return _read_image_folder(root, num_classes)[0]
+
+
+def fingerprint(x: np.ndarray) -> str:
+    """`N-hash`: the sample count and a content hash of the samples (shape and float32 values),
+    short enough to paste into a run config; equal sets, equal fingerprint."""
+    digest = hashlib.sha256(repr(tuple(x.shape)).encode())
+    digest.update(np.ascontiguousarray(x, dtype=np.float32).tobytes())
+    return f"{len(x)}-{digest.hexdigest()[:16]}"
 
 
 def _read_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | None]:
