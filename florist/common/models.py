@@ -23,16 +23,17 @@ class Net(nn.Module):
 
 
 class SmallCNN(Net):
-    """Two 3×3 convolutions and one pooling: enough for 8×8 digits, fast on a CPU."""
+    """Two 3×3 convolutions and one pooling: enough for 8×8 digits, fast on a CPU (`cnn-wide`
+    doubles the channels and the hidden layer)."""
 
-    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, hidden: int = 128):
+    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, width: int = 16, hidden: int = 128):
         super().__init__()
-        channels, height, width = in_shape
+        channels, height, side = in_shape
         self.body = nn.Sequential(
-            nn.Conv2d(channels, 16, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
             nn.MaxPool2d(2), nn.Flatten(),
-            nn.Linear(32 * (height // 2) * (width // 2), hidden), nn.ReLU(),
+            nn.Linear(2 * width * (height // 2) * (side // 2), hidden), nn.ReLU(),
         )  # fmt: skip
         self.head = nn.Linear(hidden, num_classes)
 
@@ -86,9 +87,10 @@ def _require(name: str, ok: bool, in_shape: tuple[int, ...], expected: str) -> N
 def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> Net:
     """The model called `name` for inputs of `in_shape` (without the batch dimension)."""
     in_shape = tuple(int(d) for d in in_shape)
-    if name == "cnn":
+    if name in ("cnn", "cnn-wide"):
         _require(name, len(in_shape) == 3 and min(in_shape[1:]) >= 2, in_shape, "C×H×W")
-        return SmallCNN(in_shape, num_classes)  # type: ignore[arg-type]
+        wide = {"width": 32, "hidden": 256} if name == "cnn-wide" else {}
+        return SmallCNN(in_shape, num_classes, **wide)  # type: ignore[arg-type]
     if name == "lenet":
         ok = len(in_shape) == 3 and in_shape[1] == in_shape[2] and in_shape[1] in (28, 32)
         _require(name, ok, in_shape, "C×28×28 or C×32×32")
@@ -98,7 +100,7 @@ def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> Net:
     if name == "mobilenet_v2":
         _require(name, len(in_shape) == 3 and in_shape[0] == 3 and in_shape[1] >= 32, in_shape, "3×H×W, H >= 32")
         return MobileNetV2(in_shape, num_classes)  # type: ignore[arg-type]
-    raise ValueError(f"unknown model {name!r}; choose one of: cnn, lenet, mlp, mobilenet_v2")
+    raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
 
 
-MODEL_NAMES = ("cnn", "lenet", "mlp", "mobilenet_v2")
+MODEL_NAMES = ("cnn", "cnn-wide", "lenet", "mlp", "mobilenet_v2")

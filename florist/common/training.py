@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -29,10 +30,11 @@ def train(
     momentum: float = 0.0,
     weight_decay: float = 0.0,
     generator: torch.Generator | None = None,
+    penalty: Callable[[nn.Module], torch.Tensor] | None = None,
 ) -> float:
-    """Mini-batch SGD on cross-entropy for `epochs` passes, or for exactly `steps` mini-batches
-    when given (reshuffling at each pass). Returns the mean loss over the last pass (or over
-    all steps)."""
+    """Mini-batch SGD on cross-entropy (plus `penalty(model)` at every step when given) for
+    `epochs` passes, or for exactly `steps` mini-batches when given (reshuffling at each pass).
+    Returns the mean loss over the last pass (or over all steps)."""
     if len(x) == 0:
         raise ValueError("cannot train on an empty set")
     model.train()
@@ -40,11 +42,13 @@ def train(
     inputs, targets = torch.from_numpy(x), torch.from_numpy(y)
     loss_sum, seen = 0.0, 0
     count = steps if steps is not None else epochs * math.ceil(len(x) / batch_size)
-    for batch in itertools.islice(_batches(len(x), batch_size, generator), count):
+    for batch in itertools.islice(batches(len(x), batch_size, generator), count):
         if steps is None and seen >= len(x):  # a new epoch: report the last one only
             loss_sum, seen = 0.0, 0
         optimizer.zero_grad()
         loss = F.cross_entropy(model(inputs[batch]), targets[batch])
+        if penalty is not None:
+            loss = loss + penalty(model)
         loss.backward()
         optimizer.step()
         loss_sum, seen = loss_sum + loss.item() * len(batch), seen + len(batch)
@@ -53,18 +57,23 @@ def train(
     return loss_sum / seen
 
 
-def _batches(n: int, batch_size: int, generator: torch.Generator | None):
+def batches(n: int, batch_size: int, generator: torch.Generator | None) -> Iterator[torch.Tensor]:
     """Shuffled index batches, one pass after another, without end."""
     while True:
         yield from torch.randperm(n, generator=generator).split(batch_size)
 
 
 @torch.no_grad()
+def predict_logits(model: nn.Module, x: np.ndarray, batch_size: int = 512) -> np.ndarray:
+    """The model's outputs before the softmax, float32 N×C."""
+    model.eval()
+    chunks = [model(torch.from_numpy(x[i : i + batch_size])) for i in range(0, len(x), batch_size)]
+    return torch.cat(chunks).numpy().astype(np.float32)
+
+
 def predict_proba(model: nn.Module, x: np.ndarray, batch_size: int = 512) -> np.ndarray:
     """Class probabilities, N×C."""
-    model.eval()
-    chunks = [F.softmax(model(torch.from_numpy(x[i : i + batch_size])), dim=1) for i in range(0, len(x), batch_size)]
-    return torch.cat(chunks).numpy()
+    return F.softmax(torch.from_numpy(predict_logits(model, x, batch_size)), dim=1).numpy()
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@ import torch
 
 from florist.common.models import MODEL_NAMES, build_model
 
-SHAPES = {"cnn": (1, 8, 8), "lenet": (1, 28, 28), "mlp": (64,), "mobilenet_v2": (3, 32, 32)}
+SHAPES = {"cnn": (1, 8, 8), "cnn-wide": (1, 8, 8), "lenet": (1, 28, 28), "mlp": (64,), "mobilenet_v2": (3, 32, 32)}
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
@@ -34,3 +34,9 @@ def test_mobilenet_has_over_a_million_parameters():
 def test_unsupported_inputs_are_named(name, shape):
     with pytest.raises(ValueError, match=name):
         build_model(name, shape, 10)
+
+
+def test_cnn_wide_is_the_cnn_with_twice_the_width():
+    count = lambda name: sum(p.numel() for p in build_model(name, (1, 8, 8), 10).parameters())  # noqa: E731
+    assert count("cnn-wide") > 3 * count("cnn")
+    assert build_model("cnn-wide", (1, 8, 8), 10).features(torch.zeros(1, 1, 8, 8)).shape == (1, 256)
