@@ -165,6 +165,13 @@ def _datastore_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def _public_hash(args: argparse.Namespace) -> int:
+    from florist.common import data
+
+    print(f'public-hash = "{data.fingerprint(data.folder_public(args.public_dir, args.num_classes))}"')
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="florist", description="Personalized federated learning on Flower: simulate, deploy, compare."
@@ -242,6 +249,16 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--state-dir", help="the node's state folder (node config state-dir; default ~/.cache/florist/nodes)")
     add.add_argument("--node-key", required=True, help="the node's key (node config node-key, e.g. partition-3)")
     add.set_defaults(func=_datastore_add)
+
+    public = sub.add_parser(
+        "public-hash", help="print the fingerprint of a PerFed-CKT public set P, for the run config",
+        description="Every PerFed-CKT node must hold the same public unlabeled set P. Run this on a node's copy "
+        "(public.npz with array x, or a folder of images) and put the printed line in the run config; a node "
+        "whose P differs then refuses to train instead of learning from the wrong data.",
+    )  # fmt: skip
+    public.add_argument("public_dir", metavar="DIR", help="the folder with public.npz or the images")
+    public.add_argument("--num-classes", type=int, default=10, help="label range, if public.npz has y (default: 10)")
+    public.set_defaults(func=_public_hash)
     return parser
 
 

@@ -9,7 +9,7 @@ import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from florist.client import fedavg, knnper, local, pefll
+from florist.client import fedavg, knnper, local, pefll, perfedckt
 from florist.client.node import Node, node_of
 from florist.common import protocol
 
@@ -45,6 +45,8 @@ def build_client_app(mods: Sequence[Callable] = ()) -> ClientApp:
     app.train("generated")(handle(lambda node, msg, ctx: pefll.train(node, msg.content)))
     app.train("encoder")(handle(lambda node, msg, ctx: pefll.backprop(node, msg.content, ctx.state)))
     app.evaluate("generated")(handle(lambda node, msg, ctx: pefll.evaluate(node, msg.content)))
+    app.train("ckt")(handle(lambda node, msg, ctx: perfedckt.train(node, msg.content, msg.metadata.run_id)))
+    app.evaluate("ckt")(handle(lambda node, msg, ctx: perfedckt.evaluate(node, msg.content, msg.metadata.run_id)))
     return app
 
 

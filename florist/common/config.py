@@ -61,6 +61,15 @@ class RunConfig:
     odpfl_encode_batch: int = 256
     dp_epsilon: float = math.inf
     dp_delta: float = 1e-5
+    # PerFed-CKT: the public unlabeled set P, per-client architectures, clustered distillation
+    public_size: int = 200
+    public_dir: str = ""
+    public_hash: str = ""
+    client_models: str = ""
+    ckt_clusters: int = 3
+    ckt_lambda: float = 0.01
+    ckt_steps: int = 50
+    ckt_soft: str = "logits"
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = False
     # serve phase: personalize nodes that connect after training
@@ -130,6 +139,13 @@ class RunConfig:
             (self.odpfl_encode_batch >= 1, "odpfl-encode-batch must be >= 1"),
             (self.dp_epsilon > 0, "dp-epsilon must be > 0 (inf: no noise)"),
             (0 < self.dp_delta < 1, "dp-delta must be in (0, 1)"),
+            (self.public_size >= 0, "public-size must be >= 0 (0: no digits reserved for the public set)"),
+            (all(self.client_models.split(",")) or not self.client_models,
+             "client-models must list model names separated by commas, e.g. \"cnn,mlp,cnn-wide\""),
+            (self.ckt_clusters >= 1, "ckt-clusters must be >= 1"),
+            (self.ckt_lambda >= 0, "ckt-lambda must be >= 0"),
+            (self.ckt_soft in ("logits", "probs"), "ckt-soft must be logits or probs"),
+            (self.ckt_steps >= 0, "ckt-steps must be >= 0 (0: local-epochs passes over the train split)"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
             (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),
         ]

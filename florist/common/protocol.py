@@ -26,6 +26,9 @@ DESCRIBE = "query.describe"  # encoder η_v down -> the client's descriptor v up
 TRAIN_GENERATED = "train.generated"  # θ = h(v) down -> Δθ after k local steps up
 TRAIN_ENCODER = "train.encoder"  # Δv down -> Δη_v up, Δv backpropagated through the encoder
 EVALUATE_GENERATED = "evaluate.generated"  # θ = h(v) down -> test metrics up, no training
+# PerFed-CKT (models never travel; the node keeps its own):
+TRAIN_CKT = "train.ckt"  # centroids on P down -> soft decisions on P up, after τ distilled local steps
+EVALUATE_CKT = "evaluate.ckt"  # test the node's own model (a node without one trains it first)
 
 
 class ProtocolError(ValueError):

@@ -70,7 +70,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
         if cfg.eval_every and server_round % cfg.eval_every == 0:
             accuracy = _mean_accuracy(strategy.evaluate(server_round, seen))
         up, down = federation.take_bytes()
-        row = results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy)
+        row = results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, strategy.round_extras())
         results.checkpoint(strategy.state(), federation.failures)
         (on_round or _log_round)(row)
 

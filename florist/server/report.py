@@ -52,6 +52,7 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("failures"):
         lines += ["", f"{len(results['failures'])} node failures were left out of their rounds:", ""]
         lines += [f"- round {f['round']}, {f['node']}, `{f['message_type']}`: {f['reason']}" for f in results["failures"]]
+    lines += communication(results) + per_model(results)
     private = [c for c in results["clients"] if c.get("dp_sigma")]
     if private:
         lines += ["", "Descriptors sent with Gaussian noise for (ε, δ)-differential privacy:", "",
@@ -62,6 +63,35 @@ def markdown(results: dict[str, Any]) -> str:
     if any("lambda" in c for c in results["clients"]):
         lines += ["![lambda vs local data size](lambda_vs_size.png)", ""]
     return "\n".join(lines)
+
+
+def communication(results: dict[str, Any]) -> list[str]:
+    """Training traffic per round beside FedAvg's for the same clients and model, when the
+    strategy measured it (PerFed-CKT)."""
+    rounds = [r for r in results["rounds"] if "fedavg_bytes_up" in r]
+    if not rounds:
+        return []
+    mean = lambda key: sum(r[key] for r in rounds) / len(rounds) / 1e3  # noqa: E731
+    ours, fedavg = mean("train_bytes_up") + mean("train_bytes_down"), mean("fedavg_bytes_up") + mean("fedavg_bytes_down")
+    return ["", f"Training traffic per round: {mean('train_bytes_up'):,.1f} kB up and {mean('train_bytes_down'):,.1f} kB "
+            f"down. FedAvg with the same clients and model `{results['config']['model']}` would send "
+            f"{mean('fedavg_bytes_up'):,.1f} kB up and {mean('fedavg_bytes_down'):,.1f} kB down: "
+            f"{fedavg / ours:,.0f}× as much."]  # fmt: skip
+
+
+def per_model(results: dict[str, Any]) -> list[str]:
+    """Accuracy per client model, when clients ran models of different sizes."""
+    clients = [c for c in results["clients"] if c.get("num_params") is not None and c["accuracy"] is not None]
+    sizes = sorted({c["num_params"] for c in clients})
+    if len(sizes) < 2:
+        return []
+    lines = ["", "Accuracy per client model:", "", "| parameters | clients | mean acc. (%) | bottom decile (%) |",
+             "|---:|---:|---:|---:|"]  # fmt: skip
+    for size in sizes:
+        rows = [c for c in clients if c["num_params"] == size]
+        s = summarize([c["accuracy"] for c in rows], [c["num_test"] for c in rows])
+        lines.append(f"| {size:,} | {s['num_clients']} | {_pct(s['mean_accuracy'])} | {_pct(s['bottom_decile_accuracy'])} |")
+    return lines
 
 
 def write_report(results: dict[str, Any], folder: Path) -> None:

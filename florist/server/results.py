@@ -30,10 +30,12 @@ class Results:
         self.failures: list[dict[str, Any]] = []
 
     def add_round(
-        self, server_round: int, seconds: float, up: int, down: int, loss: float | None, accuracy: float | None
+        self, server_round: int, seconds: float, up: int, down: int, loss: float | None, accuracy: float | None,
+        extras: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
+        """Record a round; `extras` are the strategy's own figures for it."""
         row = {"round": server_round, "seconds": round(seconds, 4), "bytes_up": up, "bytes_down": down,
-               "train_loss": loss, "accuracy": accuracy}  # fmt: skip
+               "train_loss": loss, "accuracy": accuracy} | (extras or {})  # fmt: skip
         self.rounds.append(row)
         return row
 

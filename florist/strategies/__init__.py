@@ -6,7 +6,10 @@ from florist.strategies.knnper import KnnPer
 from florist.strategies.local import Local
 from florist.strategies.odpfl import ODPFL
 from florist.strategies.pefll import PeFLL
+from florist.strategies.perfedckt import PerFedCKT
 
-STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (FedAvg, FedAvgFinetune, Local, KnnPer, PeFLL, ODPFL)}
+STRATEGIES: dict[str, type[Strategy]] = {
+    s.name: s for s in (FedAvg, FedAvgFinetune, Local, KnnPer, PeFLL, ODPFL, PerFedCKT)
+}
 
 __all__ = ["STRATEGIES", "Federation", "NodeInfo", "Strategy"]

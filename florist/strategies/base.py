@@ -161,11 +161,14 @@ class Strategy:
         torch.manual_seed(self.cfg.seed)
         return build_model(self.cfg.model, self.input_shape, self.cfg.num_classes)
 
+    def sample_size(self, available: int) -> int:
+        """How many nodes a round trains: `fraction-train` of them, at least `min-train-nodes`."""
+        return min(available, max(self.cfg.min_train_nodes, math.ceil(self.cfg.fraction_train * available)))
+
     def sample(self, nodes: list[NodeInfo], server_round: int) -> list[NodeInfo]:
-        """`fraction-train` of the nodes (at least `min-train-nodes`), seeded by the round."""
-        count = min(len(nodes), max(self.cfg.min_train_nodes, math.ceil(self.cfg.fraction_train * len(nodes))))
-        picked = np.random.default_rng([self.cfg.seed, server_round]).choice(len(nodes), count, replace=False)
-        return [nodes[i] for i in sorted(picked)]
+        """`sample_size` nodes drawn uniformly without replacement, seeded by the round."""
+        rng = np.random.default_rng([self.cfg.seed, server_round])
+        return [nodes[i] for i in sorted(rng.choice(len(nodes), self.sample_size(len(nodes)), replace=False))]
 
     def client_config(self, server_round: int, **extra: Any) -> dict[str, Any]:
         """The settings every client message carries, plus per-exchange `extra` keys."""
@@ -213,6 +216,11 @@ class Strategy:
 
     def state(self) -> dict[str, torch.Tensor]:
         """The server state to checkpoint after every round (empty when the server keeps none)."""
+        return {}
+
+    def round_extras(self) -> dict[str, Any]:
+        """Figures of the last training round to keep in its results row beside the standard
+        ones (e.g. what FedAvg would have sent instead)."""
         return {}
 
 

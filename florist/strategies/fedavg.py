@@ -3,9 +3,13 @@ train split before its test evaluation): the baselines personalization must beat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from florist.common import protocol
+from florist.common.models import Net
 from florist.strategies.base import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, metrics_of
 
 
@@ -19,6 +23,14 @@ def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]
               if ref.is_floating_point() else heaviest[key].clone())
         for key, ref in states[0].items()
     }  # fmt: skip
+
+
+def exchange_bytes(model: Net, config: Mapping[str, Any]) -> tuple[int, int]:
+    """(up, down) bytes of one client's FedAvg training exchange with `model`, measured on the
+    messages FedAvg builds: the yardstick for strategies that send less."""
+    down = protocol.nbytes(protocol.content(protocol.to_record(model), config))
+    up = protocol.nbytes(protocol.content(protocol.to_record(model), metrics={"num-examples": 1, "train-loss": 0.0}))
+    return up, down
 
 
 class FedAvg(Strategy):

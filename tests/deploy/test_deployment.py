@@ -209,3 +209,17 @@ def test_odpfl_serves_a_late_node_that_has_no_labels(tmp_path):
     saved = np.load(tmp_path / "state" / "newcomer" / "generated-model.npz")  # the node keeps its model
     assert set(saved.files) == set(build_model("cnn", (1, 8, 8), 10).state_dict())
     assert not [f for f in results["failures"] if f["node"].endswith("(newcomer)")]
+
+
+def test_perfed_ckt_nodes_with_three_architectures_share_only_soft_decisions(tmp_path):
+    late = node_configs(4, tmp_path)[3] | {"model": "mlp"}  # node config wins over client-models
+    results = run_with_late_joiner(tmp_path, late, strategy="perfed-ckt", **{
+        "num-server-rounds": 2, "eval-every": 0, "client-models": "cnn,mlp,cnn-wide"})  # fmt: skip
+    clients = {c["client"]: c for c in results["clients"]}
+    assert not results["failures"] and all(c["accuracy"] is not None for c in clients.values())
+    assert len({clients[f"partition-{i}"]["num_params"] for i in range(3)}) == 3
+    assert clients["partition-3"]["num_params"] == clients["partition-1"]["num_params"]  # both mlp
+    assert clients["partition-3"]["rounds_trained"] == 0 and clients["partition-3"]["cluster"] >= 0
+    for i in range(4):  # every node keeps its own model in its state folder
+        assert (tmp_path / "state" / f"partition-{i}" / "perfed-ckt-model.npz").exists()
+    assert all(r["fedavg_bytes_up"] > 5 * r["train_bytes_up"] for r in results["rounds"])

@@ -1,0 +1,166 @@
+"""Client half of PerFed-CKT (Cho, Wang, Chiruvolu, Joshi, 2021): the node owns its model,
+whose architecture may differ from every other node's, and only soft decisions (logits) on
+the public unlabeled set P travel.
+
+A training round (Algorithm 1): receive the centroids (none in round one); compute the soft
+decisions s_k on P; pick the nearest centroid s̄_k; run τ SGD steps on
+`F_k(w) + λ/|P|·Σ_{x∈P} ‖s̄_k(x) − s(w, x)‖²`, the sum estimated on mini-batches of P; reply
+with the new s_k. The model lives in the node's state folder, tagged with its run and
+architecture: a sampled node continues from its last model, a new run starts afresh.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, RecordDict
+
+from florist.client.node import Node
+from florist.common import data as data_lib
+from florist.common import protocol, training
+from florist.common.models import Net, build_model
+
+CENTROIDS = "centroids"  # c × |P| × C, down (in the `arrays` record)
+SOFT = "soft-decisions"  # |P| × C, up (in the `arrays` record)
+MODEL_FILE, META_FILE = "perfed-ckt-model.npz", "perfed-ckt-model.json"
+
+
+def architecture(node: Node) -> str:
+    """Node config `model`, else the node's entry in `client-models` (by partition id,
+    cycling), else the run's `model`."""
+    if "model" in node.node_config:
+        return str(node.node_config["model"])
+    names = [n.strip() for n in node.cfg.client_models.split(",") if n.strip()]
+    if names and "partition-id" in node.node_config:
+        return names[int(node.node_config["partition-id"]) % len(names)]
+    return node.cfg.model
+
+
+def public_set(node: Node, expected: str) -> np.ndarray:
+    """This node's copy of P, refused unless its fingerprint is the server's `expected` one."""
+    folder = str(node.node_config.get("public-dir") or node.cfg.public_dir)
+    if folder:
+        x, source = data_lib.folder_public(folder, node.cfg.num_classes), f"public-dir {folder!r}"
+    else:
+        x, source = data_lib.embedded_public(node.cfg.public_size, node.cfg.seed), "the embedded digits"
+    found = data_lib.fingerprint(x)
+    if found != expected:
+        raise ValueError(
+            f"node {node.key}: its public set P (from {source}) has fingerprint {found}, but the server expects "
+            f"{expected}. Every node must hold the same P: check public-dir, public-size and seed"
+        )
+    if x.shape[1:] != node.data.input_shape:
+        raise ValueError(f"node {node.key}: P has samples of shape {x.shape[1:]}, its data {node.data.input_shape}")
+    return x
+
+
+def _soft(node: Node, logits: torch.Tensor) -> torch.Tensor:
+    """s(w, x): the logits (the paper), or the class probabilities with `ckt-soft = "probs"`."""
+    return logits.softmax(1) if node.cfg.ckt_soft == "probs" else logits
+
+
+def soft_decisions(node: Node, model: Net, public: np.ndarray) -> np.ndarray:
+    """s(w, x) for every x in P, |P|×C."""
+    return _soft(node, torch.from_numpy(training.predict_logits(model, public))).numpy()
+
+
+def nearest_centroid(soft: np.ndarray, centroids: np.ndarray) -> int:
+    """Index of the centroid closest to `soft` (|P|×C) in squared L2 distance over all of P."""
+    return int(((centroids - soft[None]) ** 2).reshape(len(centroids), -1).sum(1).argmin())
+
+
+def distillation_loss(logits: torch.Tensor, targets: torch.Tensor, lam: float) -> torch.Tensor:
+    """λ/|B|·Σ_{x∈B} ‖s̄(x) − s(w, x)‖² over a batch B of P: the paper's term, per sample."""
+    return lam * ((targets - logits) ** 2).sum(1).mean()
+
+
+def _config(content: RecordDict) -> dict:
+    return dict(content.config_records.get(protocol.CONFIG, {}))
+
+
+def _owned_model(node: Node, run_id: int) -> tuple[Net, dict | None]:
+    """The node's model and its record (None, with a fresh model, when it has none for this
+    run and architecture)."""
+    name = architecture(node)
+    torch.manual_seed(node.cfg.seed)
+    model = build_model(name, node.data.input_shape, node.cfg.num_classes)
+    meta, arrays = node.state.load_json(META_FILE), node.state.load_arrays(MODEL_FILE)
+    if not meta or arrays is None or meta.get("run-id") != run_id or meta.get("model") != name:
+        return model, None
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in arrays.items()})
+    return model, meta
+
+
+def _save(node: Node, model: Net, meta: dict) -> None:
+    node.state.save_arrays(MODEL_FILE, {k: v.numpy() for k, v in model.state_dict().items()})
+    node.state.save_json(META_FILE, meta)
+
+
+def _centroids(node: Node, content: RecordDict, public: np.ndarray) -> np.ndarray | None:
+    """The centroids the server sent (None in round one), checked against P's shape."""
+    if protocol.ARRAYS not in content.array_records:
+        return None
+    sent = content.array_records[protocol.ARRAYS].to_torch_state_dict().get(CENTROIDS, torch.zeros(0)).numpy()
+    expected = (len(public), node.cfg.num_classes)
+    if sent.ndim != 3 or sent.shape[1:] != expected or not np.isfinite(sent).all():
+        raise protocol.ProtocolError(f"node {node.key}: the server's centroids have shape {sent.shape}, "
+                                     f"expected c×{expected[0]}×{expected[1]} finite values")  # fmt: skip
+    return sent
+
+
+def _fit(node: Node, model: Net, public: np.ndarray, centroids: np.ndarray | None, salt: int) -> tuple[float, int]:
+    """τ local steps; with centroids, distilled toward the nearest one. Returns (loss, cluster)."""
+    cfg, penalty, cluster = node.cfg, None, -1
+    if centroids is not None:
+        cluster = nearest_centroid(soft_decisions(node, model, public), centroids)
+        penalty = _distillation(node, public, centroids[cluster], salt)
+    loss = node.fit(model, cfg.local_epochs, salt=salt, steps=cfg.ckt_steps or None, penalty=penalty)
+    return loss, cluster
+
+
+def _distillation(node: Node, public: np.ndarray, target: np.ndarray, salt: int) -> Callable[[Net], torch.Tensor]:
+    """The distillation term on a fresh mini-batch of P at every call (seeded like `Node.fit`)."""
+    generator = training.seeded_generator(node.cfg.seed, node.server_round, zlib.crc32(node.key.encode()), salt, 1)
+    order = training.batches(len(public), node.cfg.batch_size, generator)
+    x, s_bar = torch.from_numpy(public), torch.from_numpy(target)
+
+    def penalty(model: Net) -> torch.Tensor:
+        batch = next(order)
+        return distillation_loss(_soft(node, model(x[batch])), s_bar[batch], node.cfg.ckt_lambda)
+
+    return penalty
+
+
+def train(node: Node, content: RecordDict, run_id: int) -> RecordDict:
+    """One round of Algorithm 1 on this node; its model stays here, its soft decisions go up."""
+    public = public_set(node, str(_config(content).get("public-hash", "")))
+    model, meta = _owned_model(node, run_id)
+    loss, cluster = _fit(node, model, public, _centroids(node, content, public), salt=0)
+    rounds = (meta or {}).get("rounds", 0) + 1
+    _save(node, model, {"run-id": run_id, "model": architecture(node), "rounds": rounds, "cluster": cluster})
+    soft = torch.from_numpy(soft_decisions(node, model, public))
+    metrics = {"num-examples": len(node.data.x_train), "train-loss": loss, "cluster": cluster}
+    return protocol.content(ArrayRecord({SOFT: soft}), metrics=metrics)
+
+
+def evaluate(node: Node, content: RecordDict, run_id: int) -> RecordDict:
+    """Test the node's own model. A node without one (never sampled, or held out) tests a fresh
+    model while training runs; when the server says `scratch-rounds` (the final evaluation and
+    the serve phase) it trains one first, as a seen node did over that many rounds: local
+    training, then distillation toward the nearest of the final centroids."""
+    model, meta = _owned_model(node, run_id)
+    config = _config(content)
+    if meta is None and config.get("scratch-rounds", 0) > 0:
+        public = public_set(node, str(config.get("public-hash", "")))
+        centroids, cluster = _centroids(node, content, public), -1
+        for i in range(int(config["scratch-rounds"])):
+            _, cluster = _fit(node, model, public, centroids if i else None, salt=2 + i)
+        meta = {"run-id": run_id, "model": architecture(node), "rounds": 0, "cluster": cluster}
+        _save(node, model, meta)
+    params = sum(p.numel() for p in model.parameters())
+    record = meta or {"rounds": 0, "cluster": -1}
+    return node.test_reply(model, **{"num-params": params, "rounds-trained": record["rounds"],
+                                     "cluster": record["cluster"]})  # fmt: skip
