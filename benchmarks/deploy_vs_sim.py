@@ -42,7 +42,7 @@ def clientapp_start_seconds(repeats: int = 3) -> float:
     """What a fresh ClientApp process pays before its handler runs: `flwr-clientapp` start-up
     plus importing florist's client (torch) and loading an embedded partition."""
     code = ("import florist.client.app; from florist.common.data import embedded_client; "
-            "embedded_client(0, 3, 'iid', 1, 0.15, 0.2)")  # fmt: skip
+            "embedded_client(0, 3, 'iid', 1, 0.15, 0.2, public_size=200)")  # fmt: skip
     times = []
     for _ in range(repeats):
         start = time.monotonic()

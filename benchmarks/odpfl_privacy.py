@@ -37,13 +37,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     results = json.loads((args.run / "results.json").read_text())
-    cfg = RunConfig.from_mapping({k: v for k, v in results["config"].items() if v is not None})
+    values = {k: v for k, v in results["config"].items() if v is not None}
+    cfg = RunConfig.from_mapping({"public-size": 0} | values)  # runs from before P was set aside used every digit
     if cfg.strategy != "odpfl":
         raise SystemExit(f"{args.run}: an odpfl run is needed, this one ran {cfg.strategy}")
     num = len(results["clients"])
     novel = sorted(data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed))
     clients = [data_lib.embedded_client(i, num, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
-                                        cfg.min_partition_size) for i in novel]  # fmt: skip
+                                        cfg.min_partition_size, public_size=cfg.public_size) for i in novel]  # fmt: skip
     server = STRATEGIES["odpfl"](cfg, None, clients[0].input_shape, num - len(novel))
     state = torch.load(args.run / "checkpoint.pt")["state"]
     for prefix, net in (("hyper", server.hyper), ("embed", server.embed)):

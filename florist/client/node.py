@@ -97,7 +97,7 @@ def node_of(msg: Message, context: Context) -> Node:
         pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
         client = data_lib.embedded_client(
             pid, num, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size,
-            cfg.public_size,
+            public_size=cfg.public_size,
         )
         default_key = f"partition-{pid}"
         seen = pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed)

@@ -183,9 +183,11 @@ def embedded_client(
     val_fraction: float,
     test_fraction: float,
     min_partition_size: int = 10,
-    public_size: int = 0,
+    *,
+    public_size: int,
 ) -> ClientData:
-    """Client `partition_id`'s digits, split into train / validation / test."""
+    """Client `partition_id`'s digits, split into train / validation / test (`public_size`:
+    the digits set aside as the public set, as the run's `public-size`)."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
     x, y = load_digits()

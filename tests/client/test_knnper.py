@@ -13,7 +13,8 @@ from florist.common.config import RunConfig
 
 def make_node(tmp_path, **config) -> Node:
     cfg = RunConfig.from_mapping({"partition": "pathological:2"} | config)
-    client = data.embedded_client(4, 10, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction)
+    client = data.embedded_client(4, 10, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
+                                  public_size=cfg.public_size)
     return Node("partition-4", True, cfg, client, NodeState(tmp_path, "partition-4"), 1, {})
 
 

@@ -68,7 +68,7 @@ def test_splits_are_disjoint_seeded_and_non_empty():
 
 
 def test_embedded_client_splits_its_own_partition():
-    client = data.embedded_client(3, 20, "dirichlet:0.3", 1, 0.15, 0.2)
+    client = data.embedded_client(3, 20, "dirichlet:0.3", 1, 0.15, 0.2, public_size=0)
     own = len(data.partition_indices("dirichlet:0.3", 20, 1)[3])
     assert len(client.x_train) + len(client.x_val) + len(client.x_test) == own
     assert client.input_shape == (1, 8, 8) and client.labelled

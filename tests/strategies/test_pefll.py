@@ -42,7 +42,7 @@ def test_models_with_buffers_are_refused_by_name():
 def test_two_clients_get_different_descriptors_and_models():
     torch.manual_seed(0)
     embed, hyper = EmbeddingNet((1, 8, 8), 10, 4), HyperNetwork(build_model("cnn", (1, 8, 8), 10), 4)
-    clients = [data_lib.embedded_client(i, 5, "pathological:2", 1, 0.15, 0.2, 10) for i in (0, 1)]
+    clients = [data_lib.embedded_client(i, 5, "pathological:2", 1, 0.15, 0.2, 10, public_size=200) for i in (0, 1)]
     v = [embed.describe(torch.from_numpy(c.x_train), torch.from_numpy(c.y_train)) for c in clients]
     assert v[0].shape == (4,) and not torch.allclose(v[0], v[1], atol=1e-4)
     assert not torch.allclose(hyper(v[0])["head.weight"], hyper(v[1])["head.weight"])
@@ -73,7 +73,8 @@ def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradi
     assert results["complete"] and not results["failures"]
 
     server = STRATEGIES[strategy](cfg, None, (1, 8, 8), 1)  # the same seed: the networks before the round
-    client = data_lib.embedded_client(0, 1, "iid", cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size)
+    client = data_lib.embedded_client(0, 1, "iid", cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size,
+                                      public_size=cfg.public_size)
     x, y = torch.from_numpy(client.x_train), torch.from_numpy(client.y_train)
     theta = server.hyper(server.embed.describe(x, y))
     loss = F.cross_entropy(torch.func.functional_call(build_model("cnn", (1, 8, 8), 10), theta, (x,)), y)

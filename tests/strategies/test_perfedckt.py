@@ -56,7 +56,7 @@ def test_the_distillation_gradient_matches_the_closed_form():
 def _node(tmp_path, key="partition-0", round_=1, **changes) -> Node:
     cfg = RunConfig(strategy="perfed-ckt", **changes)
     client = data_lib.embedded_client(0, 10, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
-                                      cfg.min_partition_size, cfg.public_size)  # fmt: skip
+                                      cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip
     node_config = {"partition-id": 0, "num-partitions": 10}
     return Node(key, True, cfg, client, NodeState(tmp_path / "state", key), round_, node_config)
 
