@@ -39,8 +39,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"# florist run: {results['strategy']}",
         "",
-        f"Partition `{cfg['partition']}`, model `{cfg['model']}`, {len(rounds)} rounds, seed {cfg['seed']}, "
-        f"unseen fraction {cfg['unseen-fraction']}.",
+        f"Partition `{cfg['partition']}`, model `{cfg.get('client-models') or cfg['model']}`, {len(rounds)} rounds, "
+        f"seed {cfg['seed']}, unseen fraction {cfg['unseen-fraction']}.",
         "",
         "| strategy | clients | n | mean acc. (%) | bottom decile (%) |",
         "|---|---|---:|---:|---:|",
