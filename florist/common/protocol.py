@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+SIDE = "side"  # arrays sent beside the model (FedAttn: representation, bias gradient)
 
 # Message types, one ClientApp handler each.
 INFO = "query.info"  # client -> its data sizes, shape, seen/unseen
@@ -29,6 +30,9 @@ EVALUATE_GENERATED = "evaluate.generated"  # θ = h(v) down -> test metrics up, 
 # PerFed-CKT (models never travel; the node keeps its own):
 TRAIN_CKT = "train.ckt"  # centroids on P down -> soft decisions on P up, after τ distilled local steps
 EVALUATE_CKT = "evaluate.ckt"  # test the node's own model (a node without one trains it first)
+# FedAttn (evaluation is Flower's standard `evaluate` of the personalized model):
+TRAIN_ATTN = "train.attn"  # G + M̃_i down -> new G and M_i, Z_i and ∂L/∂M̃_i up
+REPRESENT = "query.represent"  # a model down -> Z, the mean last hidden layer over the train split, up
 
 
 class ProtocolError(ValueError):
@@ -59,11 +63,13 @@ def state_of(record: ArrayRecord, reference: Mapping[str, torch.Tensor], source:
     return state
 
 
-def arrays_of(content: RecordDict, reference: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """The `arrays` record of a message, checked against `reference` as in `state_of`."""
-    if ARRAYS not in content.array_records:
-        raise ProtocolError(f"{source}: message has no {ARRAYS!r} ArrayRecord")
-    return state_of(content.array_records[ARRAYS], reference, source)
+def arrays_of(
+    content: RecordDict, reference: Mapping[str, torch.Tensor], source: str, key: str = ARRAYS
+) -> dict[str, torch.Tensor]:
+    """The `key` ArrayRecord of a message, checked against `reference` as in `state_of`."""
+    if key not in content.array_records:
+        raise ProtocolError(f"{source}: message has no {key!r} ArrayRecord")
+    return state_of(content.array_records[key], reference, source)
 
 
 def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> dict[str, float]:
@@ -78,11 +84,16 @@ def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> d
     return metrics
 
 
-def content(arrays: ArrayRecord | None = None, config: Mapping | None = None, metrics: Mapping | None = None) -> RecordDict:
+def content(
+    arrays: ArrayRecord | None = None, config: Mapping | None = None, metrics: Mapping | None = None,
+    side: ArrayRecord | None = None,
+) -> RecordDict:
     """A RecordDict with the standard keys, leaving out what is None."""
     records: dict = {}
     if arrays is not None:
         records[ARRAYS] = arrays
+    if side is not None:
+        records[SIDE] = side
     if config is not None:
         records[CONFIG] = ConfigRecord(dict(config))
     if metrics is not None:

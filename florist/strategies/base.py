@@ -132,10 +132,12 @@ class Federation:
 
 
 class Reply(NamedTuple):
-    """A node's checked reply: its metrics, and its arrays when the exchange expects some."""
+    """A node's checked reply: its metrics, its arrays (the model) and its `side` arrays
+    (anything else it sends beside the model), each when the exchange expects them."""
 
     metrics: dict[str, float]
     arrays: dict[str, torch.Tensor]
+    side: dict[str, torch.Tensor] = {}
 
 
 TRAINED = ("num-examples", "train-loss")  # metrics every training reply carries
@@ -176,29 +178,32 @@ class Strategy:
 
     def ask(
         self, requests: Mapping[int, RecordDict], message_type: str, server_round: int, required: tuple[str, ...],
-        reference: Mapping[str, torch.Tensor] | None = None,
+        reference: Mapping[str, torch.Tensor] | None = None, side: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[int, Reply]:
         """Send `requests[node]` to each node; return, by node, the replies whose `metrics`
-        carry the `required` ones and, when a `reference` is given, whose `arrays` match it
-        (keys, shapes, finite values). Any other reply is recorded as a failure."""
+        carry the `required` ones and, when a `reference` (or `side`) is given, whose `arrays`
+        (or `side` arrays) match it: keys, shapes, finite values. Any other reply is recorded
+        as a failure."""
         good: dict[int, Reply] = {}
         for node, content in self.federation.exchange(requests, message_type, server_round).items():
             name = self.federation.name(node)
             try:
                 metrics = protocol.metrics_of(content, required, name)
                 arrays = {} if reference is None else protocol.arrays_of(content, reference, name)
+                extra = {} if side is None else protocol.arrays_of(content, side, name, protocol.SIDE)
             except protocol.ProtocolError as err:
                 self.federation.fail(node, message_type, server_round, str(err))
                 continue
-            good[node] = Reply(metrics, arrays)
+            good[node] = Reply(metrics, arrays, extra)
         return good
 
     def broadcast(
         self, nodes: list[NodeInfo], message_type: str, server_round: int, content: RecordDict,
         required: tuple[str, ...], reference: Mapping[str, torch.Tensor] | None = None,
+        side: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[int, Reply]:
         """`ask` with the same `content` for every node."""
-        return self.ask({n.node_id: content for n in nodes}, message_type, server_round, required, reference)
+        return self.ask({n.node_id: content for n in nodes}, message_type, server_round, required, reference, side)
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         """Run one training round with `nodes`; return the mean training loss (None if none)."""
