@@ -9,7 +9,7 @@ import torch
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from florist.client import fedavg, knnper, local, pefll, perfedckt
+from florist.client import fedattn, fedavg, knnper, local, pefll, perfedckt
 from florist.client.node import Node, node_of
 from florist.common import protocol
 
@@ -47,6 +47,8 @@ def build_client_app(mods: Sequence[Callable] = ()) -> ClientApp:
     app.evaluate("generated")(handle(lambda node, msg, ctx: pefll.evaluate(node, msg.content)))
     app.train("ckt")(handle(lambda node, msg, ctx: perfedckt.train(node, msg.content, msg.metadata.run_id)))
     app.evaluate("ckt")(handle(lambda node, msg, ctx: perfedckt.evaluate(node, msg.content, msg.metadata.run_id)))
+    app.train("attn")(handle(lambda node, msg, ctx: fedattn.train(node, msg.content)))
+    app.query("represent")(handle(lambda node, msg, ctx: fedattn.describe(node, msg.content)))
     return app
 
 

@@ -70,6 +70,14 @@ class RunConfig:
     ckt_lambda: float = 0.01
     ckt_steps: int = 50
     ckt_soft: str = "logits"
+    # FedAttn: attention over the nearest clients' biases, and what keeps it stable
+    fedattn_k: int = 5
+    fedattn_key_dim: int = 16
+    fedattn_lr: float = 1e-3
+    fedattn_warmup: int = 5
+    fedattn_clip: float = 1.0
+    fedattn_reg: float = 0.1
+    fedattn_residual: bool = True
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = False
     # serve phase: personalize nodes that connect after training
@@ -146,6 +154,10 @@ class RunConfig:
             (self.ckt_lambda >= 0, "ckt-lambda must be >= 0"),
             (self.ckt_soft in ("logits", "probs"), "ckt-soft must be logits or probs"),
             (self.ckt_steps >= 0, "ckt-steps must be >= 0 (0: local-epochs passes over the train split)"),
+            (self.fedattn_k >= 1 and self.fedattn_key_dim >= 1, "fedattn-k and fedattn-key-dim must be >= 1"),
+            (self.fedattn_lr > 0, "fedattn-lr must be > 0"),
+            (min(self.fedattn_warmup, self.fedattn_clip, self.fedattn_reg) >= 0,
+             "fedattn-warmup, fedattn-clip and fedattn-reg must be >= 0 (0: off)"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
             (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),
         ]

@@ -104,3 +104,8 @@ def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> Net:
 
 
 MODEL_NAMES = ("cnn", "cnn-wide", "lenet", "mlp", "mobilenet_v2")
+
+
+def bias_names(model: nn.Module) -> list[str]:
+    """Every bias vector of `model`, in its parameter order: FedAttn's personalized part."""
+    return [name for name, _ in model.named_parameters() if name.endswith("bias")]

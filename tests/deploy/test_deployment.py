@@ -223,3 +223,13 @@ def test_perfed_ckt_nodes_with_three_architectures_share_only_soft_decisions(tmp
     for i in range(4):  # every node keeps its own model in its state folder
         assert (tmp_path / "state" / f"partition-{i}" / "perfed-ckt-model.npz").exists()
     assert all(r["fedavg_bytes_up"] > 5 * r["train_bytes_up"] for r in results["rounds"])
+
+
+def test_fedattn_personalizes_a_late_joiner_from_its_nearest_clients(tmp_path):
+    results = run_with_late_joiner(tmp_path, strategy="fedattn", **{
+        "num-server-rounds": 2, "eval-every": 0, "fedattn-warmup": 1, "fedattn-k": 2})  # fmt: skip
+    clients = {c["client"]: c for c in results["clients"]}
+    assert not results["failures"] and all(c["accuracy"] is not None for c in clients.values())
+    assert clients["partition-3"]["neighbours"] == 2 and 0.5 <= clients["partition-3"]["attention_max"] <= 1
+    for i in range(3):  # trained nodes keep Z_i and M_i in their state folder
+        assert set(np.load(tmp_path / "state" / f"partition-{i}" / "fedattn.npz").files) == {"z", "m"}

@@ -1,0 +1,54 @@
+"""Client half of FedAttn (Luo, Panchal, Guan): the model is a global part G and the bias
+vectors M. The server sends G with biases M̃_i that its attention made for this client; the
+client trains the whole model as FedAvg does and returns it (G and its own new biases M_i)
+with, beside it, its representation Z_i (the last hidden layer averaged over its train split)
+and ∂L/∂M̃_i, the gradient of its training loss at the biases it received: the server trains
+its attention through that gradient. Z_i and M_i also stay in the node's state folder."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, RecordDict
+
+from florist.client.fedavg import received_model
+from florist.client.node import Node
+from florist.common import protocol, training
+from florist.common.models import Net, bias_names
+
+STATE_FILE = "fedattn.npz"
+
+
+def represent(node: Node, model: Net) -> torch.Tensor:
+    """Z: `model.features` averaged over the node's train split."""
+    return torch.from_numpy(training.embed(model, node.data.x_train).mean(0))
+
+
+def bias_gradient(node: Node, model: Net) -> torch.Tensor:
+    """∂L/∂M at the model's current biases, L the mean cross-entropy over the train split."""
+    if not node.data.labelled:
+        raise ValueError(f"node {node.key}: FedAttn trains on labels, but the node's data has no y")
+    params = dict(model.named_parameters())
+    model.eval()
+    loss = F.cross_entropy(model(torch.from_numpy(node.data.x_train)), torch.from_numpy(node.data.y_train))
+    grads = torch.autograd.grad(loss, [params[name] for name in bias_names(model)])
+    return torch.cat([g.flatten() for g in grads]).detach()
+
+
+def train(node: Node, content: RecordDict) -> RecordDict:
+    """Train the received model; reply with it, Z_i and the gradient at the received biases."""
+    model = received_model(node, content)
+    gradient = bias_gradient(node, model)
+    loss = node.fit(model, node.cfg.local_epochs)
+    z = represent(node, model)
+    state = model.state_dict()
+    own = torch.cat([state[name].flatten() for name in bias_names(model)])
+    node.state.save_arrays(STATE_FILE, {"z": z.numpy(), "m": own.numpy()})
+    metrics = {"num-examples": len(node.data.x_train), "train-loss": loss}
+    return protocol.content(ArrayRecord(state), metrics=metrics, side=ArrayRecord({"z": z, "bias-grad": gradient}))
+
+
+def describe(node: Node, content: RecordDict) -> RecordDict:
+    """Z under the received model, for a node the server has no representation of."""
+    z = represent(node, received_model(node, content))
+    return protocol.content(metrics={"num-examples": len(node.data.x_train)}, side=ArrayRecord({"z": z}))
