@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, RecordDict
 from florist.client.fedavg import received_model
 from florist.client.node import Node
 from florist.common import protocol, training
-from florist.common.models import Net, bias_names
+from florist.common.models import Net, bias_names, flat_biases
 
 STATE_FILE = "fedattn.npz"
 
@@ -31,8 +31,8 @@ def bias_gradient(node: Node, model: Net) -> torch.Tensor:
     params = dict(model.named_parameters())
     model.eval()
     loss = F.cross_entropy(model(torch.from_numpy(node.data.x_train)), torch.from_numpy(node.data.y_train))
-    grads = torch.autograd.grad(loss, [params[name] for name in bias_names(model)])
-    return torch.cat([g.flatten() for g in grads]).detach()
+    names = bias_names(model)
+    return flat_biases(dict(zip(names, torch.autograd.grad(loss, [params[n] for n in names]))), names)
 
 
 def train(node: Node, content: RecordDict) -> RecordDict:
@@ -42,7 +42,7 @@ def train(node: Node, content: RecordDict) -> RecordDict:
     loss = node.fit(model, node.cfg.local_epochs)
     z = represent(node, model)
     state = model.state_dict()
-    own = torch.cat([state[name].flatten() for name in bias_names(model)])
+    own = flat_biases(state, bias_names(model))
     node.state.save_arrays(STATE_FILE, {"z": z.numpy(), "m": own.numpy()})
     metrics = {"num-examples": len(node.data.x_train), "train-loss": loss}
     return protocol.content(ArrayRecord(state), metrics=metrics, side=ArrayRecord({"z": z, "bias-grad": gradient}))

@@ -109,3 +109,8 @@ MODEL_NAMES = ("cnn", "cnn-wide", "lenet", "mlp", "mobilenet_v2")
 def bias_names(model: nn.Module) -> list[str]:
     """Every bias vector of `model`, in its parameter order: FedAttn's personalized part."""
     return [name for name, _ in model.named_parameters() if name.endswith("bias")]
+
+
+def flat_biases(state: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    """The `names` tensors of `state` (the biases) as one detached vector, in that order."""
+    return torch.cat([state[name].flatten() for name in names]).detach()

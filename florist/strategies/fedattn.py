@@ -20,7 +20,7 @@ from flwr.app import ArrayRecord
 from torch import nn
 
 from florist.common import protocol
-from florist.common.models import bias_names
+from florist.common.models import bias_names, flat_biases
 from florist.strategies.base import TESTED, TRAINED, NodeInfo, log, mean_loss
 from florist.strategies.fedavg import FedAvg, weighted_average
 
@@ -64,22 +64,26 @@ class FedAttn(FedAvg):
         torch.manual_seed(cfg.seed)
         self.attention = BiasAttention(z_dim, m_dim, cfg.fedattn_key_dim, cfg.fedattn_residual)
         self.optimizer = torch.optim.Adam(self.attention.parameters(), lr=cfg.fedattn_lr)
-        self.memory: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # node key -> latest (Z, M)
         self.z_dim, self.m_dim = z_dim, m_dim
+        self.memory: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # node key -> latest (Z, M)
+        self.index, self.index_keys = faiss.IndexFlatL2(z_dim), []  # over the memory's Z, in `remember`
 
     # -- the attention -------------------------------------------------------------------
     def mean_biases(self) -> torch.Tensor:
         """M̄: the FedAvg model's biases (the sample-weighted mean of the clients' M)."""
-        state = self.model.state_dict()
-        return torch.cat([state[n].flatten() for n in self.biases]).detach()
+        return flat_biases(self.model.state_dict(), self.biases)
+
+    def remember(self, latest: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep these clients' latest (Z, M) and rebuild the index over every Z once."""
+        self.memory |= latest
+        self.index_keys = sorted(self.memory)
+        self.index = faiss.IndexFlatL2(self.z_dim)
+        self.index.add(np.stack([self.memory[k][0].numpy() for k in self.index_keys]).astype(np.float32))
 
     def neighbours(self, z: torch.Tensor) -> list[str]:
         """The keys of the K known clients nearest to z (squared L2, exact FAISS search)."""
-        keys = sorted(self.memory)
-        index = faiss.IndexFlatL2(self.z_dim)
-        index.add(np.stack([self.memory[k][0].numpy() for k in keys]).astype(np.float32))
-        _, found = index.search(z.numpy()[None].astype(np.float32), min(self.cfg.fedattn_k, len(keys)))
-        return [keys[i] for i in found[0] if i >= 0]
+        _, found = self.index.search(z.numpy()[None].astype(np.float32), min(self.cfg.fedattn_k, len(self.index_keys)))
+        return [self.index_keys[i] for i in found[0] if i >= 0]
 
     def personalize(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(M̃, attention weights) for a client with representation z (M̃ keeps its graph).
@@ -142,9 +146,8 @@ class FedAttn(FedAvg):
             self.backprop([m_tilde[n.node_id] for n in attended], gradients, m_bar)
             self.step()
         states = [replies[n.node_id].arrays for n in done]
-        for node, state in zip(done, states):
-            own = torch.cat([state[k].flatten() for k in self.biases])
-            self.memory[node.key] = (replies[node.node_id].side["z"], own)
+        self.remember({node.key: (replies[node.node_id].side["z"], flat_biases(state, self.biases))
+                       for node, state in zip(done, states)})  # fmt: skip
         self.model.load_state_dict(weighted_average(states, [replies[n.node_id].metrics["num-examples"] for n in done]))
         return mean_loss(replies[n.node_id].metrics for n in done)
 

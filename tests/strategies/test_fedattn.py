@@ -37,7 +37,7 @@ def test_the_server_step_from_client_gradients_equals_autograd_of_the_clients_lo
     cfg = RunConfig(strategy="fedattn", model="mlp", fedattn_k=3, fedattn_reg=reg)
     server = FedAttn(cfg, None, (1, 8, 8), 4)
     torch.nn.init.normal_(server.attention.value.weight, std=0.1)
-    server.memory = {f"n{i}": (torch.randn(server.z_dim), torch.randn(server.m_dim)) for i in range(4)}
+    server.remember({f"n{i}": (torch.randn(server.z_dim), torch.randn(server.m_dim)) for i in range(4)})
     targets = [torch.randn(server.m_dim) for _ in range(3)]
     clients = ["n0", "n1", "n3"]
     losses = lambda m, t: ((m - t) ** 2).sum() * 0.5 + (m**3).sum() * 0.01  # noqa: E731  any smooth local loss
@@ -71,7 +71,7 @@ def test_fedattn_simulation_personalizes_seen_and_held_out_clients(tmp_path):
 
 def test_a_broken_attention_falls_back_to_the_mean_biases_instead_of_sending_nan():
     server = FedAttn(RunConfig(strategy="fedattn", model="mlp"), None, (1, 8, 8), 2)
-    server.memory = {f"n{i}": (torch.randn(server.z_dim), torch.randn(server.m_dim)) for i in range(2)}
+    server.remember({f"n{i}": (torch.randn(server.z_dim), torch.randn(server.m_dim)) for i in range(2)})
     with torch.no_grad():
         server.attention.value.weight.fill_(float("inf"))
         m, weights = server.personalize(server.memory["n0"][0])
