@@ -1,0 +1,200 @@
+"""Every use of Flower internals in florist, in one place, checked against the pinned release.
+
+florist's deployment fast path needs what Flower 1.39 offers no setting for:
+
+- a SuperNode sleeps 3 s after every pull that finds no message and 0.5 s between checks for
+  its ClientApp's reply (`flwr/supernode/start_client_internal.py`): `pace_supernode` replaces
+  those sleeps with a `Backoff` in that module only;
+- whoever pulls a message's objects (SuperNode from SuperLink, ClientApp from SuperNode,
+  ServerApp its replies) and finds one not pushed yet waits 1 s, then 2, 4, ... up to 10 s
+  (`flwr/supercore/inflatable/inflatable_utils.py`); with fast polling that is the common
+  case, so `quick_object_pulls` starts those waits at 10 ms, capped at 0.2 s (and bounds them
+  by Flower's 2 h limit on the whole pull, not by 500 tries);
+- a ClientApp process unpacks and re-verifies its app bundle for every message, even when that
+  bundle is installed already (`flwr/cli/install.py`): `skip_installed_fabs` skips that;
+- the warm executor drives the Runtime API's task loop and Flower's ClientApp runtime itself
+  (`runtime_client`, `acquire_task`, `stock_command`, `run_clientapp`);
+- it reads the app bundles a SuperNode's ClientApps installed (`installed_fab`).
+
+`verify()` checks that the installed Flower still has what these rely on; its test fails,
+naming both Flower versions, when an upgrade changes any of it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from florist.common.pacing import Backoff
+
+PINNED = "1.39.0"  # the Flower release everything below was read from
+
+
+def verify() -> None:
+    """Raise RuntimeError naming what changed if the installed Flower is not what this module
+    was written against."""
+    import flwr
+    from flwr.supernode import start_client_internal as sci
+    from flwr.supernode.runtime.run_clientapp import run_clientapp as flower_run_clientapp
+
+    problems = [] if flwr.__version__ == PINNED else [f"version {flwr.__version__}"]
+    source = inspect.getsource(sci)
+    problems += [f"no `{s}` in start_client_internal" for s in ("time.sleep(3)", "time.sleep(0.5)") if s not in source]
+    problems += [f"no {n} in start_client_internal" for n in ("_pull_and_store_message", "_push_messages", "time")
+                 if not hasattr(sci, n)]  # fmt: skip
+    from flwr.supercore.inflatable import inflatable_utils
+
+    for pull in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
+        if not {"initial_backoff", "backoff_cap", "max_tries_per_object"} <= set(pull.__kwdefaults__ or {}):
+            problems.append(f"{pull.__name__} has no initial_backoff/backoff_cap/max_tries_per_object keywords")
+    from flwr.supernode.runtime import run_clientapp as runtime
+
+    if "install_from_fab(fab.content, skip_prompt=True)" not in inspect.getsource(runtime):
+        problems.append("run_clientapp no longer installs the FAB with install_from_fab")
+    expected = ["runtime_api_address", "token", "insecure", "certificates", "parent_pid", "runtime_dependency_install"]
+    if list(inspect.signature(flower_run_clientapp).parameters) != expected:
+        problems.append("run_clientapp's parameters changed")
+    if problems:
+        raise RuntimeError(f"florist's deployment fast path was written for Flower {PINNED}; the installed Flower "
+                           f"{flwr.__version__} differs: {'; '.join(problems)}")  # fmt: skip
+
+
+class _PacedTime:
+    """Stands in for the `time` module inside `start_client_internal`: its fixed sleeps become
+    `Backoff` delays (never longer than what Flower asked for), cut short by `wake`."""
+
+    def __init__(self, backoff: Backoff, wake: threading.Event):
+        self.backoff, self.wake = backoff, wake
+
+    def sleep(self, seconds: float) -> None:
+        self.wake.wait(min(seconds, self.backoff.delay()))
+        self.wake.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def quick_object_pulls() -> None:
+    """In this process, retry an object that is not there yet after 10 ms, doubling up to
+    0.2 s (instead of 1 s doubling up to 10 s)."""
+    verify()
+    from flwr.supercore.inflatable import inflatable_utils
+
+    for pull in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
+        pull.__kwdefaults__.update(initial_backoff=0.01, backoff_cap=0.2, max_tries_per_object=None)
+
+
+def skip_installed_fabs() -> None:
+    """In this process, Flower's ClientApp runtime installs an app bundle only when it is not
+    installed already (it would unpack and hash every file again for every message)."""
+    verify()
+    import hashlib
+
+    from flwr.supernode.runtime import run_clientapp as runtime
+
+    install = runtime.install_from_fab
+
+    def install_once(fab_file: bytes, skip_prompt: bool = False) -> Path:
+        return installed_fab(hashlib.sha256(fab_file).hexdigest()) or install(fab_file, skip_prompt=skip_prompt)
+
+    runtime.install_from_fab = install_once
+
+
+def pace_supernode(
+    backoff: Backoff, wake: threading.Event | None = None, on_message: Callable[[], None] | None = None
+) -> None:
+    """Make this process's SuperNode poll with `backoff`, reset whenever a message arrives and
+    when its reply has gone out, and pull objects quickly. Setting `wake` ends a wait at once
+    (e.g. when a reply is there); `on_message` is called for every message pulled."""
+    quick_object_pulls()
+    from flwr.supernode import start_client_internal as sci
+
+    pull, push = sci._pull_and_store_message, sci._push_messages
+
+    def pull_and_store(*args: Any, **kwargs: Any) -> int | None:
+        run_id = pull(*args, **kwargs)
+        if run_id is not None:
+            backoff.reset()
+            if on_message:
+                on_message()
+        return run_id
+
+    def push_replies(*args: Any, **kwargs: Any) -> None:
+        try:
+            push(*args, **kwargs)
+        finally:
+            backoff.reset()
+
+    sci._pull_and_store_message, sci._push_messages = pull_and_store, push_replies
+    sci.time = _PacedTime(backoff, wake or threading.Event())
+
+
+def supernode_main(argv: list[str]) -> None:
+    """Flower's `flower-supernode` with these arguments, in this process."""
+    from flwr.supernode.cli import flower_supernode
+
+    sys.argv = ["flower-supernode", *argv]
+    flower_supernode()
+
+
+def runtime_client(address: str, root_certificates: str | None):
+    """A client of a SuperNode's Runtime API, as Flower's SuperExec makes it (no retries:
+    the executor's own loop decides what to do when the SuperNode is gone)."""
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+
+    return RuntimeHttpClient.from_server_address(
+        server_address=address, insecure=root_certificates is None, root_certificates=root_certificates,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
+    )  # fmt: skip
+
+
+def acquire_task(client) -> tuple[str, Any] | None:
+    """(token, task) of the next pending task of any type, or None."""
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore.constant import TaskType
+
+    response = client.AcquireTask(AcquireTaskRequest(supported_task_types=[str(t) for t in TaskType]))
+    return (response.token, response.task) if response.HasField("task") and response.token else None
+
+
+def is_client_app(task) -> bool:
+    from flwr.supercore.constant import TaskType
+
+    return task.type == TaskType.CLIENT_APP
+
+
+def stock_command(task, address: str, token: str, root_certificates: str | None, parent_pid: int) -> list[str]:
+    """The process Flower's own SuperExec starts for `task` (`SubprocessExecutor.launch`)."""
+    from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG, TASK_TYPE_TO_COMMAND, TaskType
+
+    task_type = TaskType(task.type)
+    command = [TASK_TYPE_TO_COMMAND[task_type], TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[task_type], address, "--token", token]
+    command += ["--root-certificates", root_certificates] if root_certificates else ["--insecure"]
+    return command + ["--parent-pid", str(parent_pid)]
+
+
+def run_clientapp(address: str, token: str, root_certificates: str | None, parent_pid: int) -> None:
+    """Flower's ClientApp runtime for one task: pull its message, run the ClientApp the run's
+    app bundle names, push the reply, exit. An app module already imported in this process is
+    used as it is (`flwr.supercore.object_ref.load_app`), which is what makes a forked child warm."""
+    from flwr.supernode.runtime.run_clientapp import run_clientapp as flower_run_clientapp
+
+    certificates = Path(root_certificates).read_bytes() if root_certificates else None
+    flower_run_clientapp(runtime_api_address=address, token=token, insecure=certificates is None,
+                         certificates=certificates, parent_pid=parent_pid, runtime_dependency_install=False)  # fmt: skip
+
+
+def installed_fab(fab_hash: str) -> Path | None:
+    """The folder where this machine's ClientApps installed the app bundle `fab_hash`
+    (`$FLWR_HOME/apps/<publisher>.<name>.<version>.<hash prefix>`), if one did."""
+    from flwr.common.constant import APP_DIR, FAB_HASH_TRUNCATION
+    from flwr.supercore.utils import get_flwr_home
+
+    found = sorted((get_flwr_home() / APP_DIR).glob(f"*.{fab_hash[:FAB_HASH_TRUNCATION]}"))
+    return found[0] if fab_hash and found else None

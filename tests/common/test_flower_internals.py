@@ -1,0 +1,47 @@
+"""The guard on florist's use of Flower internals: it passes on the pinned Flower and fails,
+naming both versions, when what it relies on is not there."""
+
+import time
+
+import flwr
+import pytest
+from flwr.supercore.inflatable import inflatable_utils
+from flwr.supernode import start_client_internal as sci
+
+from florist.common import flower_internals
+from florist.common.pacing import Backoff
+
+
+def test_the_pinned_flower_has_everything_the_fast_path_relies_on():
+    assert flwr.__version__ == flower_internals.PINNED
+    flower_internals.verify()
+
+
+def test_another_flower_is_refused_naming_both_versions(monkeypatch):
+    monkeypatch.setattr(flwr, "__version__", "9.9.9")
+    with pytest.raises(RuntimeError, match=r"written for Flower 1\.39\.0; the installed Flower 9\.9\.9"):
+        flower_internals.verify()
+
+
+def test_a_changed_supernode_loop_is_refused(monkeypatch):
+    monkeypatch.delattr(sci, "_push_messages")
+    with pytest.raises(RuntimeError, match="no _push_messages in start_client_internal"):
+        flower_internals.verify()
+
+
+def test_pacing_replaces_the_supernode_sleeps_and_object_pulls_start_fast(monkeypatch):
+    monkeypatch.setattr(sci, "_pull_and_store_message", lambda *args, **kwargs: 42)  # a message arrives
+    monkeypatch.setattr(sci, "_push_messages", lambda *args, **kwargs: None)
+    monkeypatch.setattr(sci, "time", sci.time)  # restored after the test
+    for pull in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
+        monkeypatch.setattr(pull, "__kwdefaults__", dict(pull.__kwdefaults__))
+    backoff = Backoff(floor=0.01, cap=0.05, ratio=0.1, since=time.monotonic() - 100)
+    flower_internals.pace_supernode(backoff)
+    assert backoff.delay() == 0.05  # idle for long: the cap
+    assert sci._pull_and_store_message() == 42 and backoff.delay() == 0.01  # a message: quick polling again
+    start = time.monotonic()
+    sci.time.sleep(3)  # Flower's idle sleep after an empty pull
+    assert time.monotonic() - start < 0.5
+    assert sci.time.monotonic() > 0  # the rest of the time module is untouched
+    assert inflatable_utils.pull_objects.__kwdefaults__["initial_backoff"] == 0.01
+    assert inflatable_utils.pull_and_inflate_object_from_tree.__kwdefaults__["backoff_cap"] == 0.2

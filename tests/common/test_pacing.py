@@ -1,0 +1,19 @@
+import time
+
+from florist.common.pacing import Backoff
+
+
+def test_the_delay_is_a_fraction_of_the_wait_within_floor_and_cap():
+    now = time.monotonic()
+    assert Backoff(floor=0.01, cap=1.0, ratio=0.1, since=now).delay() == 0.01  # just reset: the floor
+    assert abs(Backoff(floor=0.01, cap=1.0, ratio=0.1, since=now - 4.0).delay() - 0.4) < 0.01
+    assert Backoff(floor=0.01, cap=1.0, ratio=0.1, since=now - 60).delay() == 1.0  # long idle: the cap
+
+
+def test_reset_makes_polling_quick_again_and_sleep_respects_at_most():
+    backoff = Backoff(floor=0.01, cap=1.0, ratio=0.1, since=time.monotonic() - 60)
+    start = time.monotonic()
+    backoff.sleep(at_most=0.02)
+    assert time.monotonic() - start < 0.5
+    backoff.reset()
+    assert backoff.delay() == 0.01
