@@ -43,8 +43,10 @@ def test_fedavg_learns_and_writes_the_documented_results(fedavg_run, tmp_path_fa
     assert results["strategy"] == "fedavg" and results["complete"]
     assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
     for row in results["rounds"]:
-        assert set(row) == {"round", "seconds", "bytes_up", "bytes_down", "train_loss", "accuracy"}
+        assert set(row) == {"round", "seconds", "bytes_up", "bytes_down", "train_loss", "accuracy", "exchanges"}
         assert row["bytes_up"] > 0 and row["bytes_down"] > 0 and math.isfinite(row["train_loss"])
+        assert [e["type"] for e in row["exchanges"]] == ["train", "evaluate"]  # where the round's time went
+        assert all(e["nodes"] == 5 and 0 < e["handler_seconds_max"] < e["seconds"] for e in row["exchanges"])
     assert results["rounds"][-1]["train_loss"] < results["rounds"][0]["train_loss"]
     seen, unseen = results["summary"]["seen"], results["summary"]["unseen"]
     assert seen["num_clients"] == 5 and unseen["num_clients"] == 1  # 0.2 × 6 held out

@@ -14,6 +14,7 @@ from flwr.common.serde import recorddict_to_proto
 
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 SIDE = "side"  # arrays sent beside the model (FedAttn: representation, bias gradient)
+TIMING = "timing"  # ConfigRecord of every florist reply: `handler-seconds`, the handler's own time
 
 # Message types, one ClientApp handler each.
 INFO = "query.info"  # client -> its data sizes, shape, seen/unseen
@@ -82,6 +83,12 @@ def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> d
         if not isinstance(value, (int, float)) or not np.isfinite(value):
             raise ProtocolError(f"{source}: metric {key!r} is missing or not a finite number (got {value!r})")
     return metrics
+
+
+def handler_seconds(reply: RecordDict) -> float:
+    """How long the reply's handler ran, as the node reported it (0 when it did not)."""
+    value = reply.config_records.get(TIMING, {}).get("handler-seconds")
+    return float(value) if isinstance(value, (int, float)) and np.isfinite(value) and value >= 0 else 0.0
 
 
 def content(

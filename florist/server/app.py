@@ -13,7 +13,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from florist.common import protocol
+from florist.common import flower_internals, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
 from florist.server.results import Results
@@ -62,6 +62,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
         raise RuntimeError("no seen node to train with: every node is held out as unseen")
     strategy: Strategy = STRATEGIES[cfg.strategy](cfg, federation, nodes[0].input_shape, len(seen))
     federation.take_bytes()
+    federation.take_exchanges()
 
     for server_round in range(1, cfg.num_server_rounds + 1):
         start = time.monotonic()
@@ -70,7 +71,8 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
         if cfg.eval_every and server_round % cfg.eval_every == 0:
             accuracy = _mean_accuracy(strategy.evaluate(server_round, seen))
         up, down = federation.take_bytes()
-        row = results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, strategy.round_extras())
+        extras = strategy.round_extras() | {"exchanges": federation.take_exchanges()}
+        row = results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, extras)
         results.checkpoint(strategy.state(), federation.failures)
         (on_round or _log_round)(row)
 
@@ -133,6 +135,7 @@ def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundC
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
+        flower_internals.quick_object_pulls()  # replies are pulled as soon as they are there
         cfg = RunConfig.from_mapping({**context.run_config, **(overrides or {})})
         run(grid, cfg, on_round)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("failures"):
         lines += ["", f"{len(results['failures'])} node failures were left out of their rounds:", ""]
         lines += [f"- round {f['round']}, {f['node']}, `{f['message_type']}`: {f['reason']}" for f in results["failures"]]
-    lines += communication(results) + per_model(results)
+    lines += communication(results) + exchange_times(results) + per_model(results)
     private = [c for c in results["clients"] if c.get("dp_sigma")]
     if private:
         lines += ["", "Descriptors sent with Gaussian noise for (ε, δ)-differential privacy:", "",
@@ -77,6 +78,26 @@ def communication(results: dict[str, Any]) -> list[str]:
             f"down. FedAvg with the same clients and model `{results['config']['model']}` would send "
             f"{mean('fedavg_bytes_up'):,.1f} kB up and {mean('fedavg_bytes_down'):,.1f} kB down: "
             f"{fedavg / ours:,.0f}× as much."]  # fmt: skip
+
+
+def exchange_times(results: dict[str, Any]) -> list[str]:
+    """Where a round's time goes: per message type, the median exchange time, the slowest
+    node's handler time, and the difference (what the runtime adds: polling, transfers,
+    process start)."""
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for row in results["rounds"]:
+        for exchange in row.get("exchanges", []):
+            by_type.setdefault(exchange["type"], []).append(exchange)
+    if not by_type:
+        return []
+    lines = ["", "Exchanges per round (medians over rounds, seconds):", "",
+             "| message type | exchanges | nodes | exchange | slowest handler | overhead |", "|---|---:|---:|---:|---:|---:|"]
+    for kind, rows in by_type.items():
+        med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+        overhead = statistics.median(r["seconds"] - r["handler_seconds_max"] for r in rows)
+        lines.append(f"| `{kind}` | {len(rows)} | {med('nodes'):g} | {med('seconds'):.2f} | "
+                     f"{med('handler_seconds_max'):.2f} | {overhead:.2f} |")  # fmt: skip
+    return lines
 
 
 def per_model(results: dict[str, Any]) -> list[str]:

@@ -19,17 +19,17 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import torch
 from flwr.app import Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from florist.common import protocol
+from florist.common import packing, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
 from florist.common.models import Net, build_model
+from florist.common.pacing import Backoff
 
 # A child of Flower's logger, so messages reach `flwr run --stream` and the SuperLink log.
 log = logging.getLogger("flwr").getChild(__name__)
-
-POLL_SECONDS = 0.2  # how often an exchange asks the SuperLink for replies
 
 # Run settings that stay on the server; everything else is sent to the clients.
 SERVER_ONLY = {"results-dir", "round-timeout", "node-wait-timeout", "min-nodes", "min-train-nodes", "fraction-train"}
@@ -58,6 +58,7 @@ class Federation:
         self.names: dict[int, str] = {}
         self.bytes_up = self.bytes_down = 0
         self.failures: list[dict[str, Any]] = []
+        self.exchanges: list[dict[str, Any]] = []  # per exchange: type, seconds, nodes, handler_seconds_max
 
     def name(self, node_id: int) -> str:
         return self.names.get(node_id, f"node {node_id}")
@@ -82,12 +83,16 @@ class Federation:
         """
         if not requests:
             return {}
+        # The time-to-live is the round timeout: a handler still running after it is stopped (client/deadline.py).
         messages = [
-            Message(content, dst_node_id=node, message_type=message_type, group_id=str(server_round))
+            Message(packing.pack(content), dst_node_id=node, message_type=message_type, group_id=str(server_round),
+                    ttl=self.timeout)
             for node, content in requests.items()
-        ]
+        ]  # fmt: skip
         self.bytes_down += sum(protocol.nbytes(m.content) for m in messages)
+        start = time.monotonic()
         replies = self._send_and_receive(messages)
+        seconds = time.monotonic() - start
         # Reply ids are known only after sending; errors made by the SuperLink carry its id, not the node's.
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
         good: dict[int, RecordDict] = {}
@@ -96,26 +101,36 @@ class Federation:
             node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
             if reply.has_error():
                 errored.add(node)
-                self.fail(node, message_type, server_round, f"error code {reply.error.code}: {reply.error.reason}")
-            else:
-                self.bytes_up += protocol.nbytes(reply.content)
-                good[node] = reply.content
+                reason = f"error code {reply.error.code}: {reply.error.reason}"
+                if reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:  # its time-to-live, the timeout, ran out
+                    reason = f"no reply within {self.timeout:.0f} s (the message expired)"
+                self.fail(node, message_type, server_round, reason)
+                continue
+            self.bytes_up += protocol.nbytes(reply.content)
+            try:
+                good[node] = packing.unpack(reply.content, self.name(node))
+            except packing.PackingError as err:
+                errored.add(node)
+                self.fail(node, message_type, server_round, str(err))
         for node in sorted(set(requests) - set(good) - errored):
             self.fail(node, message_type, server_round, f"no reply within {self.timeout:.0f} s")
+        handler_seconds = [protocol.handler_seconds(reply) for reply in good.values()]
+        self.exchanges.append({"type": message_type, "seconds": round(seconds, 4), "nodes": len(requests),
+                               "handler_seconds_max": round(max(handler_seconds, default=0.0), 4)})  # fmt: skip
         return good
 
     def _send_and_receive(self, messages: list[Message]) -> list[Message]:
-        """Like `Grid.send_and_receive`, but polling every POLL_SECONDS instead of Flower's
-        fixed 3 s, which otherwise adds up to 3 s to every exchange in deployment."""
+        """Like `Grid.send_and_receive`, but polling with a `Backoff` instead of Flower's fixed
+        3 s: a quick reply is seen within tens of milliseconds, a slow one costs few polls."""
         pending = set(self.grid.push_messages(messages))
-        deadline = time.monotonic() + self.timeout
+        deadline, backoff = time.monotonic() + self.timeout, Backoff(floor=0.05, cap=0.5, ratio=0.1)
         replies: list[Message] = []
         while pending and time.monotonic() < deadline:
             pulled = list(self.grid.pull_messages(pending))
             replies += pulled
             pending -= {m.metadata.reply_to_message_id for m in pulled}
             if pending:
-                time.sleep(POLL_SECONDS)
+                backoff.sleep(at_most=deadline - time.monotonic())
         return replies
 
     def fail(self, node: int, message_type: str, server_round: int, reason: str) -> None:
@@ -129,6 +144,11 @@ class Federation:
         counts = (self.bytes_up, self.bytes_down)
         self.bytes_up = self.bytes_down = 0
         return counts
+
+    def take_exchanges(self) -> list[dict[str, Any]]:
+        """The exchanges since the last call."""
+        exchanges, self.exchanges = self.exchanges, []
+        return exchanges
 
 
 class Reply(NamedTuple):

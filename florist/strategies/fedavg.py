@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from florist.common import protocol
+from florist.common import packing, protocol
 from florist.common.models import Net
 from florist.strategies.base import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, metrics_of
 
@@ -28,9 +28,9 @@ def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]
 def exchange_bytes(model: Net, config: Mapping[str, Any]) -> tuple[int, int]:
     """(up, down) bytes of one client's FedAvg training exchange with `model`, measured on the
     messages FedAvg builds: the yardstick for strategies that send less."""
-    down = protocol.nbytes(protocol.content(protocol.to_record(model), config))
-    up = protocol.nbytes(protocol.content(protocol.to_record(model), metrics={"num-examples": 1, "train-loss": 0.0}))
-    return up, down
+    request = protocol.content(protocol.to_record(model), config)
+    reply = protocol.content(protocol.to_record(model), metrics={"num-examples": 1, "train-loss": 0.0})
+    return protocol.nbytes(packing.pack(reply)), protocol.nbytes(packing.pack(request))
 
 
 class FedAvg(Strategy):

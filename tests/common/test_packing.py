@@ -1,0 +1,65 @@
+"""Packed records: exact round trips, fewer arrays on the wire, and clear errors for bad layouts."""
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from florist.common import packing
+from florist.common.models import build_model
+
+
+def model_record() -> RecordDict:
+    state = build_model("cnn", (1, 8, 8), 10).state_dict()
+    arrays = {k: Array(v.numpy()) for k, v in state.items()}
+    arrays |= {"count": Array(np.array(7, dtype=np.int64)), "empty": Array(np.zeros((0, 3), np.float32))}
+    return RecordDict({"arrays": ArrayRecord(arrays), "config": ConfigRecord({"lr": 0.1}),
+                       "metrics": MetricRecord({"num-examples": 3}), "side": ArrayRecord({"z": Array(np.ones(4))})})
+
+
+def test_a_packed_record_restores_every_array_bit_for_bit():
+    content = model_record()
+    packed = packing.pack(content)
+    assert packing.is_packed(packed) and not packing.is_packed(content)
+    assert len(packed["arrays"]) == 2  # one array per dtype (float32, int64) instead of 10
+    restored = packing.unpack(packed, "test")
+    assert list(restored["arrays"].keys()) == list(content["arrays"].keys())
+    for key, array in content["arrays"].items():
+        got = restored["arrays"][key].numpy()
+        assert got.dtype == array.numpy().dtype and got.shape == array.numpy().shape
+        assert got.tobytes() == array.numpy().tobytes()
+    assert restored["config"] == content["config"] and restored["metrics"] == content["metrics"]
+    assert restored["side"]["z"].numpy().tolist() == [1.0] * 4  # a single array travels as it is
+
+
+def test_an_unpacked_message_passes_through_unchanged():
+    content = model_record()
+    restored = packing.unpack(content, "test")
+    assert list(restored.keys()) == list(content.keys())
+    assert restored["arrays"]["head.bias"].numpy().tobytes() == content["arrays"]["head.bias"].numpy().tobytes()
+
+
+def tampered(**layout_changes) -> RecordDict:
+    packed = packing.pack(model_record())
+    layout = dict(packed["arrays" + packing.LAYOUT])
+    layout.update(layout_changes)
+    packed["arrays" + packing.LAYOUT] = ConfigRecord(layout)
+    return packed
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"keys": ["only-one"]}, "equal length"),
+    ({"dtypes": ["float64"] * 10}, "no float64 values"),
+    ({"shapes": ["99999"] * 10}, "too few float32 values"),
+    ({"shapes": ["a,b"] * 10}, "comma-separated integers"),
+    ({"shapes": ["1"] * 10}, "values for a layout of"),
+])  # fmt: skip
+def test_a_layout_that_does_not_fit_its_arrays_is_refused_naming_the_source(changes, message):
+    with pytest.raises(packing.PackingError, match=f"node 7: packed record 'arrays': .*{message}"):
+        packing.unpack(tampered(**changes), "node 7")
+
+
+def test_a_layout_without_its_arrays_is_refused():
+    packed = packing.pack(model_record())
+    del packed["arrays"]
+    with pytest.raises(packing.PackingError, match="layouts without arrays"):
+        packing.unpack(packed, "node 7")
