@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from florist.common.config import RunConfig, parse_overrides
+from florist.common.config import STRATEGY_NAMES, RunConfig, parse_overrides
 
 
 def _config(args: argparse.Namespace, num_nodes: int) -> RunConfig:
@@ -61,7 +61,8 @@ def _deploy_local(args: argparse.Namespace) -> int:
     results_dir = Path(cfg.results_dir).expanduser().resolve()
     cfg = cfg.replace(results_dir=str(results_dir))
     workdir = Path(args.state_dir or results_dir / "federation").expanduser().resolve()
-    with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth) as fed:
+    with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth,
+                         executor=args.executor) as fed:  # fmt: skip
         print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe()}", flush=True)
         (results_dir / "results.json").unlink(missing_ok=True)
         rc = subprocess.run(fed.run_command(cfg.to_mapping()), env=fed.env, cwd=workdir).returncode
@@ -89,7 +90,8 @@ def _local_federation(args: argparse.Namespace) -> int:
 
     workdir = Path(args.state_dir).expanduser().resolve()
     _interrupt_on_signals()
-    with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth) as fed:
+    with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth,
+                         executor=args.executor, persistent=args.persistent) as fed:  # fmt: skip
         print(fed.describe().replace("...", f"partition=\"{args.partition}\""), flush=True)
         print("Running; Ctrl-C stops the SuperLink and SuperNodes started here.", flush=True)
         try:
@@ -117,7 +119,14 @@ def _join(args: argparse.Namespace) -> int:
     _interrupt_on_signals()
     return join(args.superlink, args.data_dir, root_certificates=args.root_certificates, auth_key=args.auth_key,
                 state_dir=args.state_dir, node_key=args.node_key, num_classes=args.num_classes,
-                max_wait_time=args.max_wait_time)  # fmt: skip
+                max_wait_time=args.max_wait_time, executor=args.executor)  # fmt: skip
+
+
+def _supernode(args: argparse.Namespace) -> int:
+    from florist.deploy.supernode import run
+
+    run(args.executor, args.flower_args, args.preload)
+    return 0
 
 
 def print_summary(results: dict[str, Any], console, wall: float) -> None:
@@ -135,9 +144,7 @@ def print_summary(results: dict[str, Any], console, wall: float) -> None:
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
-    from florist.strategies import STRATEGIES
-
-    parser.add_argument("--strategy", choices=sorted(STRATEGIES), help="algorithm to run (default: fedavg)")
+    parser.add_argument("--strategy", choices=STRATEGY_NAMES, help="algorithm to run (default: fedavg)")
     parser.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K (default: dirichlet:0.3)")
     parser.add_argument("--rounds", type=int, help="server rounds (default: 30)")
     parser.add_argument("--seed", type=int, help="seed for partitions, splits, init and sampling (default: 1)")
@@ -149,7 +156,16 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _executor_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--executor", choices=("warm", "flower"), default="warm",
+        help="how SuperNodes run ClientApps: warm (florist's fast path: preloaded, one fork per message; other apps "
+        "fall back to flower) or flower (Flower's own: a new process per message). Default: warm",
+    )  # fmt: skip
+
+
 def _federation_options(parser: argparse.ArgumentParser) -> None:
+    _executor_option(parser)
     parser.add_argument("--num-nodes", type=int, default=3, help="SuperNodes to start (default: 3)")
     parser.add_argument("--tls", action="store_true", help="TLS on the Fleet API (certificates made on first use)")
     parser.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
@@ -207,8 +223,11 @@ def build_parser() -> argparse.ArgumentParser:
     _federation_options(fed)
     fed.add_argument("--partition", default="dirichlet:0.3", help="partition to put in the printed run line")
     fed.add_argument("--state-dir", default="florist-federation",
-                     help="federation folder: SuperLink database (kept across restarts), certificates, keys, logs, "
-                     "node state (default: ./florist-federation)")  # fmt: skip
+                     help="federation folder: certificates, keys, logs, node state, and with --persistent the "
+                     "SuperLink's database (default: ./florist-federation)")  # fmt: skip
+    fed.add_argument("--persistent", action="store_true",
+                     help="keep the SuperLink's state in STATE_DIR/superlink.db, so that a restarted SuperLink keeps "
+                     "node identities and registered keys (SQLite makes every exchange 2-3 times slower)")  # fmt: skip
     fed.set_defaults(func=_local_federation)
 
     certs = sub.add_parser(
@@ -235,7 +254,21 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--node-key", help="stable name of this node (default: the host name)")
     join.add_argument("--num-classes", type=int, default=10, help="label range to check the data against (default: 10)")
     join.add_argument("--max-wait-time", type=float, default=60.0, help="give up connecting after this many seconds")
+    _executor_option(join)
     join.set_defaults(func=_join)
+
+    node = sub.add_parser(
+        "supernode", help="run a Flower SuperNode with florist's fast path (flower-supernode's options, plus --executor)",
+        description="Flower's SuperNode (every option of `flower-supernode --help` is accepted and passed on) with "
+        "florist's deployment fast path: polling that is quick while messages flow, and with --executor warm a "
+        "warm executor that runs florist's ClientApp in a forked child per message instead of a new Python "
+        "process. Runs in the foreground; Ctrl-C or SIGTERM stops the SuperNode and its executor.",
+        allow_abbrev=False,
+    )  # fmt: skip
+    _executor_option(node)
+    node.add_argument("--preload", default="florist.client.app:app", metavar="MODULE:APP",
+                      help="the ClientApp the warm executor preloads and serves warm (default: florist's)")
+    node.set_defaults(func=_supernode)
 
     store = sub.add_parser(
         "datastore", help="manage a node's kNN-Per datastore",
@@ -263,7 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "supernode":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.flower_args = extra
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as err:

@@ -11,6 +11,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+# The strategies `strategy` may name (their server halves are in florist.strategies; kept here,
+# without importing them, so that checking a config needs no torch).
+STRATEGY_NAMES = ("fedavg", "fedavg-ft", "local", "knnper", "pefll", "odpfl", "perfed-ckt", "fedattn")
+
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
@@ -118,6 +122,7 @@ class RunConfig:
     def validate(self) -> None:
         """Reject values that cannot work, naming the key."""
         checks = [
+            (self.strategy in STRATEGY_NAMES, f"strategy must be one of {', '.join(STRATEGY_NAMES)}"),
             (self.num_server_rounds >= 0, "num-server-rounds must be >= 0"),
             (0 < self.fraction_train <= 1, "fraction-train must be in (0, 1]"),
             (self.min_train_nodes >= 1, "min-train-nodes must be >= 1"),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from florist.client.state import NodeState
 from florist.common.data import folder_client
-from florist.deploy.federation import Process, flower_bin, free_port, spawn, toml_node_config
+from florist.deploy.federation import Process, free_port, spawn, supernode_command, toml_node_config
 
 # (patterns in the SuperNode's output, what it means for the user), most specific first
 DIAGNOSES = [
@@ -50,9 +50,10 @@ def supernode_args(
     state_dir: Path | None,
     node_key: str,
     max_wait_time: float,
+    executor: str = "warm",
 ) -> list[str]:
     node_config = {"data-dir": str(data_dir), "node-key": node_key} | ({"state-dir": str(state_dir)} if state_dir else {})
-    args = [flower_bin("flower-supernode"), "--superlink", superlink, "--node-config", toml_node_config(node_config),
+    args = [*supernode_command(executor), "--superlink", superlink, "--node-config", toml_node_config(node_config),
             "--port", str(free_port()), "--max-wait-time", str(max_wait_time)]  # fmt: skip
     args += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     if auth_key:
@@ -89,6 +90,7 @@ def join(
     node_key: str | None = None,
     num_classes: int = 10,
     max_wait_time: float = 60.0,
+    executor: str = "warm",
 ) -> int:
     """Check everything local first (data, files), then run the SuperNode in the foreground."""
     if not re.fullmatch(r"[^\s:]+:\d+", superlink):
@@ -105,7 +107,7 @@ def join(
     args = supernode_args(
         superlink, data_dir, root_certificates=Path(root_certificates) if root_certificates else None,
         auth_key=Path(auth_key) if auth_key else None, state_dir=Path(state_dir) if state_dir else None,
-        node_key=key, max_wait_time=max_wait_time,
+        node_key=key, max_wait_time=max_wait_time, executor=executor,
     )  # fmt: skip
     labelled = "labelled" if client.labelled else "unlabeled"
     print(f"florist join: node {key!r}, {len(client.x_train) + len(client.x_val)} train / {len(client.x_test)} test "

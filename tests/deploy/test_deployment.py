@@ -19,7 +19,7 @@ from florist.common.data import load_digits
 from florist.common.knn import LAMBDA_GRID
 from florist.common.models import build_model
 from florist.deploy.certs import make_ca_and_server, make_node_key
-from florist.deploy.federation import LocalFederation, free_port
+from florist.deploy.federation import LocalFederation, free_port, started_with
 from florist.deploy.join import JoinError, join
 
 RUN = {"strategy": "fedavg", "partition": "iid", "local-epochs": 2, "unseen-fraction": 0.0, "round-timeout": 120.0}
@@ -72,19 +72,27 @@ def labelled_folder(path: Path) -> Path:
     return path
 
 
-def test_deploy_local_runs_fedavg_over_grpc(tmp_path):
-    args = ["deploy-local", "--strategy", "fedavg", "--num-nodes", "3", "--rounds", "2", "--partition", "iid",
-            "--results-dir", str(tmp_path / "out"), "--run-config", "unseen-fraction=0.0 local-epochs=2"]  # fmt: skip
+@pytest.mark.parametrize("executor", ["warm", "flower"])
+def test_deploy_local_runs_fedavg_over_grpc(tmp_path, executor):
+    rounds = 2 if executor == "warm" else 1  # Flower's own executor takes ~20 s per exchange
+    args = ["deploy-local", "--strategy", "fedavg", "--num-nodes", "3", "--rounds", str(rounds), "--partition", "iid",
+            "--results-dir", str(tmp_path / "out"), "--run-config", "unseen-fraction=0.0 local-epochs=2",
+            "--executor", executor]  # fmt: skip
     assert main(args) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert results["complete"] and len(results["rounds"]) == 2 and not results["failures"]
+    assert results["complete"] and len(results["rounds"]) == rounds and not results["failures"]
     assert results["summary"]["seen"]["num_clients"] == 3
-    assert results["summary"]["seen"]["mean_accuracy"] > 0.4  # chance is 0.1
-    superlink_log = (tmp_path / "out" / "federation" / "logs" / "superlink.log").read_text()
+    assert results["summary"]["seen"]["mean_accuracy"] > 0.3  # chance is 0.1
+    logs = tmp_path / "out" / "federation" / "logs"
+    superlink_log = (logs / "superlink.log").read_text()
     assert "Starting Fleet API (gRPC-rere)" in superlink_log
     assert superlink_log.count("[Fleet.ActivateNode]") >= 3
-    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
-    assert not leftovers  # every process it started is gone
+    node_log = (logs / "supernode-0.log").read_text()
+    if executor == "warm":  # after the first message of a new app bundle, florist's ClientApp runs warm
+        assert node_log.count(": warm process") >= 4 and ": stock process" not in node_log.split(": warm process")[-1]
+    else:
+        assert "florist.executor" not in node_log and "Start `flwr-clientapp` process" in node_log
+    assert not started_with(tmp_path / "out" / "federation" / "flwr-home")  # every process it started is gone
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +137,7 @@ def test_join_checks_the_data_folder_before_connecting(tmp_path):
 
 
 def test_superlink_restart_keeps_nodes_and_the_next_run_works(tmp_path):
-    with LocalFederation(tmp_path, node_configs(2, tmp_path)) as fed:
+    with LocalFederation(tmp_path, node_configs(2, tmp_path), persistent=True) as fed:
         before = sorted(n["node-id"] for n in fed.online_nodes())
         fed.superlink.stop()
         fed.start_superlink()

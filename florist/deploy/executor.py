@@ -1,0 +1,325 @@
+"""The warm executor: a SuperNode's ClientApps without a new Python interpreter per message.
+
+Flower's SuperExec starts a fresh `flwr-clientapp` process for every message, which imports
+torch, flwr and florist again (3-4 s on a 2-core machine) before the handler's own work
+(0.1-1 s). This executor imports them once, then forks one child per message. Each message
+still runs in its own process through Flower's own ClientApp runtime (task token, heartbeats,
+message pull, reply push), so whatever a handler does to its process (raise, leak, hang until
+its deadline, get killed) ends with that child; the executor goes on with the next message.
+
+It runs only what it preloaded. A run's app bundle (FAB) is served warm when it holds exactly
+the preloaded app: the installed package's project name and version, the same ClientApp
+reference, and byte for byte the Python files of the package as they were when this process
+imported them. Any other app runs in Flower's stock per-message process, and so does the
+first message of a FAB this machine has not installed yet: installing it is how the executor
+gets to read it.
+
+Fork safety: a forked child has only the thread that forked, so a lock that another thread
+held at that moment stays locked in the child forever. This process therefore starts no
+thread: it talks to its SuperNode over HTTP with httpx's synchronous client (no gRPC channel,
+which would start threads), never runs Ray, and never computes with torch or faiss (their
+thread pools start at the first parallel operation, not on import). OpenBLAS (numpy) and
+jemalloc (pyarrow, imported by scikit-learn) do start threads on import unless told not to,
+which `THREAD_ENV` does before anything is imported. Before every fork the executor counts its
+OS threads and, should there ever be more than one, uses Flower's stock process instead.
+
+Run it beside a SuperNode started with `--isolation process` (`florist supernode` does both):
+
+    python -m florist.deploy.executor --runtime-api-address 127.0.0.1:9094 [--parent-pid PID]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import hashlib
+import importlib
+import importlib.metadata
+import logging
+import os
+import pkgutil
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+import traceback
+from pathlib import Path
+
+from florist.client.deadline import DISPOSABLE
+from florist.common import flower_internals
+from florist.common.pacing import Backoff
+
+log = logging.getLogger("florist.executor")
+
+# Set before numpy and pyarrow are imported, so that importing them starts no thread.
+THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
+STOP_GRACE = 5.0  # seconds children get to finish after SIGTERM before SIGKILL
+DEFAULT_APP = "florist.client.app:app"
+
+
+def os_threads() -> int:
+    """Threads of this process, native ones included (Linux); Python's count elsewhere."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except FileNotFoundError:
+        return threading.active_count()
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class PreloadedApp:
+    """The ClientApp this process imported, and what identifies its code."""
+
+    ref: str  # "module:attribute", as in [tool.flwr.app.components] clientapp
+    package: str  # the top-level package the app lives in
+    files: dict[str, str]  # "package/path.py" -> sha256, read when imported
+    distribution: tuple[str, str] | None  # (project name, version) when installed as one
+
+    @classmethod
+    def load(cls, ref: str) -> PreloadedApp:
+        """Import every module of the app's package now, so that no child ever reads a file of
+        it that may have changed since, and fingerprint those files. If the app's module has a
+        `warm_up()` function, it runs once here (it must start no thread)."""
+        package = ref.partition(":")[0].split(".")[0]
+        root = Path(importlib.import_module(package).__file__).parent
+        for module in pkgutil.walk_packages([str(root)], prefix=f"{package}."):
+            if not module.name.endswith("__main__"):
+                importlib.import_module(module.name)
+        module = importlib.import_module(ref.partition(":")[0])
+        functools.reduce(getattr, ref.partition(":")[2].split("."), module)  # the app exists
+        if callable(warm_up := getattr(module, "warm_up", None)):
+            warm_up()
+        files = {p.relative_to(root.parent).as_posix(): _digest(p) for p in sorted(root.rglob("*.py"))}
+        return cls(ref, package, files, _distribution(package))
+
+    def mismatch(self, fab_dir: Path) -> str | None:
+        """Why the app bundle installed in `fab_dir` is not this app; None when it is."""
+        try:
+            config = tomllib.loads((fab_dir / "pyproject.toml").read_text())
+            ref = config["tool"]["flwr"]["app"]["components"]["clientapp"]
+            project = (config["project"]["name"], str(config["project"]["version"]))
+        except (OSError, KeyError, tomllib.TOMLDecodeError) as err:
+            return f"its pyproject.toml is unreadable ({err!r})"
+        if ref != self.ref:
+            return f"its ClientApp is {ref!r}, not {self.ref!r}"
+        if self.distribution and (_normal(project[0]), project[1]) != (_normal(self.distribution[0]), self.distribution[1]):
+            return f"it is {project[0]} {project[1]}, the installed package is {' '.join(self.distribution)}"
+        theirs = {p.relative_to(fab_dir).as_posix(): _digest(p) for p in (fab_dir / self.package).rglob("*.py")}
+        changed = sorted(k for k in theirs.keys() | self.files.keys() if theirs.get(k) != self.files.get(k))
+        if changed:
+            return f"{len(changed)} of its {self.package} files differ from the preloaded ones ({', '.join(changed[:3])})"
+        return None
+
+
+def _distribution(package: str) -> tuple[str, str] | None:
+    """(project name, version) of the installed distribution that provides `package`
+    (editable installs are not in `packages_distributions`, so try the package's own name too)."""
+    for name in importlib.metadata.packages_distributions().get(package, []) + [package]:
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _normal(name: str) -> str:
+    return name.lower().replace("_", "-")
+
+
+@dataclasses.dataclass
+class Child:
+    task_id: int
+    kind: str  # "warm" or "stock"
+    popen: subprocess.Popen | None = None  # stock children; warm ones are reaped by pid
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+
+class WarmExecutor:
+    """Acquires the SuperNode's tasks and runs each in a forked child or a stock process."""
+
+    def __init__(self, address: str, app: PreloadedApp, root_certificates: str | None = None,
+                 parent_pid: int | None = None, wake_fd: int | None = None, done_fd: int | None = None):  # fmt: skip
+        """`wake_fd`: readable when the SuperNode has pulled a message (else the executor only
+        polls); `done_fd`: where each child tells the SuperNode that its reply is there."""
+        self.address, self.app, self.root_certificates, self.parent_pid = address, app, root_certificates, parent_pid
+        self.wake_fd, self.done_fd = wake_fd, done_fd
+        self.client = flower_internals.runtime_client(address, root_certificates)
+        self.children: dict[int, Child] = {}
+        self.verdicts: dict[str, str | None] = {}  # FAB hash -> why it is not the preloaded app (None: it is)
+        # Polling is the safety net when a wake-up is missed (or there is no wake pipe).
+        self.backoff = Backoff(floor=0.01, cap=0.25 if wake_fd is None else 1.0, ratio=0.05)
+        self.stopping = False
+        self.served = {"warm": 0, "stock": 0}
+
+    def stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def serve(self) -> None:
+        """Until stopped, or until the process that started us is gone."""
+        unreachable = False
+        try:
+            while not self.stopping and (self.parent_pid is None or os.getppid() == self.parent_pid):
+                self.reap()
+                try:
+                    acquired = flower_internals.acquire_task(self.client)
+                    unreachable = False
+                except Exception as err:  # the SuperNode restarting or gone: keep trying, say so once
+                    if not unreachable:
+                        log.warning("SuperNode Runtime API at %s unreachable (%s); retrying", self.address, err)
+                    unreachable, acquired = True, None
+                if acquired:
+                    self.launch(*acquired)
+                    self.backoff.reset()
+                self.wait()
+        finally:
+            self.close()
+
+    def wait(self) -> None:
+        """Until the next poll is due, or the SuperNode says it has pulled a message."""
+        if self.wake_fd is None:
+            self.backoff.sleep()
+        elif select.select([self.wake_fd], [], [], self.backoff.delay())[0]:
+            os.read(self.wake_fd, 4096)
+
+    def why_not_warm(self, task) -> str | None:
+        """None if `task` may run in a forked child, else the reason it may not."""
+        if not flower_internals.is_client_app(task):
+            return f"a {task.type} task"
+        if task.fab_hash not in self.verdicts:
+            fab = flower_internals.installed_fab(task.fab_hash)
+            if fab is None:
+                return "its app bundle is not installed here yet"
+            verdict = self.verdicts[task.fab_hash] = self.app.mismatch(fab)
+            log.info("app bundle %s (%s): %s", task.fab_hash[:8], fab.name,
+                     "the preloaded app, served warm" if verdict is None else f"not the preloaded app: {verdict}")
+        if self.verdicts[task.fab_hash]:
+            return "not the preloaded app"
+        if (threads := os_threads()) > 1:
+            return f"this process runs {threads} threads, so forking it is not safe"
+        return None
+
+    def launch(self, token: str, task) -> None:
+        reason = self.why_not_warm(task)
+        if reason is None:
+            pid, child = self.fork(token), Child(task.task_id, "warm")
+        else:
+            command = flower_internals.stock_command(task, self.address, token, self.root_certificates, os.getpid())
+            popen = subprocess.Popen(command, env=os.environ | {DISPOSABLE: "1"})
+            pid, child = popen.pid, Child(task.task_id, "stock", popen)
+        self.children[pid] = child
+        self.served[child.kind] += 1
+        log.info("task %d of run %d: %s process %d%s", task.task_id, task.run_id, child.kind, pid,
+                 f" ({reason})" if reason else "")  # fmt: skip
+
+    def fork(self, token: str) -> int:
+        """A child that runs the task through Flower's ClientApp runtime and exits."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:  # the child: never returns into the executor's loop
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)  # Flower's runtime installs its own
+            os.environ[DISPOSABLE] = "1"
+            flower_internals.run_clientapp(self.address, token, self.root_certificates, parent_pid=os.getppid())
+            code = 0
+        except SystemExit as exit_:  # how Flower's runtime ends, with or without a reply
+            code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            if self.done_fd is not None:  # the reply is with the SuperNode: it need not poll for it
+                _notify(self.done_fd)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def reap(self) -> None:
+        """Collect finished children; say how any of them ended badly."""
+        for pid, child in list(self.children.items()):
+            if child.popen is not None:
+                status, cpu = child.popen.poll(), None
+            else:
+                done, raw, usage = os.wait4(pid, os.WNOHANG)
+                status, cpu = (os.waitstatus_to_exitcode(raw), usage.ru_utime + usage.ru_stime) if done else (None, None)
+            if status is None:
+                continue
+            del self.children[pid]
+            if status != 0:
+                how = f"killed by signal {-status}" if status < 0 else f"exited with status {status}"
+                log.warning("task %d: %s process %d %s", child.task_id, child.kind, pid, how)
+            elif cpu is not None:
+                log.info("task %d: done in %.2f s (%.2f s CPU)", child.task_id, time.monotonic() - child.started, cpu)
+
+    def close(self) -> None:
+        """Stop every child (SIGTERM, then SIGKILL after STOP_GRACE seconds) and wait for them."""
+        for pid in self.children:
+            _signal(pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        while self.children and time.monotonic() < deadline:
+            self.reap()
+            time.sleep(0.05)
+        for pid, child in self.children.items():
+            _signal(pid, signal.SIGKILL)
+            child.popen.wait() if child.popen else os.waitpid(pid, 0)
+        self.children.clear()
+        log.info("executor stopped after %d warm and %d stock tasks", self.served["warm"], self.served["stock"])
+
+
+def _notify(fd: int) -> None:
+    try:
+        os.write(fd, b"!")
+    except OSError:  # nobody listens any more
+        pass
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m florist.deploy.executor", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runtime-api-address", required=True, help="the SuperNode's Runtime API, HOST:PORT")
+    parser.add_argument("--root-certificates", help="CA of the Runtime API's TLS certificate (default: plain HTTP)")
+    parser.add_argument("--parent-pid", type=int, help="exit when this process (the SuperNode) is gone")
+    parser.add_argument("--wake-fd", type=int, help="pipe that becomes readable when the SuperNode pulled a message")
+    parser.add_argument("--done-fd", type=int, help="pipe to tell the SuperNode a reply is ready")
+    parser.add_argument("--app", default=DEFAULT_APP, help=f"the ClientApp to preload, module:attribute (default: {DEFAULT_APP})")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
+    start = time.monotonic()
+    app = PreloadedApp.load(args.app)
+    flower_internals.quick_object_pulls()  # inherited by every child
+    flower_internals.skip_installed_fabs()  # ditto: a warm child's app bundle is installed (that is how it was judged)
+    gc.freeze()  # children never collect the preloaded objects, so they share their pages instead of copying them
+    executor = WarmExecutor(args.runtime_api_address, app, args.root_certificates, args.parent_pid, args.wake_fd,
+                            args.done_fd)  # fmt: skip
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, executor.stop)
+    log.info("warm executor for %s: %d files preloaded in %.1f s, %d thread(s), serving %s", args.app,
+             len(app.files), time.monotonic() - start, os_threads(), args.runtime_api_address)  # fmt: skip
+    executor.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.update(THREAD_ENV)
+    sys.exit(main())

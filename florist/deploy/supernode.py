@@ -1,0 +1,124 @@
+"""`florist supernode`: Flower's SuperNode with florist's deployment fast path.
+
+It takes `flower-supernode`'s options, plus `--executor`:
+
+- `warm` (the default): the SuperNode runs with `--isolation process` beside florist's warm
+  executor (`deploy/executor.py`), which this process starts and stops with itself;
+- `flower`: Flower's own SuperExec, a fresh `flwr-clientapp` process per message (the stock
+  path, for comparison and for apps that are not florist).
+
+Either way the SuperNode's polling is paced (`flower_internals.pace_supernode`): quick while
+messages flow, slower while the federation idles, instead of 3 s after every empty pull.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+from florist.common.pacing import Backoff
+from florist.common import flower_internals
+from florist.deploy.executor import DEFAULT_APP, STOP_GRACE, THREAD_ENV
+
+log = logging.getLogger("flwr").getChild(__name__)
+
+EXECUTORS = ("warm", "flower")
+
+
+def _runtime_options(flower_args: list[str]) -> argparse.Namespace:
+    """The `flower-supernode` options the executor needs to know about."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--isolation")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", default="9094")
+    parser.add_argument("--ssl-ca-certfile")
+    parser.add_argument("--superexec-auth-secret-file")
+    return parser.parse_known_args(flower_args)[0]
+
+
+class SupervisedExecutor:
+    """The warm executor of this SuperNode, restarted if it ever dies while the SuperNode runs
+    (a node whose executor is gone would take messages and never answer them).
+
+    Two pipes spare both sides their polling: the SuperNode writes to one whenever it pulls a
+    message (the executor waits on it for the task), and the executor's children write to the
+    other when their reply has been handed over (`replied` ends the SuperNode's wait for it).
+    """
+
+    def __init__(self, command: list[str]):
+        self.task_read, self.task_write = os.pipe()
+        self.done_read, self.done_write = os.pipe()
+        os.set_blocking(self.task_write, False)
+        self.command = command + ["--wake-fd", str(self.task_read), "--done-fd", str(self.done_write)]
+        self.stopping, self.replied = threading.Event(), threading.Event()
+        self.process = self._start()
+        threading.Thread(target=self._watch, name="florist-executor-watch", daemon=True).start()
+        threading.Thread(target=self._relay_replies, name="florist-executor-replies", daemon=True).start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(self.command, env=os.environ | THREAD_ENV, pass_fds=(self.task_read, self.done_write))
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(1.0):
+            if self.process.poll() is not None and not self.stopping.is_set():
+                log.warning("the warm executor exited (status %s); starting it again", self.process.returncode)
+                self.process = self._start()
+
+    def _relay_replies(self) -> None:
+        while os.read(self.done_read, 4096):
+            self.replied.set()
+
+    def message_arrived(self) -> None:
+        try:
+            os.write(self.task_write, b"!")
+        except BlockingIOError:  # the executor has a wake-up pending already
+            pass
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_GRACE + 5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def executor_command(flower_args: list[str], preload: str) -> tuple[list[str], list[str]]:
+    """The warm executor's command for this SuperNode, and the SuperNode's arguments (with
+    `--isolation process`, so that the SuperNode leaves its tasks to the executor)."""
+    options = _runtime_options(flower_args)
+    if options.isolation not in (None, "process"):
+        raise ValueError(f"--executor warm runs the SuperNode with --isolation process, not {options.isolation!r}; "
+                         "use --executor flower for Flower's own executor")  # fmt: skip
+    if options.superexec_auth_secret_file:
+        raise ValueError("--superexec-auth-secret-file is not supported with --executor warm; use --executor flower")
+    host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "[::]", "") else options.host
+    command = [sys.executable, "-m", "florist.deploy.executor", "--runtime-api-address", f"{host}:{options.port}",
+               "--parent-pid", str(os.getpid()), "--app", preload]  # fmt: skip
+    if options.ssl_ca_certfile:
+        command += ["--root-certificates", options.ssl_ca_certfile]
+    return command, flower_args + ([] if options.isolation else ["--isolation", "process"])
+
+
+def run(executor: str, flower_args: list[str], preload: str = DEFAULT_APP) -> None:
+    """Run the SuperNode in this process until it exits (Ctrl-C or SIGTERM stop it, and the
+    executor with it). `preload` is the ClientApp the warm executor serves warm."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    backoff = Backoff(floor=0.05, cap=1.0, ratio=0.1)
+    if executor == "warm":
+        command, flower_args = executor_command(flower_args, preload)
+        supervised = SupervisedExecutor(command)
+        atexit.register(supervised.stop)
+        flower_internals.pace_supernode(backoff, wake=supervised.replied, on_message=supervised.message_arrived)
+    else:  # Flower's SuperExec polls for tasks every second unless told otherwise
+        os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
+        flower_internals.pace_supernode(backoff)
+    flower_internals.supernode_main(flower_args)

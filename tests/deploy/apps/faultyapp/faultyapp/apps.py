@@ -1,0 +1,23 @@
+"""florist's apps; a node with node config `fault="raise@R"` or `fault="hang@R"` fails its
+`train` message of round R that way."""
+
+import time
+
+from flwr.app import Context, Message
+
+from florist.client.app import build_client_app, warm_up
+from florist.server.app import app as server
+
+
+def fault(msg: Message, context: Context, call_next) -> Message:
+    kind, _, server_round = str(context.node_config.get("fault", "")).partition("@")
+    config = msg.content.config_records.get("config", {})
+    if kind and msg.metadata.message_type == "train" and str(config.get("server-round")) == server_round:
+        if kind == "raise":
+            raise RuntimeError("injected fault")
+        time.sleep(3600)  # hangs until its message's deadline stops it
+    return call_next(msg, context)
+
+
+client = build_client_app(mods=[fault])
+__all__ = ["client", "server", "warm_up"]  # warm_up: the warm executor runs it before forking

@@ -1,0 +1,99 @@
+"""The warm executor between real processes: what it runs warm, what it leaves to Flower's
+own per-message process, and how it survives a handler that raises or hangs."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from florist.deploy.executor import PreloadedApp
+from florist.deploy.federation import LocalFederation, app_dir, started_with
+
+APPS = Path(__file__).parent / "apps"
+
+
+@pytest.fixture(scope="module")
+def florist_app():
+    return PreloadedApp.load("florist.client.app:app")
+
+
+def bundle(tmp_path: Path, change=None) -> Path:
+    """florist as an installed app bundle would hold it: pyproject.toml and the package."""
+    fab = tmp_path / "fab"
+    shutil.copytree(app_dir() / "florist", fab / "florist", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(app_dir() / "pyproject.toml", fab)
+    if change:
+        change(fab)
+    return fab
+
+
+def test_the_preloaded_app_is_fingerprinted_as_it_was_imported(florist_app):
+    assert florist_app.distribution[0] == "florist"
+    path = app_dir() / "florist" / "client" / "app.py"
+    assert florist_app.files["florist/client/app.py"] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_only_a_bundle_with_exactly_the_preloaded_code_is_served_warm(florist_app, tmp_path):
+    assert florist_app.mismatch(bundle(tmp_path / "same")) is None
+
+    def edit(fab):
+        (fab / "florist" / "common" / "knn.py").write_text("# changed\n")
+
+    assert "florist/common/knn.py" in florist_app.mismatch(bundle(tmp_path / "edited", edit))
+
+    def other_app(fab):
+        text = (fab / "pyproject.toml").read_text()
+        (fab / "pyproject.toml").write_text(text.replace('clientapp = "florist.client.app:app"', 'clientapp = "x:app"'))
+
+    assert "its ClientApp is 'x:app'" in florist_app.mismatch(bundle(tmp_path / "other", other_app))
+
+    def other_version(fab):
+        text = (fab / "pyproject.toml").read_text()
+        (fab / "pyproject.toml").write_text(text.replace('version = "0.1.0"', 'version = "9.0.0"'))
+
+    assert "9.0.0" in florist_app.mismatch(bundle(tmp_path / "version", other_version))
+
+
+def submit(fed: LocalFederation, app: Path, run_config: str) -> subprocess.CompletedProcess:
+    command = [*fed.run_command({})[:2], str(app), *fed.run_command({})[3:-2], "--run-config", run_config]
+    return subprocess.run(command, env=fed.env, capture_output=True, text=True, timeout=600)
+
+
+def test_an_app_that_is_not_florist_runs_in_flowers_own_process(tmp_path):
+    configs = [{"partition-id": i, "num-partitions": 2} for i in range(2)]
+    with LocalFederation(tmp_path, configs) as fed:  # warm executors, preloading florist
+        done = submit(fed, APPS / "tinyapp", "rounds=2")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert done.stdout.count("tinyapp: 2 of 2 nodes replied") == 2
+        log = (fed.logs / "supernode-0.log").read_text()
+    assert "not the preloaded app: its ClientApp is 'tinyapp.apps:client'" in log
+    assert log.count(": stock process") == 2 and ": warm process" not in log
+
+
+def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(tmp_path):
+    configs = [{"partition-id": i, "num-partitions": 3, "state-dir": str(tmp_path / "state")} for i in range(3)]
+    configs[1]["fault"], configs[2]["fault"] = "raise@2", "hang@2"  # faultyapp/apps.py
+    fed = LocalFederation(tmp_path, configs, preload="faultyapp.apps:client")
+    fed.env["PYTHONPATH"] = os.pathsep.join([str(APPS / "faultyapp"), fed.env.get("PYTHONPATH", "")])
+    with fed:
+        node_pids = [node.pid for node in fed.nodes]
+        done = submit(fed, APPS / "faultyapp", f'round-timeout=15.0 results-dir="{tmp_path / "out"}"')
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert [node.pid for node in fed.nodes] == node_pids and all(node.alive() for node in fed.nodes)
+        logs = [(fed.logs / f"supernode-{i}.log").read_text() for i in (1, 2)]
+        started = started_with(fed.flwr_home)
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    failures = {f["node"].split("(")[-1].rstrip(")"): f for f in results["failures"]}
+    assert sorted(failures) == ["partition-1", "partition-2"]  # round 2's train, on the faulty nodes only
+    assert all(f["round"] == 2 and f["message_type"] == "train" for f in failures.values())
+    assert "injected fault" in failures["partition-1"]["reason"]
+    assert "no reply within 15 s" in failures["partition-2"]["reason"]
+    assert len(results["rounds"]) == 3 and all(c["accuracy"] is not None for c in results["clients"])
+    for log, fault in zip(logs, ("injected fault", "DeadlineExceeded")):
+        assert fault in log and "warm process" in log.split(fault)[-1]  # served warm afterwards
+        assert log.count("warm executor for faultyapp.apps:client") == 1  # by the same executor
+    assert started and not started_with(fed.flwr_home)  # stopping the federation stopped them all
