@@ -1,16 +1,14 @@
-"""Seconds per round: the same job (FedAvg unless --strategy) in Flower simulation and in a real deployment
-(SuperLink + SuperNodes as processes on 127.0.0.1), measured side by side, and where the
-deployment's time goes.
+"""Seconds per round and per exchange: the same run in Flower simulation, between real
+processes with florist's warm executor, and between real processes with Flower's own
+per-message executor, side by side in one run.
 
-    python benchmarks/deploy_vs_sim.py [--nodes 3] [--rounds 3] [--strategy fedavg]
+    python benchmarks/deploy_vs_sim.py [--nodes 3] [--rounds 4] [--strategies fedavg pefll]
 
-Prints a table; nothing is asserted. The breakdown per exchange:
-- training + evaluation: the handler's own work, measured in simulation (per-exchange time there);
-- ClientApp process start: Flower starts a fresh `flwr-clientapp` process per message, which
-  imports torch and florist and loads the node's data (measured by timing that import here);
-- the rest: Flower's polling (the SuperNode pulls every 3 s when idle) and its object store:
-  every array of a model is a separate object, pulled and pushed one request at a time by the
-  SuperNode and by the ClientApp (22 objects each way for the digits CNN).
+For each strategy it prints seconds per round and, per exchange (message type), the median
+exchange time and its overhead: exchange time minus the slowest node's handler time, i.e. what
+the runtime adds (polling, object transfers, process start). Rounds after the first only (the
+first pays start-up costs). Nothing is asserted; it also says whether every client's accuracy
+is identical in the three runs.
 """
 
 from __future__ import annotations
@@ -19,69 +17,69 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 from florist.common.config import RunConfig
-from florist.deploy.federation import LocalFederation, flower_bin
+from florist.deploy.federation import LocalFederation
 from florist.server.simulation import simulate
 
-# Exchanges per round with evaluation: FedAvg-like strategies train, then evaluate; PeFLL and
-# OD-PFL train in three exchanges, then predict in two (descriptor, then model).
-EXCHANGES_PER_ROUND = {"pefll": 5, "odpfl": 5}
+RUNTIMES = ("simulation", "warm", "flower")
 
 
-def median_round(results: dict) -> float:
-    """Median seconds of the rounds after the first (the first includes warm-up)."""
-    return statistics.median(r["seconds"] for r in results["rounds"][1:])
+def deploy(work: Path, executor: str, values: dict, nodes: int) -> dict:
+    configs = [{"partition-id": i, "num-partitions": nodes, "state-dir": str(work / executor / "state")}
+               for i in range(nodes)]  # fmt: skip
+    with LocalFederation(work / executor / "federation", configs, executor=executor) as fed:
+        command = fed.run_command(values | {"results-dir": str(work / executor / "out")})
+        subprocess.run(command, env=fed.env, check=True, capture_output=True)
+    return json.loads((work / executor / "out" / "results.json").read_text())
 
 
-def clientapp_start_seconds(repeats: int = 3) -> float:
-    """What a fresh ClientApp process pays before its handler runs: `flwr-clientapp` start-up
-    plus importing florist's client (torch) and loading an embedded partition."""
-    code = ("import florist.client.app; from florist.common.data import embedded_client; "
-            "embedded_client(0, 3, 'iid', 1, 0.15, 0.2, public_size=200)")  # fmt: skip
-    times = []
-    for _ in range(repeats):
-        start = time.monotonic()
-        subprocess.run([flower_bin("flwr-clientapp"), "--help"], capture_output=True, check=True)
-        subprocess.run([sys.executable, "-c", code], check=True)
-        times.append(time.monotonic() - start)
-    return statistics.median(times)
+def figures(results: dict) -> dict:
+    """Median seconds per round and, per exchange type, median seconds and overhead."""
+    rounds = results["rounds"][1:]
+    exchanges = [e for r in rounds for e in r["exchanges"]]
+    per_type = {}
+    for kind in dict.fromkeys(e["type"] for e in exchanges):
+        rows = [e for e in exchanges if e["type"] == kind]
+        per_type[kind] = (statistics.median(e["seconds"] for e in rows),
+                          statistics.median(e["seconds"] - e["handler_seconds_max"] for e in rows))  # fmt: skip
+    return {"round": statistics.median(r["seconds"] for r in rounds), "exchange": statistics.median(e["seconds"] for e in exchanges),
+            "overhead": statistics.median(e["seconds"] - e["handler_seconds_max"] for e in exchanges), "types": per_type}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--strategy", default="fedavg")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--strategies", nargs="+", default=["fedavg", "pefll"])
+    parser.add_argument("--runtimes", nargs="+", default=list(RUNTIMES), choices=RUNTIMES)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="florist-bench-"))
-    values = {"strategy": args.strategy, "num-server-rounds": args.rounds, "partition": "iid", "min-nodes": args.nodes, "unseen-fraction": 0.0}
-
-    sim = simulate(RunConfig.from_mapping(values | {"results-dir": str(work / "sim")}), args.nodes)
-    configs = [{"partition-id": i, "num-partitions": args.nodes, "state-dir": str(work / "state")}
-               for i in range(args.nodes)]  # fmt: skip
-    with LocalFederation(work / "federation", configs) as fed:
-        command = fed.run_command(values | {"results-dir": str(work / "deploy")})
-        subprocess.run(command, env=fed.env, check=True, capture_output=True)
-    deploy = json.loads((work / "deploy" / "results.json").read_text())
-
-    sim_round, deploy_round = median_round(sim), median_round(deploy)
-    start = clientapp_start_seconds()
-    exchanges = EXCHANGES_PER_ROUND.get(args.strategy, 2)
-    per_exchange, work_share = deploy_round / exchanges, sim_round / exchanges
-    same = [c["accuracy"] for c in sim["clients"]] == [c["accuracy"] for c in deploy["clients"]]
-    print(f"{args.strategy}, {exchanges} exchanges per round, {args.nodes} nodes, {args.rounds} rounds, iid digits; median of rounds 2..{args.rounds}")
-    print(f"{'seconds per round, simulation':<48}{sim_round:8.2f}")
-    print(f"{'seconds per round, deployment':<48}{deploy_round:8.2f}   ({deploy_round / sim_round:.0f}x)")
-    print(f"{'per exchange in deployment':<48}{per_exchange:8.2f}")
-    print(f"{'  training/evaluation (simulation exchange)':<48}{work_share:8.2f}")
-    print(f"{'  ClientApp process start + imports + data':<48}{start:8.2f}")
-    print(f"{'  Flower polling + object transfers (the rest)':<48}{per_exchange - work_share - start:8.2f}")
-    print(f"per-client accuracies identical in both: {same}")
+    print(f"{args.nodes} nodes, {args.rounds} rounds, iid digits, every round evaluated; medians of rounds 2..{args.rounds}")
+    for strategy in args.strategies:
+        values = {"strategy": strategy, "num-server-rounds": args.rounds, "partition": "iid", "min-nodes": args.nodes,
+                  "unseen-fraction": 0.0}  # fmt: skip
+        runs = {}
+        for runtime in args.runtimes:
+            if runtime == "simulation":
+                cfg = RunConfig.from_mapping(values | {"results-dir": str(work / strategy / "simulation")})
+                runs[runtime] = simulate(cfg, args.nodes)
+            else:
+                runs[runtime] = deploy(work / strategy, runtime, values, args.nodes)
+        stats = {runtime: figures(results) for runtime, results in runs.items()}
+        base = stats.get("simulation", {}).get("round")
+        print(f"\n{strategy}")
+        print(f"  {'runtime':<12}{'s/round':>9}{'× sim':>8}{'s/exchange':>12}{'overhead':>10}   per exchange type (s, overhead)")
+        for runtime, s in stats.items():
+            ratio = f"{s['round'] / base:7.1f}×" if base else "      –"
+            kinds = ", ".join(f"{k} {t:.2f} ({o:.2f})" for k, (t, o) in s["types"].items())
+            print(f"  {runtime:<12}{s['round']:9.2f}{ratio}{s['exchange']:12.2f}{s['overhead']:10.2f}   {kinds}")
+        if "warm" in stats and "flower" in stats:
+            print(f"  warm is {stats['flower']['exchange'] / stats['warm']['exchange']:.1f}× faster per exchange than flower")
+        accuracies = {runtime: [(c["client"], c["accuracy"]) for c in results["clients"]] for runtime, results in runs.items()}
+        print(f"  per-client accuracies identical in {', '.join(accuracies)}: {len(set(map(str, accuracies.values()))) == 1}")
 
 
 if __name__ == "__main__":
