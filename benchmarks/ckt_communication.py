@@ -6,7 +6,7 @@ MobileNetV2 (about 2.2M parameters) on 3×32×32 digits upscaled from the same 8
 Both sides are measured on real messages, serialized as Flower puts them on the wire: PerFed-CKT's
 request is the server's (settings + c centroids on P) and its reply comes from a real client that
 trains its model (τ = 2 steps here) and returns its soft decisions on P; FedAvg's are the model
-down and the model up, as `strategies/fedavg.py` builds them.
+down and the model up, as FedAvg's server half builds them.
 """
 
 from __future__ import annotations
@@ -19,14 +19,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from florist.client import perfedckt as ckt_client
-from florist.client.node import Node
+from florist.algorithms.fedavg.server import exchange_bytes
+from florist.algorithms.fedavg.spec import TRAIN
+from florist.algorithms.perfedckt import client as ckt_client
+from florist.algorithms.perfedckt.server import PerFedCKT
+from florist.algorithms.perfedckt.spec import TRAIN_CKT, Public
+from florist.client.node import Node, Request
 from florist.client.state import NodeState
 from florist.common import data as data_lib
 from florist.common import protocol
 from florist.common.config import RunConfig
-from florist.strategies.fedavg import exchange_bytes
-from florist.strategies.perfedckt import PerFedCKT
+from florist.server.strategy import message_config
 
 
 def upscaled(x: np.ndarray) -> np.ndarray:
@@ -40,17 +43,19 @@ def measure(model: str, big: bool, clusters: int, public_size: int, folder: Path
     public_dir = folder / f"public-{model}"
     public_dir.mkdir()
     np.savez(public_dir / "public.npz", x=convert(data_lib.embedded_public(public_size, 1)))
-    cfg = RunConfig(strategy="perfed-ckt", model=model, public_dir=str(public_dir), ckt_clusters=clusters, ckt_steps=2)
+    cfg = RunConfig.from_mapping({"strategy": "perfed-ckt", "model": model, "public-dir": str(public_dir),
+                                  "ckt-clusters": clusters, "ckt-steps": 2})  # fmt: skip
     x, y = data_lib.load_digits()
     own = data_lib.partition_indices("iid", 20, 1, 10, public_size)[0][:64]  # 64 samples: no batch of one
     client = data_lib.ClientData(convert(x[own]), y[own], convert(x[own[:8]]), y[own[:8]], convert(x[own[:8]]),
                                  y[own[:8]], 10)  # fmt: skip
     strategy = PerFedCKT(cfg, None, client.input_shape, 10)
     strategy.centroids = np.random.default_rng(0).normal(size=(clusters, *strategy.soft_shape)).astype(np.float32)
-    request = strategy.request(2, True)
-    node = Node("bench", True, cfg, client, NodeState(folder / "state", f"bench-{model}"), 2, {"model": model})
-    reply = ckt_client.train(node, request, run_id=1)
-    fedavg_up, fedavg_down = exchange_bytes(strategy.new_model(), strategy.client_config(2))
+    request = strategy.ckt_request(TRAIN_CKT, 2, True)
+    key = f"bench-{model}"
+    node = Node(key, True, 1, 2, cfg, client, NodeState(folder / "state", key, cfg.strategy), {"model": model})
+    reply = ckt_client.train(node, Request(Public(public_hash=strategy.public_hash), request))
+    fedavg_up, fedavg_down = exchange_bytes(strategy.new_model(), message_config(cfg, TRAIN, 2))
     params = sum(p.numel() for p in strategy.new_model().parameters())
     return {"params": params, "ckt": protocol.nbytes(request) + protocol.nbytes(reply), "fedavg": fedavg_up + fedavg_down}
 

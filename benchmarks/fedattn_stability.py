@@ -55,7 +55,7 @@ def main() -> None:
             results = simulate(cfg, args.num_clients)
             curve = [100 * r["accuracy"] for r in results["rounds"]]
             curves[(name, seed)] = curve
-            start = cfg.fedattn_warmup if cfg.strategy == "fedattn" else 0
+            start = cfg.settings.warmup if cfg.strategy == "fedattn" else 0
             s = results["summary"]
             rows.append(f"| {name} | {seed} | {100 * s['seen']['mean_accuracy']:.1f} | "
                         f"{100 * s['unseen']['mean_accuracy']:.1f} | {max(curve):.1f} | {worst_drop(curve, start):.1f} |")

@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from florist.algorithms.pefll.client import gaussian_sigma, privatize
+from florist.algorithms.pefll.server import ODPFL
 from florist.common import data as data_lib
-from florist.common import privacy, training
+from florist.common import training
 from florist.common.config import RunConfig
 from florist.common.models import build_model
-from florist.strategies import STRATEGIES
 
 
 def main() -> None:
@@ -45,7 +46,7 @@ def main() -> None:
     novel = sorted(data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed))
     clients = [data_lib.embedded_client(i, num, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
                                         cfg.min_partition_size, public_size=cfg.public_size) for i in novel]  # fmt: skip
-    server = STRATEGIES["odpfl"](cfg, None, clients[0].input_shape, num - len(novel))
+    server = ODPFL(cfg, None, clients[0].input_shape, num - len(novel))
     state = torch.load(args.run / "checkpoint.pt")["state"]
     for prefix, net in (("hyper", server.hyper), ("embed", server.embed)):
         net.load_state_dict({k.removeprefix(f"{prefix}."): v for k, v in state.items() if k.startswith(f"{prefix}.")})
@@ -55,10 +56,10 @@ def main() -> None:
     def accuracy(client: data_lib.ClientData, x: torch.Tensor, sigma: float) -> float:
         with torch.no_grad():
             v = server.embed.describe(x)
-            model.load_state_dict(server.hyper(privacy.privatize(v, sigma) if sigma > 0 else v))
+            model.load_state_dict(server.hyper(privatize(v, sigma) if sigma > 0 else v))
         return float((training.predict_proba(model, client.x_test).argmax(1) == client.y_test).mean())
 
-    print(f"{len(novel)} novel clients of {num}, {cfg.partition}, δ = {cfg.dp_delta}; mean test accuracy (%) "
+    print(f"{len(novel)} novel clients of {num}, {cfg.partition}, δ = {cfg.settings.dp_delta}; mean test accuracy (%) "
           f"over {args.repeats} noise draws, mean σ in brackets")  # fmt: skip
     print("| ε | " + " | ".join(f"|D| = {s or 'all'}" for s in args.sizes) + " |")
     print("|---|" + "---:|" * len(args.sizes))
@@ -68,7 +69,7 @@ def main() -> None:
             scores, sigmas = [], []
             for client in clients:
                 x = torch.from_numpy(client.x_train[rng.permutation(len(client.x_train))[: size or None]])
-                sigma = privacy.gaussian_sigma(epsilon, cfg.dp_delta, len(x))
+                sigma = gaussian_sigma(epsilon, cfg.settings.dp_delta, len(x))
                 sigmas.append(sigma)
                 scores += [accuracy(client, x, sigma) for _ in range(args.repeats if sigma > 0 else 1)]
             cells.append(f"{100 * np.mean(scores):.1f} [{np.mean(sigmas):.2f}]")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -172,10 +173,11 @@ def _federation_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _datastore_add(args: argparse.Namespace) -> int:
-    from florist.client.knnper import add_samples
+    from florist.algorithms.knnper.client import add_samples
+    from florist.algorithms.knnper.spec import KNNPER
     from florist.client.state import NodeState
 
-    state = NodeState(args.state_dir, args.node_key)
+    state = NodeState(args.state_dir, args.node_key, KNNPER.name)
     before, after = add_samples(state, args.data_dir)
     print(f"datastore of node {args.node_key!r} ({state.folder}): {before} -> {after} entries")
     return 0
@@ -296,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The florist command reports nothing home unless the user asks for it (their setting wins).
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "supernode":

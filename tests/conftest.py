@@ -12,3 +12,29 @@ os.environ.update(
     RAY_USAGE_STATS_ENABLED="0",
     RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0",
 )
+
+import dataclasses  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def make_node(tmp_path):
+    """A client `Node` as a handler gets it, for calling an algorithm's client half directly:
+    `make_node({"strategy": ...}, key=..., data=..., node_config=...)`."""
+    from florist.client.node import Node
+    from florist.client.state import NodeState
+    from florist.common import data as data_lib
+    from florist.common.config import RunConfig
+
+    def make(values=None, key="partition-4", data=None, node_config=None, seen=True, run_id=1, server_round=1):
+        node_config = dict(node_config or {})
+        cfg = RunConfig.from_mapping(values or {})
+        cfg = dataclasses.replace(cfg, settings=cfg.settings.for_node(node_config))
+        if data is None:
+            data = data_lib.embedded_client(4, 5, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
+                                            cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip
+        state = NodeState(tmp_path / "state", key, cfg.strategy)
+        return Node(key, seen, run_id, server_round, cfg, data, state, node_config)
+
+    return make

@@ -1,11 +1,10 @@
-"""End-to-end runs in Flower's simulation runtime (Ray workers, real messages)."""
+"""End-to-end runs in Flower's simulation runtime (Ray workers, real messages), and the
+in-process federation checked against it."""
 
 import json
 import math
-import sys
 from pathlib import Path
 
-import cloudpickle
 import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
@@ -13,24 +12,22 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.simulation import run_simulation
 
+from florist.algorithms.knnper import client as knn
 from florist.client.app import app as florist_client_app
 from florist.client.app import build_client_app
-from florist.common import knn
 from florist.common.config import RunConfig
 from florist.common.models import build_model
+from florist.server.inprocess import run_in_process
 from florist.server.simulation import simulate
-
-# Ray workers must unpickle this module's functions (the failing mod) without importing it.
-cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": "ERROR"}}
 
 
-def _run(tmp_path, name, client_app=None, **overrides):
+def _run(tmp_path, name, client_app=None, runner=simulate, **overrides):
     values = {"num-server-rounds": 3, "local-epochs": 2, "partition": "iid", "min-nodes": 6,
               "results-dir": str(tmp_path / name)}
     cfg = RunConfig.from_mapping(values | overrides)
-    return simulate(cfg, 6, client_app=client_app)
+    return runner(cfg, 6, client_app=client_app)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +55,12 @@ def test_fedavg_learns_and_writes_the_documented_results(fedavg_run, tmp_path_fa
     assert {"results.json", "report.md", "accuracy_per_round.png", "client_accuracy.png", "checkpoint.pt"} <= names
 
 
-def test_same_seed_same_per_client_accuracies(fedavg_run, tmp_path):
-    again = _run(tmp_path, "again", partition="dirichlet:0.5")
+def test_same_seed_same_per_client_accuracies_in_process_as_in_simulation(fedavg_run, tmp_path):
+    """The in-process federation the strategy tests use is the simulation, minus Ray."""
+    again = _run(tmp_path, "again", runner=run_in_process, partition="dirichlet:0.5")
     key = lambda r: [(c["client"], c["accuracy"]) for c in r["clients"]]  # noqa: E731
     assert key(again) == key(fedavg_run)
+    assert [r["train_loss"] for r in again["rounds"]] == [r["train_loss"] for r in fedavg_run["rounds"]]
 
 
 def fail_in_round_two(msg: Message, context: Context, call_next):
@@ -73,7 +72,8 @@ def fail_in_round_two(msg: Message, context: Context, call_next):
 
 
 def test_a_node_failing_mid_round_is_left_out_and_the_run_completes(tmp_path):
-    results = _run(tmp_path, "fail", client_app=build_client_app(mods=[fail_in_round_two]), **{"unseen-fraction": 0.0})
+    results = _run(tmp_path, "fail", client_app=build_client_app(mods=[fail_in_round_two]), runner=run_in_process,
+                   **{"unseen-fraction": 0.0})  # fmt: skip
     assert results["complete"] and len(results["rounds"]) == 3
     [failure] = results["failures"]
     assert failure["round"] == 2 and failure["message_type"] == "train"
@@ -84,7 +84,8 @@ def test_a_node_failing_mid_round_is_left_out_and_the_run_completes(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["local", "fedavg-ft", "knnper"])
 def test_personalized_strategies_score_every_client(tmp_path, strategy):
-    results = _run(tmp_path, strategy, strategy=strategy, partition="pathological:2", **{"num-server-rounds": 2})
+    results = _run(tmp_path, strategy, runner=run_in_process, strategy=strategy, partition="pathological:2",
+                   **{"num-server-rounds": 2})  # fmt: skip
     assert results["summary"]["unseen"]["num_clients"] == 1
     assert all(c["accuracy"] is not None for c in results["clients"])
     if strategy in ("fedavg-ft", "knnper"):

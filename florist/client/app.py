@@ -1,8 +1,9 @@
-"""florist's ClientApp: one thin handler per message type; the work lives in the
-per-algorithm modules (`client/fedavg.py`, `client/local.py`, ...)."""
+"""florist's ClientApp: one handler per message type of every algorithm in the registry
+(`florist/algorithms`), each `(node, request) -> reply records`, inside one outer mod."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -10,14 +11,15 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from florist.client import fedattn, fedavg, knnper, local, pefll, perfedckt
+from florist.algorithms import SPECS
+from florist.algorithms.base import INFO, Exchange, load
 from florist.client.deadline import deadline
-from florist.client.node import Node, node_of
+from florist.client.node import Node, Request, parse
 from florist.common import data, packing, protocol, training
 from florist.common.models import build_model
 
 
-def info(node: Node) -> RecordDict:
+def info(node: Node, request: Request) -> RecordDict:
     """Who this node is and what data it holds, so the server can plan the run."""
     d = node.data
     return protocol.content(
@@ -25,6 +27,13 @@ def info(node: Node) -> RecordDict:
         metrics={"num-train": len(d.x_train), "num-val": len(d.x_val), "num-test": len(d.x_test),
                  "seen": int(node.seen), "labelled": int(d.labelled)},
     )  # fmt: skip
+
+
+@functools.cache
+def _configure_process() -> None:
+    """Once per process: one torch thread (one core per simulated client; no thread pool to
+    break the warm executor's forks; deterministic kernels)."""
+    torch.set_num_threads(1)
 
 
 def frame(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
@@ -45,32 +54,34 @@ def frame(msg: Message, context: Context, call_next: Callable[[Message, Context]
     return reply
 
 
+def exchanges() -> list[Exchange]:
+    """Every exchange of every algorithm, once (algorithms share some, e.g. FedAvg's `train`)."""
+    unique = {INFO.message_type: INFO}
+    for spec in SPECS.values():
+        for exchange in spec.exchanges:
+            if unique.setdefault(exchange.message_type, exchange) != exchange:
+                raise ValueError(f"message type {exchange.message_type!r} is declared twice, differently")
+    return list(unique.values())
+
+
 def build_client_app(mods: Sequence[Callable] = ()) -> ClientApp:
     """The ClientApp; `mods` are Flower mods, run inside `frame` (e.g. for tests that inject failures)."""
     app = ClientApp(mods=[frame, *mods])
-
-    def handle(work: Callable[[Node, Message, Context], RecordDict]) -> Callable[[Message, Context], Message]:
-        def handler(msg: Message, context: Context) -> Message:
-            torch.set_num_threads(1)  # one core per simulated client; deterministic kernels
-            return Message(work(node_of(msg, context), msg, context), reply_to=msg)
-
-        return handler
-
-    app.query("info")(handle(lambda node, msg, ctx: info(node)))
-    app.train()(handle(lambda node, msg, ctx: fedavg.train(node, msg.content)))
-    app.evaluate()(handle(lambda node, msg, ctx: fedavg.evaluate(node, msg.content)))
-    app.train("local")(handle(lambda node, msg, ctx: local.train(node, ctx.state)))
-    app.evaluate("local")(handle(lambda node, msg, ctx: local.evaluate(node, ctx.state, msg.content)))
-    app.evaluate("knnper")(handle(lambda node, msg, ctx: knnper.evaluate(node, msg.content)))
-    app.query("describe")(handle(lambda node, msg, ctx: pefll.describe(node, msg.content, ctx.state)))
-    app.train("generated")(handle(lambda node, msg, ctx: pefll.train(node, msg.content)))
-    app.train("encoder")(handle(lambda node, msg, ctx: pefll.backprop(node, msg.content, ctx.state)))
-    app.evaluate("generated")(handle(lambda node, msg, ctx: pefll.evaluate(node, msg.content)))
-    app.train("ckt")(handle(lambda node, msg, ctx: perfedckt.train(node, msg.content, msg.metadata.run_id)))
-    app.evaluate("ckt")(handle(lambda node, msg, ctx: perfedckt.evaluate(node, msg.content, msg.metadata.run_id)))
-    app.train("attn")(handle(lambda node, msg, ctx: fedattn.train(node, msg.content)))
-    app.query("represent")(handle(lambda node, msg, ctx: fedattn.describe(node, msg.content)))
+    for exchange in exchanges():
+        category, _, action = exchange.message_type.partition(".")
+        getattr(app, category)(action or "default")(_handler(exchange))
     return app
+
+
+def _handler(exchange: Exchange) -> Callable[[Message, Context], Message]:
+    work = load(exchange.handler)
+
+    def handler(msg: Message, context: Context) -> Message:
+        _configure_process()
+        return Message(work(*parse(msg, context, exchange)), reply_to=msg)
+
+    handler.__name__ = work.__name__
+    return handler
 
 
 def warm_up() -> None:
@@ -82,7 +93,7 @@ def warm_up() -> None:
     import datasets  # noqa: F401  (partitions of a new run are computed in the children)
     import flwr_datasets.partitioner  # noqa: F401
 
-    torch.set_num_threads(1)
+    _configure_process()
     x, y = data.load_digits()
     model = build_model("cnn", x.shape[1:], data.DIGITS_CLASSES)
     training.train(model, x[:32], y[:32], batch_size=16, lr=0.1)

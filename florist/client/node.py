@@ -1,9 +1,12 @@
-"""Everything a client handler needs about its node: settings, data, identity, state folder.
+"""Everything a client handler gets: its `Node` (who it is, the run's settings, its data and
+state) and the `Request` (the exchange's own settings and the message's records).
 
-Settings come from three layers: florist's defaults, the run config (`flwr run`), and the
-`config` record of the message (what florist's server sends). Data and identity come from
-`--node-config`: `data-dir` for a node's own folder, else the embedded digits partition
-`partition-id` of `num-partitions`.
+Settings come from the message's `config` record when florist's server sent it: then every key
+must be one this strategy and exchange declare, and none may be missing, so a typo on either
+side fails loudly instead of becoming a default. A standard `train`/`evaluate` message from one
+of Flower's own strategies carries no florist settings: the run config is used, with the keys
+it shares with the message's config. Data and identity come from `--node-config`: `data-dir`
+for a node's own folder, else the embedded digits partition `partition-id` of `num-partitions`.
 """
 
 from __future__ import annotations
@@ -14,32 +17,48 @@ import re
 import zlib
 
 import numpy as np
-import torch
 from flwr.app import Context, Message, RecordDict
 
+from florist.algorithms import spec_of
+from florist.algorithms.base import Exchange, Settings
 from florist.client.state import NodeState
 from florist.common import data as data_lib
 from florist.common import protocol, training
 from florist.common.config import RunConfig
-from florist.common.models import Net, build_model
+from florist.common.models import Net, seeded_model
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What one message asks: the exchange's own settings and the records it carries."""
+
+    settings: Settings
+    content: RecordDict
 
 
 @dataclasses.dataclass
 class Node:
-    """The client side of one message: who this node is, its settings and its data."""
+    """The client side of one message: who this node is, its settings, data and state."""
 
     key: str
     seen: bool
-    cfg: RunConfig
+    run_id: int
+    server_round: int
+    cfg: RunConfig  # `cfg.settings`: the strategy's section, with this node's overrides
     data: data_lib.ClientData
     state: NodeState
-    server_round: int
     node_config: dict
 
-    def new_model(self) -> Net:
-        """The run's model, initialised exactly as the server initialises the global one."""
-        torch.manual_seed(self.cfg.seed)
-        return build_model(self.cfg.model, self.data.input_shape, self.cfg.num_classes)
+    def new_model(self, name: str = "") -> Net:
+        """The run's model (or `name`), initialised exactly as the server initialises it."""
+        return seeded_model(name or self.cfg.model, self.data.input_shape, self.cfg.num_classes, self.cfg.seed)
+
+    def received_model(self, request: Request) -> Net:
+        """The model sent under `arrays`, checked against this run's architecture."""
+        model = self.new_model()
+        reference = model.state_dict()
+        model.load_state_dict(protocol.arrays_of(request.content, reference, f"node {self.key}: the server's message"))
+        return model
 
     def fit(self, model: Net, epochs: int, lr: float | None = None, salt: int = 0, **options) -> float:
         """Train `model` on this node's train split with the run's settings (`options` override
@@ -48,10 +67,13 @@ class Node:
         if not self.data.labelled:
             raise ValueError(f"node {self.key}: this strategy needs labelled data, but the node's data has no y")
         cfg, d = self.cfg, self.data
-        generator = training.seeded_generator(cfg.seed, self.server_round, zlib.crc32(self.key.encode()), salt)
         settings = {"epochs": epochs, "batch_size": cfg.batch_size, "lr": lr or cfg.lr, "momentum": cfg.momentum,
-                    "weight_decay": cfg.weight_decay, "generator": generator}  # fmt: skip
+                    "weight_decay": cfg.weight_decay, "generator": self.generator(salt)}  # fmt: skip
         return training.train(model, d.x_train, d.y_train, **settings | options)
+
+    def generator(self, *salt: int):
+        """A torch generator seeded by (seed, round, node, *salt)."""
+        return training.seeded_generator(self.cfg.seed, self.server_round, zlib.crc32(self.key.encode()), *salt)
 
     def test_reply(self, model: Net, **extra: float) -> RecordDict:
         """The standard evaluate reply: accuracy and loss of `model` on this node's test split."""
@@ -72,22 +94,35 @@ class Node:
         return protocol.content(metrics=metrics | {"accuracy": accuracy, "loss": loss} | extra)
 
 
-def settings(msg: Message, context: Context) -> RunConfig:
-    """Defaults ← run config ← the message's `config` record (unknown keys are ignored,
-    e.g. Flower's `server-round`)."""
-    known = set(RunConfig().to_mapping())
-    layers = dict(context.run_config)
-    if protocol.CONFIG in msg.content.config_records:
-        layers.update(msg.content.config_records[protocol.CONFIG])
-    return RunConfig.from_mapping({k: v for k, v in layers.items() if k in known})
+def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Request]:
+    """The node and request of `msg` (see the module docstring for where settings come from)."""
+    node_config = dict(context.node_config)
+    config = dict(msg.content.config_records.get(protocol.CONFIG, {}))
+    source = f"the server's {msg.metadata.message_type!r} message"
+    if "strategy" in config:  # florist's server: exactly the declared keys
+        spec = spec_of(str(config["strategy"]))
+        expected = {"server-round", *RunConfig.keys(True), *spec.settings.keys(True), *exchange.request.keys()}
+        unknown, missing = sorted(set(config) - expected), sorted(expected - set(config))
+        if unknown or missing:
+            raise protocol.ProtocolError(f"{source} does not match strategy {spec.name!r}: "
+                                         f"unknown keys {unknown}, missing keys {missing}")  # fmt: skip
+        shared = {*RunConfig.keys(True), *spec.settings.keys(True)}
+        cfg = RunConfig.from_mapping({k: v for k, v in config.items() if k in shared})
+        request = exchange.request.from_mapping(config, strict=True)
+        server_round = int(config["server-round"])
+    else:  # one of Flower's strategies: the run config, and what it shares with the message
+        run = dict(context.run_config) | {k: v for k, v in config.items() if k in RunConfig.keys()}
+        cfg = RunConfig.from_mapping({k: v for k, v in run.items() if k != "server-round"})
+        request, server_round = exchange.request(), int(config.get("server-round", 0))
+    cfg = dataclasses.replace(cfg, settings=cfg.settings.for_node(node_config))
+    key, seen, client = _identity(node_config, cfg)
+    state = NodeState(node_config.get("state-dir"), key, cfg.strategy, context.state)
+    node = Node(key, seen, msg.metadata.run_id, server_round, cfg, client, state, node_config)
+    return node, Request(request, msg.content)
 
 
-def node_of(msg: Message, context: Context) -> Node:
-    cfg = settings(msg, context)
-    node_config = context.node_config
-    server_round = 0
-    if protocol.CONFIG in msg.content.config_records:
-        server_round = int(msg.content.config_records[protocol.CONFIG].get("server-round", 0))
+def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.ClientData]:
+    """(node key, seen, data) from the node config."""
     if "data-dir" in node_config:
         data_dir = str(node_config["data-dir"])
         client = _cached_folder(data_dir, cfg.num_classes, cfg.seed, cfg.val_fraction)
@@ -101,11 +136,9 @@ def node_of(msg: Message, context: Context) -> Node:
         )
         default_key = f"partition-{pid}"
         seen = pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed)
-    key = str(node_config.get("node-key", default_key))
-    return Node(key, seen, cfg, client, NodeState(node_config.get("state-dir"), key), server_round, dict(node_config))
+    return str(node_config.get("node-key", default_key)), seen, client
 
 
 @functools.lru_cache(maxsize=4)
 def _cached_folder(data_dir: str, num_classes: int, seed: int, val_fraction: float) -> data_lib.ClientData:
     return data_lib.folder_client(data_dir, num_classes, seed, val_fraction)
-

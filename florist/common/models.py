@@ -3,7 +3,9 @@ kNN-Per stores and FedAttn summarises), and `forward(x) = head(features(x))`."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -104,6 +106,22 @@ def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> Net:
 
 
 MODEL_NAMES = ("cnn", "cnn-wide", "lenet", "mlp", "mobilenet_v2")
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """torch's default generator seeded with `seed` inside the block and restored after it:
+    networks built inside start from the same weights for a seed, wherever they are built (a
+    client's model equals the server's), and nothing outside the block sees its draws."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def seeded_model(name: str, in_shape: tuple[int, ...], num_classes: int, seed: int) -> Net:
+    """`build_model` with the weights `seed` gives."""
+    with seeded(seed):
+        return build_model(name, in_shape, num_classes)
 
 
 def bias_names(model: nn.Module) -> list[str]:

@@ -16,24 +16,7 @@ ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 SIDE = "side"  # arrays sent beside the model (FedAttn: representation, bias gradient)
 TIMING = "timing"  # ConfigRecord of every florist reply: `handler-seconds`, the handler's own time
 
-# Message types, one ClientApp handler each.
-INFO = "query.info"  # client -> its data sizes, shape, seen/unseen
-TRAIN = "train"  # Flower's standard: train the sent model, reply arrays + metrics
-EVALUATE = "evaluate"  # Flower's standard: evaluate the sent model (optionally fine-tuned first)
-TRAIN_LOCAL = "train.local"  # Local baseline: train the client's own model
-EVALUATE_LOCAL = "evaluate.local"  # Local baseline: evaluate the client's own model
-EVALUATE_KNNPER = "evaluate.knnper"  # kNN-Per: personalize the sent model with the local datastore
-# Hypernetwork strategies (PeFLL; a round is DESCRIBE, TRAIN_GENERATED, TRAIN_ENCODER):
-DESCRIBE = "query.describe"  # encoder η_v down -> the client's descriptor v up
-TRAIN_GENERATED = "train.generated"  # θ = h(v) down -> Δθ after k local steps up
-TRAIN_ENCODER = "train.encoder"  # Δv down -> Δη_v up, Δv backpropagated through the encoder
-EVALUATE_GENERATED = "evaluate.generated"  # θ = h(v) down -> test metrics up, no training
-# PerFed-CKT (models never travel; the node keeps its own):
-TRAIN_CKT = "train.ckt"  # centroids on P down -> soft decisions on P up, after τ distilled local steps
-EVALUATE_CKT = "evaluate.ckt"  # test the node's own model (a node without one trains it first)
-# FedAttn (evaluation is Flower's standard `evaluate` of the personalized model):
-TRAIN_ATTN = "train.attn"  # G + M̃_i down -> new G and M_i, Z_i and ∂L/∂M̃_i up
-REPRESENT = "query.represent"  # a model down -> Z, the mean last hidden layer over the train split, up
+# Message types are declared by the algorithms' specs (florist/algorithms/<name>/spec.py).
 
 
 class ProtocolError(ValueError):

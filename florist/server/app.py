@@ -13,12 +13,13 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from florist.algorithms import spec_of
+from florist.algorithms.base import INFO
 from florist.common import flower_internals, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
 from florist.server.results import Results
-from florist.strategies import STRATEGIES, Federation, NodeInfo, Strategy
-from florist.strategies.base import client_settings
+from florist.server.strategy import Federation, NodeInfo, Strategy, message_config
 
 # A child of Flower's logger, so messages reach `flwr run --stream` and the SuperLink log.
 log = logging.getLogger("flwr").getChild(__name__)
@@ -29,8 +30,8 @@ RoundCallback = Callable[[dict[str, Any]], None]
 def discover(federation: Federation, cfg: RunConfig, node_ids: list[int]) -> list[NodeInfo]:
     """Ask nodes who they are (one `query.info` exchange); a node with an ill-formed answer is
     recorded as failed and left out."""
-    request = protocol.content(config=client_settings(cfg, 0))
-    replies = federation.exchange({n: request for n in node_ids}, protocol.INFO, 0)
+    request = protocol.content(config=message_config(cfg, INFO, 0))
+    replies = federation.exchange({n: request for n in node_ids}, INFO.message_type, 0)
     nodes = []
     for node_id, reply in replies.items():
         try:
@@ -39,15 +40,14 @@ def discover(federation: Federation, cfg: RunConfig, node_ids: list[int]) -> lis
             nodes.append(NodeInfo(node_id, str(config["node-key"]), bool(metrics["seen"]), int(metrics["num-train"]),
                                   int(metrics["num-test"]), tuple(int(d) for d in config["input-shape"])))  # fmt: skip
         except (protocol.ProtocolError, KeyError) as err:
-            federation.fail(node_id, protocol.INFO, 0, f"ill-formed info reply: {err}")
+            federation.fail(node_id, INFO.message_type, 0, f"ill-formed info reply: {err}")
     federation.names.update({n.node_id: str(n) for n in nodes})
     return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
 
 
 def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Results:
     """The whole run; returns the results it also wrote to `cfg.results_dir`."""
-    if cfg.strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {cfg.strategy!r}; choose one of: {', '.join(STRATEGIES)}")
+    strategy_class = spec_of(cfg.strategy).load_server()
     federation = Federation(grid, cfg.round_timeout)
     results = Results(cfg)
     nodes = discover(federation, cfg, federation.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
@@ -60,7 +60,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
     log.info("%d nodes: %d seen (train), %d unseen (serve only)", len(nodes), len(seen), len(unseen))
     if not seen:
         raise RuntimeError("no seen node to train with: every node is held out as unseen")
-    strategy: Strategy = STRATEGIES[cfg.strategy](cfg, federation, nodes[0].input_shape, len(seen))
+    strategy: Strategy = strategy_class(cfg, federation, nodes[0].input_shape, len(seen))
     federation.take_bytes()
     federation.take_exchanges()
 
@@ -108,7 +108,7 @@ def serve_late_joiners(
         joined = []
         for node in discover(federation, cfg, new):
             if node.input_shape != strategy.input_shape:
-                federation.fail(node.node_id, protocol.INFO, 0, f"input shape {node.input_shape}, expected "
+                federation.fail(node.node_id, INFO.message_type, 0, f"input shape {node.input_shape}, expected "
                                 f"{strategy.input_shape}")  # fmt: skip
                 continue
             joined.append(dataclasses.replace(node, seen=False))  # joined after training: unseen by definition

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from florist.algorithms import SPECS
+from florist.algorithms.base import load
 from florist.common.metrics import summarize
 
 
-def _pct(value: float | None) -> str:
+def pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
 
@@ -24,18 +27,19 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
     rows = []
     for group, seen in (("seen", True), ("unseen", False)):
         s = results["summary"][group]
-        rows.append((results["strategy"], group, str(s["num_clients"]), _pct(s["mean_accuracy"]),
-                     _pct(s["bottom_decile_accuracy"])))  # fmt: skip
+        rows.append((results["strategy"], group, str(s["num_clients"]), pct(s["mean_accuracy"]),
+                     pct(s["bottom_decile_accuracy"])))  # fmt: skip
         for field, label in SECONDARY.items():
             clients = [c for c in results["clients"] if c["seen"] == seen and c.get(field) is not None]
             if clients:
                 g = summarize([c[field] for c in clients], [c["num_test"] for c in clients])
-                rows.append((label, group, str(g["num_clients"]), _pct(g["mean_accuracy"]),
-                             _pct(g["bottom_decile_accuracy"])))  # fmt: skip
+                rows.append((label, group, str(g["num_clients"]), pct(g["mean_accuracy"]),
+                             pct(g["bottom_decile_accuracy"])))  # fmt: skip
     return rows
 
 
-def markdown(results: dict[str, Any]) -> str:
+def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
+    """The report; `own_section` is the strategy's own part (its spec's `report` hook)."""
     cfg, rounds = results["config"], results["rounds"]
     lines = [
         f"# florist run: {results['strategy']}",
@@ -53,31 +57,9 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("failures"):
         lines += ["", f"{len(results['failures'])} node failures were left out of their rounds:", ""]
         lines += [f"- round {f['round']}, {f['node']}, `{f['message_type']}`: {f['reason']}" for f in results["failures"]]
-    lines += communication(results) + exchange_times(results) + per_model(results)
-    private = [c for c in results["clients"] if c.get("dp_sigma")]
-    if private:
-        lines += ["", "Descriptors sent with Gaussian noise for (ε, δ)-differential privacy:", "",
-                  "| client | \\|D\\| | ε | δ | σ | accuracy (%) |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
-        lines += [f"| {c['client']} | {c['descriptor_size']} | {c['dp_epsilon']:g} | {c['dp_delta']:g} | "
-                  f"{c['dp_sigma']:.4f} | {_pct(c['accuracy'])} |" for c in private]  # fmt: skip
+    lines += exchange_times(results) + list(own_section)
     lines += ["", "![accuracy per round](accuracy_per_round.png)", "", "![per-client accuracy](client_accuracy.png)", ""]
-    if any("lambda" in c for c in results["clients"]):
-        lines += ["![lambda vs local data size](lambda_vs_size.png)", ""]
     return "\n".join(lines)
-
-
-def communication(results: dict[str, Any]) -> list[str]:
-    """Training traffic per round beside FedAvg's for the same clients and model, when the
-    strategy measured it (PerFed-CKT)."""
-    rounds = [r for r in results["rounds"] if "fedavg_bytes_up" in r]
-    if not rounds:
-        return []
-    mean = lambda key: sum(r[key] for r in rounds) / len(rounds) / 1e3  # noqa: E731
-    ours, fedavg = mean("train_bytes_up") + mean("train_bytes_down"), mean("fedavg_bytes_up") + mean("fedavg_bytes_down")
-    return ["", f"Training traffic per round: {mean('train_bytes_up'):,.1f} kB up and {mean('train_bytes_down'):,.1f} kB "
-            f"down. FedAvg with the same clients and model `{results['config']['model']}` would send "
-            f"{mean('fedavg_bytes_up'):,.1f} kB up and {mean('fedavg_bytes_down'):,.1f} kB down: "
-            f"{fedavg / ours:,.0f}× as much."]  # fmt: skip
 
 
 def exchange_times(results: dict[str, Any]) -> list[str]:
@@ -100,28 +82,15 @@ def exchange_times(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def per_model(results: dict[str, Any]) -> list[str]:
-    """Accuracy per client model, when clients ran models of different sizes."""
-    clients = [c for c in results["clients"] if c.get("num_params") is not None and c["accuracy"] is not None]
-    sizes = sorted({c["num_params"] for c in clients})
-    if len(sizes) < 2:
-        return []
-    lines = ["", "Accuracy per client model:", "", "| parameters | clients | mean acc. (%) | bottom decile (%) |",
-             "|---:|---:|---:|---:|"]  # fmt: skip
-    for size in sizes:
-        rows = [c for c in clients if c["num_params"] == size]
-        s = summarize([c["accuracy"] for c in rows], [c["num_test"] for c in rows])
-        lines.append(f"| {size:,} | {s['num_clients']} | {_pct(s['mean_accuracy'])} | {_pct(s['bottom_decile_accuracy'])} |")
-    return lines
-
-
 def write_report(results: dict[str, Any], folder: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (folder / "report.md").write_text(markdown(results))
+    spec = SPECS.get(results["strategy"])
+    own_section = load(spec.report)(results, folder) if spec and spec.report else []
+    (folder / "report.md").write_text(markdown(results, own_section))
 
     evaluated = [r for r in results["rounds"] if r["accuracy"] is not None]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -144,21 +113,4 @@ def write_report(results: dict[str, Any], folder: Path) -> None:
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(folder / "client_accuracy.png", dpi=120)
-    plt.close(fig)
-    if any("lambda" in c for c in results["clients"]):
-        _lambda_plot(results, folder, plt)
-
-
-def _lambda_plot(results: dict[str, Any], folder: Path, plt) -> None:
-    """λ chosen per client against its local training-set size (the kNN-Per paper's Fig. 8)."""
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, seen in (("seen", True), ("unseen", False)):
-        rows = [c for c in results["clients"] if c["seen"] == seen and c.get("lambda") is not None]
-        ax.scatter([c["num_train"] for c in rows], [c["lambda"] for c in rows], label=name, alpha=0.7)
-    ax.set(xlabel="local training samples", ylabel="λ chosen on validation", ylim=(-0.05, 1.05),
-           title=f"{results['strategy']}: λ vs local data size")  # fmt: skip
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(folder / "lambda_vs_size.png", dpi=120)
     plt.close(fig)

@@ -16,7 +16,7 @@ import torch
 from florist.common.config import RunConfig
 from florist.common.metrics import summarize
 from florist.common.storage import atomic_write
-from florist.strategies.base import NodeInfo
+from florist.server.strategy import NodeInfo
 
 STANDARD_CLIENT_KEYS = ("accuracy", "num-examples", "num-train", "seen")
 

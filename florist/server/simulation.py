@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +21,20 @@ class _DropDeprecation(logging.Filter):
         return "run_simulation" not in record.getMessage()
 
 
-_DROP_DEPRECATION = _DropDeprecation()
+@contextlib.contextmanager
+def _without_deprecation_warning() -> Iterator[None]:
+    from flwr.common.logger import FLOWER_LOGGER
+
+    drop = _DropDeprecation()
+    FLOWER_LOGGER.addFilter(drop)
+    try:
+        yield
+    finally:
+        FLOWER_LOGGER.removeFilter(drop)
 
 
 def simulate(cfg: RunConfig, num_clients: int, on_round=None, client_app=None) -> dict[str, Any]:
     """Run `cfg` on `num_clients` simulated SuperNodes; return the parsed results.json."""
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    from flwr.common.logger import FLOWER_LOGGER
     from flwr.simulation import run_simulation
 
     from florist.client.app import app as default_client_app
@@ -34,14 +42,14 @@ def simulate(cfg: RunConfig, num_clients: int, on_round=None, client_app=None) -
 
     if num_clients < cfg.min_nodes:
         raise ValueError(f"num-clients ({num_clients}) must be at least min-nodes ({cfg.min_nodes})")
-    FLOWER_LOGGER.addFilter(_DROP_DEPRECATION)  # adding the same filter twice is a no-op
-    run_simulation(
-        server_app=make_server_app(cfg.to_mapping(), on_round),
-        client_app=client_app or default_client_app,
-        num_supernodes=num_clients,
-        backend_config={
-            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-            "init_args": {"num_cpus": os.cpu_count() or 1, "logging_level": "ERROR", "log_to_driver": False},
-        },
-    )
+    with _without_deprecation_warning():
+        run_simulation(
+            server_app=make_server_app(cfg.to_mapping(), on_round),
+            client_app=client_app or default_client_app,
+            num_supernodes=num_clients,
+            backend_config={
+                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                "init_args": {"num_cpus": os.cpu_count() or 1, "logging_level": "ERROR", "log_to_driver": False},
+            },
+        )
     return json.loads((Path(cfg.results_dir).expanduser() / "results.json").read_text())

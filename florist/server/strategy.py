@@ -1,4 +1,4 @@
-"""The small base every strategy stands on.
+"""The small base every algorithm's server half stands on.
 
 `Federation` wraps Flower's Grid with what every exchange needs: a timeout, replies mapped
 back to their node, failures logged and left out, and the bytes each way counted from the
@@ -14,26 +14,23 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from flwr.app import Message, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
+from florist.algorithms.base import Exchange
 from florist.common import packing, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
-from florist.common.models import Net, build_model
+from florist.common.models import Net, seeded_model
 from florist.common.pacing import Backoff
 
 # A child of Flower's logger, so messages reach `flwr run --stream` and the SuperLink log.
 log = logging.getLogger("flwr").getChild(__name__)
-
-# Run settings that stay on the server; everything else is sent to the clients.
-SERVER_ONLY = {"results-dir", "round-timeout", "node-wait-timeout", "min-nodes", "min-train-nodes", "fraction-train"}
-
 
 @dataclasses.dataclass(frozen=True)
 class NodeInfo:
@@ -167,21 +164,20 @@ TESTED = ("accuracy", "num-examples")  # metrics every evaluation reply carries
 class Strategy:
     """A personalization algorithm's server half.
 
-    Subclasses set `name` and implement `train_round` (any number of exchanges) and
-    `evaluate` (per-node metrics with at least `accuracy` and `num-examples`); `serve` gives
-    nodes that never trained their personalized model (by default through `evaluate`).
+    Subclasses implement `train_round` (any number of exchanges) and `evaluate` (per-node
+    metrics with at least `accuracy` and `num-examples`); `serve` gives nodes that never trained
+    their personalized model (by default through `evaluate`). `self.settings` is the
+    algorithm's own section of the run config.
     """
-
-    name: ClassVar[str]
 
     def __init__(self, cfg: RunConfig, federation: Federation, input_shape: tuple[int, ...], num_seen: int):
         """`num_seen`: how many nodes train (some algorithms size their networks by it)."""
         self.cfg, self.federation, self.input_shape, self.num_seen = cfg, federation, input_shape, num_seen
+        self.settings: Any = cfg.settings
 
     def new_model(self) -> Net:
         """The run's model, seeded: clients that build it from the same seed get the same weights."""
-        torch.manual_seed(self.cfg.seed)
-        return build_model(self.cfg.model, self.input_shape, self.cfg.num_classes)
+        return seeded_model(self.cfg.model, self.input_shape, self.cfg.num_classes, self.cfg.seed)
 
     def sample_size(self, available: int) -> int:
         """How many nodes a round trains: `fraction-train` of them, at least `min-train-nodes`."""
@@ -192,12 +188,16 @@ class Strategy:
         rng = np.random.default_rng([self.cfg.seed, server_round])
         return [nodes[i] for i in sorted(rng.choice(len(nodes), self.sample_size(len(nodes)), replace=False))]
 
-    def client_config(self, server_round: int, **extra: Any) -> dict[str, Any]:
-        """The settings every client message carries, plus per-exchange `extra` keys."""
-        return client_settings(self.cfg, server_round) | {k.replace("_", "-"): v for k, v in extra.items()}
+    def request(
+        self, exchange: Exchange, server_round: int, arrays: ArrayRecord | None = None, side: ArrayRecord | None = None,
+        **values: Any,
+    ) -> RecordDict:
+        """A request of `exchange`: the records, the settings that travel, and the exchange's
+        own settings `values` (checked against its declared `request` dataclass)."""
+        return protocol.content(arrays, message_config(self.cfg, exchange, server_round, **values), side=side)
 
     def ask(
-        self, requests: Mapping[int, RecordDict], message_type: str, server_round: int, required: tuple[str, ...],
+        self, exchange: Exchange, requests: Mapping[int, RecordDict], server_round: int, required: tuple[str, ...],
         reference: Mapping[str, torch.Tensor] | None = None, side: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[int, Reply]:
         """Send `requests[node]` to each node; return, by node, the replies whose `metrics`
@@ -205,6 +205,7 @@ class Strategy:
         (or `side` arrays) match it: keys, shapes, finite values. Any other reply is recorded
         as a failure."""
         good: dict[int, Reply] = {}
+        message_type = exchange.message_type
         for node, content in self.federation.exchange(requests, message_type, server_round).items():
             name = self.federation.name(node)
             try:
@@ -218,12 +219,12 @@ class Strategy:
         return good
 
     def broadcast(
-        self, nodes: list[NodeInfo], message_type: str, server_round: int, content: RecordDict,
+        self, exchange: Exchange, nodes: list[NodeInfo], server_round: int, content: RecordDict,
         required: tuple[str, ...], reference: Mapping[str, torch.Tensor] | None = None,
         side: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[int, Reply]:
         """`ask` with the same `content` for every node."""
-        return self.ask({n.node_id: content for n in nodes}, message_type, server_round, required, reference, side)
+        return self.ask(exchange, {n.node_id: content for n in nodes}, server_round, required, reference, side)
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         """Run one training round with `nodes`; return the mean training loss (None if none)."""
@@ -249,9 +250,11 @@ class Strategy:
         return {}
 
 
-def client_settings(cfg: RunConfig, server_round: int) -> dict[str, Any]:
-    """The run settings clients need (data, model, training), tagged with the round."""
-    return {k: v for k, v in cfg.to_mapping().items() if k not in SERVER_ONLY} | {"server-round": server_round}
+def message_config(cfg: RunConfig, exchange: Exchange, server_round: int, **values: Any) -> dict[str, Any]:
+    """A request's `config` record: the run's settings that travel (the common ones and the
+    strategy's section), the round, and the exchange's own settings, by its dataclass."""
+    own = exchange.request(**values).to_mapping()
+    return cfg.to_mapping(travelling=True) | {"server-round": server_round} | own
 
 
 def metrics_of(replies: Mapping[int, Reply]) -> dict[int, dict[str, float]]:

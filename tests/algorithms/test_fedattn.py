@@ -1,12 +1,12 @@
 """FedAttn: attention over one key, weights that sum to one, the server's chain-rule step through
-the attention against autograd, and a simulation that serves held-out clients."""
+the attention against autograd, and a federation that serves held-out clients."""
 
 import pytest
 import torch
 
+from florist.algorithms.fedattn.server import BiasAttention, FedAttn
 from florist.common.config import RunConfig
-from florist.server.simulation import simulate
-from florist.strategies.fedattn import BiasAttention, FedAttn
+from florist.server.inprocess import run_in_process
 
 
 def test_one_neighbour_that_is_the_client_itself_gives_w_v_times_its_biases():
@@ -34,7 +34,7 @@ def test_the_server_step_from_client_gradients_equals_autograd_of_the_clients_lo
     """Each client i reports g_i = ∂L_i/∂M̃_i; the server's backward through the attention must
     give ∇_W of mean_i L_i(M̃_i(W)) (+ reg·mean ‖M̃_i − M̄‖²), computed here end to end."""
     torch.manual_seed(2)
-    cfg = RunConfig(strategy="fedattn", model="mlp", fedattn_k=3, fedattn_reg=reg)
+    cfg = RunConfig.from_mapping({"strategy": "fedattn", "model": "mlp", "fedattn-k": 3, "fedattn-reg": reg})
     server = FedAttn(cfg, None, (1, 8, 8), 4)
     torch.nn.init.normal_(server.attention.value.weight, std=0.1)
     server.remember({f"n{i}": (torch.randn(server.z_dim), torch.randn(server.m_dim)) for i in range(4)})
@@ -57,10 +57,10 @@ def test_the_server_step_from_client_gradients_equals_autograd_of_the_clients_lo
     assert all(e.norm() > 0 for e in expected)  # every matrix really gets a gradient
 
 
-def test_fedattn_simulation_personalizes_seen_and_held_out_clients(tmp_path):
-    cfg = RunConfig(strategy="fedattn", num_server_rounds=4, min_nodes=6, fedattn_warmup=1, fedattn_k=3,
-                    results_dir=str(tmp_path / "out"))  # fmt: skip
-    results = simulate(cfg, 6)
+def test_fedattn_personalizes_seen_and_held_out_clients(tmp_path):
+    cfg = RunConfig.from_mapping({"strategy": "fedattn", "num-server-rounds": 4, "min-nodes": 6, "fedattn-warmup": 1,
+                                  "fedattn-k": 3, "results-dir": str(tmp_path / "out")})  # fmt: skip
+    results = run_in_process(cfg, 6)
     assert results["complete"] and not results["failures"]
     clients = results["clients"]
     assert all(c["accuracy"] is not None and c["neighbours"] == 3 for c in clients)
@@ -70,7 +70,7 @@ def test_fedattn_simulation_personalizes_seen_and_held_out_clients(tmp_path):
 
 
 def test_a_broken_attention_falls_back_to_the_mean_biases_instead_of_sending_nan():
-    server = FedAttn(RunConfig(strategy="fedattn", model="mlp"), None, (1, 8, 8), 2)
+    server = FedAttn(RunConfig.from_mapping({"strategy": "fedattn", "model": "mlp"}), None, (1, 8, 8), 2)
     server.remember({f"n{i}": (torch.randn(server.z_dim), torch.randn(server.m_dim)) for i in range(2)})
     with torch.no_grad():
         server.attention.value.weight.fill_(float("inf"))

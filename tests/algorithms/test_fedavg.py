@@ -1,6 +1,6 @@
 import torch
 
-from florist.strategies.fedavg import weighted_average
+from florist.algorithms.fedavg.server import weighted_average
 
 
 def test_weighted_average_by_hand():

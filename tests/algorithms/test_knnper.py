@@ -3,24 +3,29 @@
 import numpy as np
 import pytest
 
+from florist.algorithms.knnper import client as knnper
+from florist.algorithms.knnper.datastore import Datastore
 from florist.cli import main
-from florist.client import knnper
 from florist.client.node import Node
-from florist.client.state import NodeState
-from florist.common import data, knn, training
-from florist.common.config import RunConfig
-
-
-def make_node(tmp_path, **config) -> Node:
-    cfg = RunConfig.from_mapping({"partition": "pathological:2"} | config)
-    client = data.embedded_client(4, 10, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
-                                  public_size=cfg.public_size)
-    return Node("partition-4", True, cfg, client, NodeState(tmp_path, "partition-4"), 1, {})
+from florist.common import data, training
 
 
 @pytest.fixture
-def trained(tmp_path):
-    node = make_node(tmp_path)
+def knn_node(make_node):
+    def make(**config) -> Node:
+        values = {"strategy": "knnper", "partition": "pathological:2"} | config
+        node = make_node(values)
+        client = data.embedded_client(4, 10, node.cfg.partition, node.cfg.seed, node.cfg.val_fraction,
+                                      node.cfg.test_fraction, public_size=node.cfg.public_size)  # fmt: skip
+        node.data = client
+        return node
+
+    return make
+
+
+@pytest.fixture
+def trained(knn_node):
+    node = knn_node()
     model = node.new_model()
     node.fit(model, epochs=3)  # a partly trained "global" model
     return node, model
@@ -32,7 +37,7 @@ def test_lambda_zero_reproduces_the_global_model_on_every_test_point(trained):
     p_global = training.predict_proba(model, node.data.x_test)
     embeddings = training.embed(model, node.data.x_test)
     for k in (1, 5, 10):
-        mixed = knn.mix(knnper.knn_proba(node, store, embeddings, k), p_global, 0.0)
+        mixed = knnper.mix(knnper.stored_proba(node, store, embeddings, k), p_global, 0.0)
         assert np.array_equal(mixed, p_global)
         assert (mixed.argmax(1) == p_global.argmax(1)).all()
 
@@ -49,8 +54,8 @@ def test_datastore_holds_the_train_split_and_is_reused_for_the_same_model(traine
     assert len(knnper.datastore_for(node, model, "v2")) == len(node.data.x_train)  # new global model: rebuilt
 
 
-def test_datastore_add_command_embeds_new_samples_under_fifo(tmp_path):
-    node = make_node(tmp_path, **{"knn-policy": "fifo", "knn-capacity": 60})
+def test_datastore_add_command_embeds_new_samples_under_fifo(tmp_path, knn_node):
+    node = knn_node(**{"knn-policy": "fifo", "knn-capacity": 60})
     model = node.new_model()
     knnper.datastore_for(node, model, "v1")
     x, y = data.load_digits()
@@ -58,8 +63,9 @@ def test_datastore_add_command_embeds_new_samples_under_fifo(tmp_path):
     new.mkdir()
     for split in ("train", "test"):
         np.savez(new / f"{split}.npz", x=x[:25], y=y[:25])
-    assert main(["datastore", "add", "--state-dir", str(tmp_path), "--node-key", "partition-4", "--data-dir", str(new)]) == 0
-    store = knnper.Datastore.load(node.state)
+    state_dir = str(node.state.folder.parent)
+    assert main(["datastore", "add", "--state-dir", state_dir, "--node-key", "partition-4", "--data-dir", str(new)]) == 0
+    store = Datastore.load(node.state)
     assert len(store) == 60 and store.labels[-1] == y[24]  # the newest 60 kept
     assert np.allclose(store.embeddings[-1], training.embed(model, x[24:25])[0], atol=1e-6)
 

@@ -2,7 +2,7 @@ import faiss
 import numpy as np
 import pytest
 
-from florist.client.datastore import Datastore
+from florist.algorithms.knnper.datastore import Datastore
 from florist.client.state import NodeState
 
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from florist.common import knn
+from florist.algorithms.knnper import client as knn
 
 
 def test_knn_proba_by_hand():

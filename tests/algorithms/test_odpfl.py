@@ -1,5 +1,5 @@
 """OD-PFL: the set encoder's guarantees, the Gaussian mechanism, the client that noises its own
-descriptor, and a simulation in which held-out clients are served without showing a label."""
+descriptor, and a federation in which held-out clients are served without showing a label."""
 
 import math
 
@@ -8,20 +8,21 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from florist.client import pefll as client_half
-from florist.client.node import Node
-from florist.client.state import NodeState
+from florist.algorithms.pefll import client as client_half
+from florist.algorithms.pefll.client import gaussian_sigma, privatize
+from florist.algorithms.pefll.networks import SetEncoder
+from florist.algorithms.pefll.spec import DESCRIPTOR, Describe
+from florist.client.node import Node, Request
 from florist.common import data as data_lib
-from florist.common import privacy, protocol
+from florist.common import protocol
 from florist.common.config import RunConfig
-from florist.common.hypernet import SetEncoder
-from florist.server.simulation import simulate
+from florist.server.inprocess import run_in_process
 
 
 def test_sigma_is_the_gaussian_mechanism_for_a_mean_of_unit_vectors():
     sensitivity = 2 / 50
-    assert privacy.gaussian_sigma(0.5, 1e-5, 50) == pytest.approx(math.sqrt(2 * sensitivity**2 * math.log(1.25e5)) / 0.5)
-    assert privacy.gaussian_sigma(math.inf, 1e-5, 50) == 0.0
+    assert gaussian_sigma(0.5, 1e-5, 50) == pytest.approx(math.sqrt(2 * sensitivity**2 * math.log(1.25e5)) / 0.5)
+    assert gaussian_sigma(math.inf, 1e-5, 50) == 0.0
 
 
 @pytest.mark.parametrize(("epsilon", "delta", "size", "message"), [
@@ -31,11 +32,11 @@ def test_sigma_is_the_gaussian_mechanism_for_a_mean_of_unit_vectors():
 ])  # fmt: skip
 def test_invalid_privacy_settings_are_refused_by_name(epsilon, delta, size, message):
     with pytest.raises(ValueError, match=message):
-        privacy.gaussian_sigma(epsilon, delta, size)
+        gaussian_sigma(epsilon, delta, size)
 
 
 def test_the_noise_has_the_requested_spread():
-    draws = torch.stack([privacy.privatize(torch.zeros(8), 0.3) for _ in range(2000)])
+    draws = torch.stack([privatize(torch.zeros(8), 0.3) for _ in range(2000)])
     assert draws.std().item() == pytest.approx(0.3, rel=0.05) and abs(draws.mean().item()) < 0.01
 
 
@@ -52,58 +53,56 @@ def test_set_encoder_ignores_order_and_chunking_and_moves_at_most_two_over_n():
             assert (encoder.describe(other) - g).norm() <= 2 / 40 + 1e-6
 
 
-def _unlabeled_node(tmp_path, **node_config) -> Node:
+def _unlabeled_node(tmp_path, make_node, **node_config) -> Node:
     folder = tmp_path / "data"
     folder.mkdir()
     x, _ = data_lib.load_digits()
     np.savez(folder / "train.npz", x=x[:60])
     np.savez(folder / "test.npz", x=x[60:70])
-    cfg = RunConfig(strategy="odpfl")
-    client = data_lib.folder_client(folder, 10, cfg.seed, cfg.val_fraction)
-    return Node("newcomer", False, cfg, client, NodeState(tmp_path / "state", "newcomer"), 1, node_config)
+    client = data_lib.folder_client(folder, 10, 1, 0.15)
+    return make_node({"strategy": "odpfl"}, "newcomer", client, node_config, seen=False)
 
 
 def _served(node: Node, encoder: SetEncoder) -> RecordDict:
-    config = {"strategy": "odpfl", "embed-dim": 6, "predict": True, "serve": True}
-    request = protocol.content(protocol.to_record(encoder), config)
-    return client_half.describe(node, request, RecordDict())
+    request = Request(Describe(embed_dim=6, predict=True, serve=True), protocol.content(protocol.to_record(encoder)))
+    return client_half.describe(node, request)
 
 
-def test_a_served_unlabeled_node_noises_its_descriptor_before_sending_it(tmp_path):
+def test_a_served_unlabeled_node_noises_its_descriptor_before_sending_it(tmp_path, make_node):
     torch.manual_seed(0)
     encoder = SetEncoder((1, 8, 8), 10, 6)
-    node = _unlabeled_node(tmp_path, **{"dp-epsilon": 1.0, "dp-delta": 1e-5})
+    node = _unlabeled_node(tmp_path, make_node, **{"dp-epsilon": 1.0, "dp-delta": 1e-5})
     assert not node.data.labelled
     with torch.no_grad():
         clean = encoder.describe(torch.from_numpy(node.data.x_train))
     sent = [_served(node, encoder) for _ in range(2)]
-    descriptors = [s.array_records[protocol.ARRAYS].to_torch_state_dict()[client_half.DESCRIPTOR] for s in sent]
+    descriptors = [s.array_records[protocol.ARRAYS].to_torch_state_dict()[DESCRIPTOR] for s in sent]
     metrics = sent[0].metric_records[protocol.METRICS]
     n = len(node.data.x_train)
     assert metrics["num-examples"] == n and metrics["dp-epsilon"] == 1.0 and metrics["dp-delta"] == 1e-5
-    assert metrics["dp-sigma"] == pytest.approx(privacy.gaussian_sigma(1.0, 1e-5, n))
+    assert metrics["dp-sigma"] == pytest.approx(gaussian_sigma(1.0, 1e-5, n))
     assert not torch.allclose(descriptors[0], clean, atol=1e-4)  # what leaves the node is not the clean one
     assert not torch.allclose(descriptors[0], descriptors[1])  # fresh noise every time
 
 
-def test_without_privacy_the_served_descriptor_is_the_clean_encoding(tmp_path):
+def test_without_privacy_the_served_descriptor_is_the_clean_encoding(tmp_path, make_node):
     torch.manual_seed(0)
     encoder = SetEncoder((1, 8, 8), 10, 6)
-    node = _unlabeled_node(tmp_path)
+    node = _unlabeled_node(tmp_path, make_node)
     sent = _served(node, encoder)
     with torch.no_grad():
         clean = encoder.describe(torch.from_numpy(node.data.x_train))
-    torch.testing.assert_close(sent.array_records[protocol.ARRAYS].to_torch_state_dict()[client_half.DESCRIPTOR], clean)
+    torch.testing.assert_close(sent.array_records[protocol.ARRAYS].to_torch_state_dict()[DESCRIPTOR], clean)
     assert sent.metric_records[protocol.METRICS]["dp-sigma"] == 0.0
 
 
-def test_odpfl_simulation_serves_held_out_clients_from_their_unlabeled_data(tmp_path):
+def test_odpfl_serves_held_out_clients_from_their_unlabeled_data(tmp_path):
     values = {"strategy": "odpfl", "num-server-rounds": 5, "partition": "pathological:2", "min-nodes": 6,
               "eval-every": 0, "dp-epsilon": 3.0, "results-dir": str(tmp_path / "run")}  # fmt: skip
-    results = simulate(RunConfig.from_mapping(values), 6)
+    results = run_in_process(RunConfig.from_mapping(values), 6)
     [novel] = [c for c in results["clients"] if not c["seen"]]
     assert novel["dp_epsilon"] == 3.0 and novel["descriptor_size"] == novel["num_train"]
-    assert novel["dp_sigma"] == pytest.approx(privacy.gaussian_sigma(3.0, 1e-5, novel["num_train"]))
+    assert novel["dp_sigma"] == pytest.approx(gaussian_sigma(3.0, 1e-5, novel["num_train"]))
     assert all("dp_sigma" not in c for c in results["clients"] if c["seen"])  # noise is for nodes being served
     report = (tmp_path / "run" / "report.md").read_text()
     assert f"| {novel['client']} | {novel['num_train']} | 3 | 1e-05 | {novel['dp_sigma']:.4f} |" in report

@@ -1,25 +1,22 @@
 """PeFLL (and the machinery OD-PFL shares with it): the networks' shapes, and the math and
-failure handling through Flower's simulation runtime (real messages between the halves)."""
+failure handling through the in-process federation (real messages between the halves)."""
 
 import math
-import sys
 
-import cloudpickle
 import pytest
 import torch
 import torch.nn.functional as F
 from flwr.app import Context, Message
 
+from florist.algorithms import spec_of
+from florist.algorithms.pefll.networks import EmbeddingNet, HyperNetwork, default_embed_dim
+from florist.algorithms.pefll.spec import DESCRIBE, TRAIN_ENCODER
 from florist.client.app import build_client_app
 from florist.common import data as data_lib
 from florist.common import protocol
 from florist.common.config import RunConfig
-from florist.common.hypernet import EmbeddingNet, HyperNetwork, default_embed_dim
 from florist.common.models import build_model
-from florist.server.simulation import simulate
-from florist.strategies import STRATEGIES
-
-cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray workers unpickle the mods below
+from florist.server.inprocess import run_in_process
 
 
 @pytest.mark.parametrize(("model", "shape"), [("cnn", (1, 8, 8)), ("lenet", (1, 28, 28)), ("lenet", (3, 32, 32)),
@@ -56,7 +53,7 @@ def _simulate(tmp_path, name, num_clients, client_app=None, **overrides):
     values = {"strategy": "pefll", "num-server-rounds": 1, "partition": "iid", "unseen-fraction": 0.0,
               "min-nodes": num_clients, "eval-every": 0, "results-dir": str(tmp_path / name)} | overrides  # fmt: skip
     cfg = RunConfig.from_mapping(values)
-    results = simulate(cfg, num_clients, client_app=client_app)
+    results = run_in_process(cfg, num_clients, client_app=client_app)
     return cfg, results, torch.load(tmp_path / name / "checkpoint.pt")["state"]
 
 
@@ -72,7 +69,7 @@ def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradi
         "hn-server-lr": 1.0, "min-train-nodes": 1, "hn-embed-dim": 3})  # fmt: skip
     assert results["complete"] and not results["failures"]
 
-    server = STRATEGIES[strategy](cfg, None, (1, 8, 8), 1)  # the same seed: the networks before the round
+    server = spec_of(strategy).load_server()(cfg, None, (1, 8, 8), 1)  # the same seed: the networks before the round
     client = data_lib.embedded_client(0, 1, "iid", cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size,
                                       public_size=cfg.public_size)
     x, y = torch.from_numpy(client.x_train), torch.from_numpy(client.y_train)
@@ -103,12 +100,12 @@ def fail_in_message(message_type: str):
 def test_a_client_failing_in_exchange_three_is_left_out_of_the_update(tmp_path):
     """The update with a client lost in exchange 3 equals the update without it (lost in 1)."""
     settings = {"hn-local-steps": 5, "hn-embed-dim": 2}
-    _, late, after_late = _simulate(tmp_path, "late", 3, build_client_app([fail_in_message(protocol.TRAIN_ENCODER)]),
+    _, late, after_late = _simulate(tmp_path, "late", 3, build_client_app([fail_in_message(TRAIN_ENCODER.message_type)]),
                                     **settings)
-    _, early, after_early = _simulate(tmp_path, "early", 3, build_client_app([fail_in_message(protocol.DESCRIBE)]),
+    _, early, after_early = _simulate(tmp_path, "early", 3, build_client_app([fail_in_message(DESCRIBE.message_type)]),
                                       **settings)
     [failure] = late["failures"]
-    assert failure["message_type"] == protocol.TRAIN_ENCODER and "partition-2" in failure["node"]
+    assert failure["message_type"] == TRAIN_ENCODER.message_type and "partition-2" in failure["node"]
     assert "power cut" in failure["reason"]
     assert all(torch.isfinite(v).all() for v in after_late.values())
     for key, value in after_late.items():
@@ -117,7 +114,7 @@ def test_a_client_failing_in_exchange_three_is_left_out_of_the_update(tmp_path):
     assert all(c["accuracy"] is not None for c in late["clients"])  # back for the final evaluation
 
 
-def test_pefll_simulation_serves_unseen_clients_and_reports_masked_accuracy(tmp_path):
+def test_pefll_serves_unseen_clients_and_reports_masked_accuracy(tmp_path):
     _, results, _ = _simulate(tmp_path, "run", 6, **{"num-server-rounds": 5, "partition": "pathological:2",
                                                      "unseen-fraction": 0.2, "mask-classes": True})  # fmt: skip
     assert results["summary"]["seen"]["num_clients"] == 5 and results["summary"]["unseen"]["num_clients"] == 1

@@ -1,5 +1,5 @@
 """PerFed-CKT: the nearest centroid, the k-means, the distillation term's gradient, the public
-set's fingerprint check, sampling by data size, and a simulation with three architectures."""
+set's fingerprint check, sampling by data size, and a federation with three architectures."""
 
 import copy
 import json
@@ -7,18 +7,26 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord
 
+from florist.algorithms.perfedckt import client as client_half
+from florist.algorithms.perfedckt.server import PerFedCKT, cluster, public_fingerprint
+from florist.algorithms.perfedckt.spec import CENTROIDS, SOFT, Public
 from florist.cli import main
-from florist.client import perfedckt as client_half
-from florist.client.node import Node
-from florist.client.state import NodeState
+from florist.client.node import Node, Request
 from florist.common import data as data_lib
 from florist.common import protocol
 from florist.common.config import RunConfig
-from florist.server.simulation import simulate
-from florist.strategies.base import NodeInfo
-from florist.strategies.perfedckt import PerFedCKT, cluster, public_fingerprint
+from florist.server.inprocess import run_in_process
+from florist.server.strategy import NodeInfo
+
+
+def _cfg(**values) -> RunConfig:
+    return RunConfig.from_mapping({"strategy": "perfed-ckt"} | {k.replace("_", "-"): v for k, v in values.items()})
+
+
+def _fingerprint(cfg: RunConfig) -> str:
+    return public_fingerprint(cfg.settings, cfg.num_classes, cfg.public_size, cfg.seed)
 
 
 def test_nearest_centroid_is_the_argmin_of_squared_distances():
@@ -53,58 +61,58 @@ def test_the_distillation_gradient_matches_the_closed_form():
     torch.testing.assert_close(w.grad, expected)
 
 
-def _node(tmp_path, key="partition-0", round_=1, **changes) -> Node:
-    cfg = RunConfig(strategy="perfed-ckt", **changes)
+def _node(make_node, key="partition-0", run_id=1, node_config=None, **changes) -> Node:
+    cfg = _cfg(**changes)
     client = data_lib.embedded_client(0, 10, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
                                       cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip
-    node_config = {"partition-id": 0, "num-partitions": 10}
-    return Node(key, True, cfg, client, NodeState(tmp_path / "state", key), round_, node_config)
+    node_config = {"partition-id": 0, "num-partitions": 10} | (node_config or {})
+    return make_node(cfg.to_mapping(), key, client, node_config, run_id=run_id)
 
 
-def _request(cfg: RunConfig, centroids: np.ndarray | None = None, **config) -> RecordDict:
-    arrays = None if centroids is None else ArrayRecord({client_half.CENTROIDS: torch.from_numpy(centroids)})
-    return protocol.content(arrays, {"public-hash": public_fingerprint(cfg)} | config)
+def _request(cfg: RunConfig, centroids: np.ndarray | None = None) -> Request:
+    arrays = None if centroids is None else ArrayRecord({CENTROIDS: torch.from_numpy(centroids)})
+    return Request(Public(public_hash=_fingerprint(cfg)), protocol.content(arrays))
 
 
-def test_lambda_zero_trains_exactly_like_local_training(tmp_path):
-    node = _node(tmp_path, **{"ckt_lambda": 0.0})
+def test_lambda_zero_trains_exactly_like_local_training(make_node):
+    node = _node(make_node, ckt_lambda=0.0)
     public = data_lib.embedded_public(node.cfg.public_size, node.cfg.seed)
-    model, _ = client_half._owned_model(node, run_id=1)
+    model, _ = client_half._owned_model(node)
     plain = copy.deepcopy(model)
     centroids = np.random.default_rng(0).normal(size=(3, len(public), 10)).astype(np.float32)
     client_half._fit(node, model, public, centroids, salt=0)
-    node.fit(plain, node.cfg.local_epochs, salt=0, steps=node.cfg.ckt_steps)
+    node.fit(plain, node.cfg.local_epochs, salt=0, steps=node.cfg.settings.steps)
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=0)
 
 
-def test_a_trained_node_keeps_its_model_for_the_run_and_sends_only_soft_decisions(tmp_path):
-    node = _node(tmp_path)
-    reply = client_half.train(node, _request(node.cfg), run_id=5)
+def test_a_trained_node_keeps_its_model_for_the_run_and_sends_only_soft_decisions(make_node):
+    node = _node(make_node, run_id=5)
+    reply = client_half.train(node, _request(node.cfg))
     soft = reply.array_records[protocol.ARRAYS].to_torch_state_dict()
-    assert list(soft) == [client_half.SOFT] and tuple(soft[client_half.SOFT].shape) == (node.cfg.public_size, 10)
-    kept, meta = client_half._owned_model(node, run_id=5)
+    assert list(soft) == [SOFT] and tuple(soft[SOFT].shape) == (node.cfg.public_size, 10)
+    kept, meta = client_half._owned_model(node)
     assert meta["rounds"] == 1 and meta["cluster"] == -1  # round one: no centroids, local training
     public = data_lib.embedded_public(node.cfg.public_size, node.cfg.seed)
     with torch.no_grad():
-        torch.testing.assert_close(kept(torch.from_numpy(public)), soft[client_half.SOFT])
-    assert client_half._owned_model(node, run_id=6)[1] is None  # another run starts afresh
+        torch.testing.assert_close(kept(torch.from_numpy(public)), soft[SOFT])
+    node.run_id = 6
+    assert client_half._owned_model(node)[1] is None  # another run starts afresh
 
 
-def test_a_node_whose_public_set_differs_refuses_to_train(tmp_path):
-    node = _node(tmp_path)
+def test_a_node_whose_public_set_differs_refuses_to_train(tmp_path, make_node):
     other = tmp_path / "public"
     other.mkdir()
     np.savez(other / "public.npz", x=data_lib.load_digits()[0][:200])  # 200 digits, but not the same ones
-    node.node_config["public-dir"] = str(other)
+    node = _node(make_node, node_config={"public-dir": str(other)})  # the node's own P, by its node config
     with pytest.raises(ValueError, match=r"node partition-0: its public set P \(from public-dir .*\) has fingerprint "
                        r"200-[0-9a-f]{16}, but the server expects 200-"):  # fmt: skip
-        client_half.train(node, _request(node.cfg), run_id=1)
+        client_half.train(node, _request(_cfg()))
     assert not node.state.path(client_half.MODEL_FILE).exists()  # nothing trained, nothing saved
     # The same folder named on the server (or its fingerprint in public-hash) is accepted.
-    agreed = RunConfig(strategy="perfed-ckt", public_dir=str(other))
-    assert public_fingerprint(agreed) == data_lib.fingerprint(data_lib.folder_public(other, 10))
-    client_half.train(node, _request(agreed), run_id=1)
+    agreed = _cfg(public_dir=str(other))
+    assert _fingerprint(agreed) == data_lib.fingerprint(data_lib.folder_public(other, 10))
+    client_half.train(node, _request(agreed))
 
 
 def test_the_public_set_is_owned_by_no_client():
@@ -116,17 +124,17 @@ def test_the_public_set_is_owned_by_no_client():
 def test_clients_are_sampled_in_proportion_to_their_data():
     sizes = [10, 10, 10, 170]
     nodes = [NodeInfo(i, f"n{i}", True, n, 5, (1, 8, 8)) for i, n in enumerate(sizes)]
-    strategy = PerFedCKT(RunConfig(strategy="perfed-ckt", fraction_train=0.25, min_train_nodes=1), None, (1, 8, 8), 4)
+    strategy = PerFedCKT(_cfg(fraction_train=0.25, min_train_nodes=1), None, (1, 8, 8), 4)
     picks = [strategy.sample(nodes, r)[0].node_id for r in range(2000)]
     assert np.bincount(picks, minlength=4)[3] / 2000 == pytest.approx(170 / 200, abs=0.03)
-    half = PerFedCKT(RunConfig(strategy="perfed-ckt", fraction_train=0.5), None, (1, 8, 8), 4)
+    half = PerFedCKT(_cfg(fraction_train=0.5), None, (1, 8, 8), 4)
     assert all(len({n.node_id for n in half.sample(nodes, r)}) == 2 for r in range(50))  # without replacement
 
 
-def test_three_architectures_train_together_in_simulation(tmp_path):
-    cfg = RunConfig(strategy="perfed-ckt", num_server_rounds=3, min_nodes=6, fraction_train=0.5, eval_every=0,
-                    client_models="cnn,mlp,cnn-wide", results_dir=str(tmp_path / "out"))  # fmt: skip
-    results = simulate(cfg, 6)
+def test_three_architectures_train_together(tmp_path):
+    cfg = _cfg(num_server_rounds=3, min_nodes=6, fraction_train=0.5, eval_every=0, client_models="cnn,mlp,cnn-wide",
+               results_dir=str(tmp_path / "out"))  # fmt: skip
+    results = run_in_process(cfg, 6)
     clients = results["clients"]
     assert not results["failures"] and all(c["accuracy"] is not None for c in clients)
     assert len({c["num_params"] for c in clients}) == 3  # cnn, mlp and cnn-wide side by side
@@ -150,11 +158,11 @@ def test_public_hash_prints_the_fingerprint_nodes_check(tmp_path, capsys):
     assert main(["public-hash", str(tmp_path / "missing")]) == 2  # a clear error, no traceback
 
 
-def test_soft_decisions_are_logits_or_probabilities(tmp_path):
-    node = _node(tmp_path)
+def test_soft_decisions_are_logits_or_probabilities(make_node):
+    node = _node(make_node)
     public = data_lib.embedded_public(node.cfg.public_size, node.cfg.seed)
-    model, _ = client_half._owned_model(node, run_id=1)
+    model, _ = client_half._owned_model(node)
     logits = client_half.soft_decisions(node, model, public)
-    probs = client_half.soft_decisions(_node(tmp_path, ckt_soft="probs"), model, public)
+    probs = client_half.soft_decisions(_node(make_node, ckt_soft="probs"), model, public)
     np.testing.assert_allclose(probs, torch.from_numpy(logits).softmax(1).numpy(), rtol=1e-6)
     np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)

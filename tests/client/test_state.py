@@ -27,3 +27,18 @@ def test_bad_key_and_corrupt_file_are_explained(tmp_path):
     state.path("meta.json").write_text("{broken")
     with pytest.raises(ValueError, match="meta.json is not valid JSON"):
         state.load_json("meta.json")
+
+
+def test_one_naming_rule_for_run_memory_and_files(tmp_path):
+    import torch
+    from flwr.app import RecordDict
+
+    memory = RecordDict()
+    state = NodeState(tmp_path, "n1", "pefll", memory)
+    assert state.recall("encoder") is None
+    state.remember("encoder", {"w": torch.ones(2)}, server_round=3)
+    arrays, values = NodeState(tmp_path, "n1", "pefll", memory).recall("encoder")  # the next message, same run
+    assert torch.equal(arrays["w"], torch.ones(2)) and values == {"server_round": 3}
+    assert "pefll/encoder" in memory.array_records
+    assert NodeState(tmp_path, "n1", "odpfl", memory).recall("encoder") is None  # another algorithm's name
+    assert state.save_arrays("model.npz", {"w": np.ones(2)}) == tmp_path / "n1" / "pefll" / "model.npz"

@@ -41,9 +41,9 @@ def test_only_a_bundle_with_exactly_the_preloaded_code_is_served_warm(florist_ap
     assert florist_app.mismatch(bundle(tmp_path / "same")) is None
 
     def edit(fab):
-        (fab / "florist" / "common" / "knn.py").write_text("# changed\n")
+        (fab / "florist" / "common" / "metrics.py").write_text("# changed\n")
 
-    assert "florist/common/knn.py" in florist_app.mismatch(bundle(tmp_path / "edited", edit))
+    assert "florist/common/metrics.py" in florist_app.mismatch(bundle(tmp_path / "edited", edit))
 
     def other_app(fab):
         text = (fab / "pyproject.toml").read_text()

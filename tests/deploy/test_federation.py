@@ -1,6 +1,6 @@
 import math
 
-from florist.common.config import RunConfig, parse_overrides
+from florist.common.config import RunConfig, all_settings, parse_overrides
 from florist.deploy.federation import toml_node_config
 
 
@@ -11,5 +11,6 @@ def test_run_config_text_round_trips_through_flowers_parser():
 
 def test_every_default_setting_survives_the_trip():
     """`florist deploy-local` sends the whole run config this way."""
-    defaults = RunConfig().to_mapping()
-    assert RunConfig.from_mapping(parse_overrides(toml_node_config(defaults))) == RunConfig()
+    defaults = all_settings()
+    assert parse_overrides(toml_node_config(defaults)) == defaults
+    assert RunConfig.from_mapping(parse_overrides(toml_node_config(defaults))) == RunConfig.from_mapping({})

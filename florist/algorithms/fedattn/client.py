@@ -1,9 +1,8 @@
-"""Client half of FedAttn (Luo, Panchal, Guan): the model is a global part G and the bias
-vectors M. The server sends G with biases M̃_i that its attention made for this client; the
-client trains the whole model as FedAvg does and returns it (G and its own new biases M_i)
-with, beside it, its representation Z_i (the last hidden layer averaged over its train split)
-and ∂L/∂M̃_i, the gradient of its training loss at the biases it received: the server trains
-its attention through that gradient. Z_i and M_i also stay in the node's state folder."""
+"""FedAttn's client half: the server sends G with biases M̃_i its attention made for this
+client; the client trains the whole model as FedAvg does and returns it (G and its own new
+biases M_i) with, beside it, its representation Z_i (the last hidden layer averaged over its
+train split) and ∂L/∂M̃_i, the gradient of its training loss at the biases it received: the
+server trains its attention through that gradient. The client keeps nothing."""
 
 from __future__ import annotations
 
@@ -11,15 +10,13 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, RecordDict
 
-from florist.client.fedavg import received_model
-from florist.client.node import Node
+from florist.algorithms.fedattn.spec import BIAS_GRAD, Z
+from florist.client.node import Node, Request
 from florist.common import protocol, training
 from florist.common.models import Net, bias_names, flat_biases
 
-STATE_FILE = "fedattn.npz"
 
-
-def represent(node: Node, model: Net) -> torch.Tensor:
+def representation(node: Node, model: Net) -> torch.Tensor:
     """Z: `model.features` averaged over the node's train split."""
     return torch.from_numpy(training.embed(model, node.data.x_train).mean(0))
 
@@ -35,20 +32,18 @@ def bias_gradient(node: Node, model: Net) -> torch.Tensor:
     return flat_biases(dict(zip(names, torch.autograd.grad(loss, [params[n] for n in names]))), names)
 
 
-def train(node: Node, content: RecordDict) -> RecordDict:
+def train(node: Node, request: Request) -> RecordDict:
     """Train the received model; reply with it, Z_i and the gradient at the received biases."""
-    model = received_model(node, content)
+    model = node.received_model(request)
     gradient = bias_gradient(node, model)
     loss = node.fit(model, node.cfg.local_epochs)
-    z = represent(node, model)
-    state = model.state_dict()
-    own = flat_biases(state, bias_names(model))
-    node.state.save_arrays(STATE_FILE, {"z": z.numpy(), "m": own.numpy()})
+    z = representation(node, model)
     metrics = {"num-examples": len(node.data.x_train), "train-loss": loss}
-    return protocol.content(ArrayRecord(state), metrics=metrics, side=ArrayRecord({"z": z, "bias-grad": gradient}))
+    side = ArrayRecord({Z: z, BIAS_GRAD: gradient})
+    return protocol.content(ArrayRecord(model.state_dict()), metrics=metrics, side=side)
 
 
-def describe(node: Node, content: RecordDict) -> RecordDict:
+def represent(node: Node, request: Request) -> RecordDict:
     """Z under the received model, for a node the server has no representation of."""
-    z = represent(node, received_model(node, content))
-    return protocol.content(metrics={"num-examples": len(node.data.x_train)}, side=ArrayRecord({"z": z}))
+    z = representation(node, node.received_model(request))
+    return protocol.content(metrics={"num-examples": len(node.data.x_train)}, side=ArrayRecord({Z: z}))

@@ -1,8 +1,7 @@
-"""FedAttn (Luo, Panchal, Guan, "Personalized Federated Learning through Collaboration with
-Nearest Neighbors"), server half. The model's bias vectors M are personal, the rest G is
-trained by FedAvg. The server keeps every trained client's latest representation Z and biases
-M; a sampled client i gets G with `M̃_i = Attention(Z_i, Z_N, M_N)` over its K nearest clients
-by Z (a FAISS search), and the client's gradient at M̃_i trains W_Q, W_K, W_V.
+"""FedAttn's server half. G is trained by FedAvg; the server keeps every trained client's
+latest representation Z and biases M, gives a sampled client i G with
+`M̃_i = Attention(Z_i, Z_N, M_N)` over its K nearest clients by Z (a FAISS search), and trains
+W_Q, W_K, W_V with the client's gradient at M̃_i.
 
 Stability (the paper's runs broke at random rounds): `fedattn-warmup` FedAvg-only rounds
 first, attention over deviations from the mean biases (`fedattn-residual`), a penalty on
@@ -19,10 +18,12 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
+from florist.algorithms.fedattn.spec import BIAS_GRAD, REPRESENT, TRAIN_ATTN, Z, Attention
+from florist.algorithms.fedavg.server import FedAvg, weighted_average
+from florist.algorithms.fedavg.spec import EVALUATE
 from florist.common import protocol
-from florist.common.models import bias_names, flat_biases
-from florist.strategies.base import TESTED, TRAINED, NodeInfo, log, mean_loss
-from florist.strategies.fedavg import FedAvg, weighted_average
+from florist.common.models import bias_names, flat_biases, seeded
+from florist.server.strategy import TESTED, TRAINED, NodeInfo, log, mean_loss
 
 MAX_BIASES = 4096  # W_V is m×m
 
@@ -50,20 +51,20 @@ class BiasAttention(nn.Module):
 
 
 class FedAttn(FedAvg):
-    name = "fedattn"
+    settings: Attention
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        cfg = self.cfg
+        cfg, attn = self.cfg, self.settings
         self.biases = bias_names(self.model)
         m_dim = sum(self.model.state_dict()[n].numel() for n in self.biases)
         if m_dim > MAX_BIASES:
             raise ValueError(f"fedattn: model {cfg.model!r} has {m_dim} biases; W_V (m×m) allows at most {MAX_BIASES}")
         with torch.no_grad():
             z_dim = self.model.features(torch.zeros(1, *self.input_shape)).shape[1]
-        torch.manual_seed(cfg.seed)
-        self.attention = BiasAttention(z_dim, m_dim, cfg.fedattn_key_dim, cfg.fedattn_residual)
-        self.optimizer = torch.optim.Adam(self.attention.parameters(), lr=cfg.fedattn_lr)
+        with seeded(cfg.seed):
+            self.attention = BiasAttention(z_dim, m_dim, attn.key_dim, attn.residual)
+        self.optimizer = torch.optim.Adam(self.attention.parameters(), lr=attn.lr)
         self.z_dim, self.m_dim = z_dim, m_dim
         self.memory: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # node key -> latest (Z, M)
         self.index, self.index_keys = faiss.IndexFlatL2(z_dim), []  # over the memory's Z, in `remember`
@@ -82,7 +83,7 @@ class FedAttn(FedAvg):
 
     def neighbours(self, z: torch.Tensor) -> list[str]:
         """The keys of the K known clients nearest to z (squared L2, exact FAISS search)."""
-        _, found = self.index.search(z.numpy()[None].astype(np.float32), min(self.cfg.fedattn_k, len(self.index_keys)))
+        _, found = self.index.search(z.numpy()[None].astype(np.float32), min(self.settings.k, len(self.index_keys)))
         return [self.index_keys[i] for i in found[0] if i >= 0]
 
     def personalize(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +101,7 @@ class FedAttn(FedAvg):
         return self.mean_biases(), torch.ones(0)
 
     def attending(self, server_round: int) -> bool:
-        return server_round > self.cfg.fedattn_warmup and bool(self.memory)
+        return server_round > self.settings.warmup and bool(self.memory)
 
     def with_biases(self, m: torch.Tensor) -> dict[str, torch.Tensor]:
         """The global model's state with its biases replaced by m."""
@@ -115,17 +116,17 @@ class FedAttn(FedAvg):
         """Gradients of W_Q, W_K, W_V from the clients' ∂L/∂M̃_i (mean over the clients), plus
         the penalty `fedattn-reg`·mean ‖M̃_i − M̄‖²: the chain rule through the attention."""
         self.optimizer.zero_grad()
-        loss = sum((m * g).sum() + self.cfg.fedattn_reg * ((m - m_bar) ** 2).sum() for m, g in zip(m_tildes, gradients))
+        loss = sum((m * g).sum() + self.settings.reg * ((m - m_bar) ** 2).sum() for m, g in zip(m_tildes, gradients))
         (loss / len(m_tildes)).backward()
 
     def step(self) -> None:
-        if self.cfg.fedattn_clip > 0:
-            nn.utils.clip_grad_norm_(self.attention.parameters(), self.cfg.fedattn_clip)
+        if self.settings.clip > 0:
+            nn.utils.clip_grad_norm_(self.attention.parameters(), self.settings.clip)
         self.optimizer.step()
 
     # -- rounds --------------------------------------------------------------------------
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
-        config, m_bar = self.client_config(server_round), self.mean_biases()
+        m_bar = self.mean_biases()
         m_tilde, requests = {}, {}
         for node in nodes:
             state = self.model.state_dict()
@@ -134,19 +135,19 @@ class FedAttn(FedAvg):
                 state = self.with_biases(m)
                 if len(weights):  # made by the attention: its gradient trains it
                     m_tilde[node.node_id] = m
-            requests[node.node_id] = protocol.content(ArrayRecord(state), config)
-        side = {"z": torch.zeros(self.z_dim), "bias-grad": torch.zeros(self.m_dim)}
-        replies = self.ask(requests, protocol.TRAIN_ATTN, server_round, TRAINED, self.model.state_dict(), side)
+            requests[node.node_id] = self.request(TRAIN_ATTN, server_round, ArrayRecord(state))
+        side = {Z: torch.zeros(self.z_dim), BIAS_GRAD: torch.zeros(self.m_dim)}
+        replies = self.ask(TRAIN_ATTN, requests, server_round, TRAINED, self.model.state_dict(), side)
         done = [n for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
         if not done:
             return None
         attended = [n for n in done if n.node_id in m_tilde]
         if attended:
-            gradients = [replies[n.node_id].side["bias-grad"] for n in attended]
+            gradients = [replies[n.node_id].side[BIAS_GRAD] for n in attended]
             self.backprop([m_tilde[n.node_id] for n in attended], gradients, m_bar)
             self.step()
         states = [replies[n.node_id].arrays for n in done]
-        self.remember({node.key: (replies[node.node_id].side["z"], flat_biases(state, self.biases))
+        self.remember({node.key: (replies[node.node_id].side[Z], flat_biases(state, self.biases))
                        for node, state in zip(done, states)})  # fmt: skip
         self.model.load_state_dict(weighted_average(states, [replies[n.node_id].metrics["num-examples"] for n in done]))
         return mean_loss(replies[n.node_id].metrics for n in done)
@@ -154,14 +155,13 @@ class FedAttn(FedAvg):
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
         """Each node tests G with its M̃ (G with M̄ during warm-up). A node the server has no
         Z of (held out, never sampled, joining late) first sends Z under the global model."""
-        config = self.client_config(server_round)
         z = {n.node_id: self.memory[n.key][0] for n in nodes if n.key in self.memory}
         if self.attending(server_round):
-            request = protocol.content(protocol.to_record(self.model), config)
+            request = self.request(REPRESENT, server_round, protocol.to_record(self.model))
             unknown = [n for n in nodes if n.node_id not in z]
-            described = self.broadcast(unknown, protocol.REPRESENT, server_round, request, ("num-examples",),
-                                       side={"z": torch.zeros(self.z_dim)})  # fmt: skip
-            z |= {node: reply.side["z"] for node, reply in described.items()}
+            described = self.broadcast(REPRESENT, unknown, server_round, request, ("num-examples",),
+                                       side={Z: torch.zeros(self.z_dim)})  # fmt: skip
+            z |= {node: reply.side[Z] for node, reply in described.items()}
         requests, extra = {}, {}
         for node in nodes:
             state = self.model.state_dict()
@@ -171,8 +171,8 @@ class FedAttn(FedAvg):
                 state = self.with_biases(m)
                 extra[node.node_id] = {"neighbours": len(weights), "attention-max": float(weights.max(0).values)
                                        if len(weights) else 0.0, "bias-shift": float((m - self.mean_biases()).norm())}
-            requests[node.node_id] = protocol.content(ArrayRecord(state), config)
-        replies = self.ask(requests, protocol.EVALUATE, server_round, TESTED)
+            requests[node.node_id] = self.request(EVALUATE, server_round, ArrayRecord(state))
+        replies = self.ask(EVALUATE, requests, server_round, TESTED)
         return {node: reply.metrics | extra.get(node, {}) for node, reply in replies.items()}
 
     def state(self) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""FedAvg (McMahan et al., 2017) and FedAvg+ (the global model fine-tuned on each client's
-train split before its test evaluation): the baselines personalization must beat."""
+"""FedAvg's server half: the sample-weighted mean of the trained models (FedAvg+ differs only
+on the client, which fine-tunes before testing)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 
+from florist.algorithms.base import Exchange
+from florist.algorithms.fedavg.spec import EVALUATE, TRAIN
 from florist.common import packing, protocol
 from florist.common.models import Net
-from florist.strategies.base import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, metrics_of
+from florist.server.strategy import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, metrics_of
 
 
 def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
@@ -36,34 +38,24 @@ def exchange_bytes(model: Net, config: Mapping[str, Any]) -> tuple[int, int]:
 class FedAvg(Strategy):
     """Sample-weighted FedAvg on Flower's standard `train` / `evaluate` messages."""
 
-    name = "fedavg"
-    evaluate_type = protocol.EVALUATE
-    finetune = False
+    evaluation: Exchange = EVALUATE  # kNN-Per personalizes at evaluation with its own exchange
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.model = self.new_model()
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
-        request = protocol.content(protocol.to_record(self.model), self.client_config(server_round))
-        replies = self.broadcast(nodes, protocol.TRAIN, server_round, request, TRAINED, self.model.state_dict())
+        request = self.request(TRAIN, server_round, protocol.to_record(self.model))
+        replies = self.broadcast(TRAIN, nodes, server_round, request, TRAINED, self.model.state_dict())
         done = [replies[n.node_id] for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
         if done:
             self.model.load_state_dict(weighted_average([r.arrays for r in done], [r.metrics["num-examples"] for r in done]))
         return mean_loss(r.metrics for r in done)
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
-        """Send the global model with `evaluate_type`; clients personalize it their way."""
-        config = self.client_config(server_round, finetune=self.finetune)
-        request = protocol.content(protocol.to_record(self.model), config)
-        return metrics_of(self.broadcast(nodes, self.evaluate_type, server_round, request, TESTED))
+        """Send the global model with `evaluation`; clients personalize it their way."""
+        request = self.request(self.evaluation, server_round, protocol.to_record(self.model))
+        return metrics_of(self.broadcast(self.evaluation, nodes, server_round, request, TESTED))
 
     def state(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
-
-
-class FedAvgFinetune(FedAvg):
-    """FedAvg+: each client fine-tunes the global model on its train split before testing."""
-
-    name = "fedavg-ft"
-    finetune = True

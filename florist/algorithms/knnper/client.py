@@ -1,33 +1,81 @@
-"""Client half of kNN-Per (Marfoq et al., 2022): the global model from FedAvg, plus a local
-FAISS datastore of (features(x), y) pairs from the train split, mixed as
-λ·p_kNN + (1 − λ)·p_global with λ and k chosen per client on its validation split."""
+"""kNN-Per's client half: the global model from FedAvg, plus a local FAISS datastore of
+(features(x), y) pairs from the train split (`datastore.py`), mixed as
+λ·p_kNN + (1 − λ)·p_global with λ and k chosen per client on its validation split.
+
+Both terms are probabilities, so the mixture is one too (the reference code's default mixes
+logits with probabilities, which is not a distribution; florist does not)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from florist.client.datastore import Datastore
-from florist.client.fedavg import received_model
-from florist.client.node import Node
+from florist.algorithms.knnper.datastore import Datastore
+from florist.client.node import Node, Request
 from florist.client.state import NodeState
 from florist.common import data as data_lib
-from florist.common import knn, protocol, training
+from florist.common import protocol, training
 from florist.common.models import Net, build_model
+from florist.common.training import log_loss
 
-GLOBAL_MODEL = "knnper-global.npz"  # kept beside the datastore so new samples can be embedded later
+GLOBAL_MODEL = "global.npz"  # kept beside the datastore so new samples can be embedded later
+LAMBDA_GRID = tuple(round(0.1 * i, 1) for i in range(11))
+
+
+def knn_proba(distances: np.ndarray, labels: np.ndarray, num_classes: int, sigma: float) -> np.ndarray:
+    """p_kNN for each query from its k neighbours' squared-L2 distances and labels (N×k each).
+
+    Distances are shifted by each row's minimum before exponentiating: the shift cancels in
+    the normalisation and keeps exp() from underflowing to an all-zero row.
+    """
+    weights = np.exp(-(distances - distances.min(axis=1, keepdims=True)) / sigma)
+    proba = np.zeros((len(distances), num_classes))
+    np.add.at(proba, (np.arange(len(distances))[:, None], labels), weights)
+    return proba / proba.sum(axis=1, keepdims=True)
+
+
+def mix(p_knn: np.ndarray, p_global: np.ndarray, lam: float) -> np.ndarray:
+    """λ·p_kNN + (1 − λ)·p_global. λ = 0 returns p_global itself, bit for bit."""
+    return p_global if lam == 0 else lam * p_knn + (1 - lam) * p_global
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    lam: float
+    k: int
+    accuracy: float
+    loss: float
+
+
+def select(
+    p_global: np.ndarray, p_knn_by_k: dict[int, np.ndarray], y: np.ndarray, lambdas=LAMBDA_GRID
+) -> Choice:
+    """The (λ, k) with the best validation accuracy; ties broken by the lower validation
+    log-loss, then by the smaller λ and k.
+
+    Validation splits hold a few dozen samples, so many λ reach the same accuracy; the
+    log-loss separates them by how much probability lands on the true labels, which picks the
+    λ the data supports instead of defaulting to the smallest.
+    """
+    candidates = []
+    for k, p_knn in sorted(p_knn_by_k.items()):
+        for lam in lambdas:
+            p = mix(p_knn, p_global, lam)
+            candidates.append(Choice(lam, k, float((p.argmax(1) == y).mean()), log_loss(p, y)))
+    return min(candidates, key=lambda c: (-c.accuracy, c.loss, c.lam, c.k))
 
 
 def datastore_for(node: Node, model: Net, version: str) -> Datastore:
     """The node's datastore for this global model: reused if it was built for it (same
     version, dimension and index type), else rebuilt from the train split and saved."""
-    cfg, d = node.cfg, node.data
-    index_type = str(node.node_config.get("knn-index", cfg.knn_index))
+    cfg, knn, d = node.cfg, node.cfg.settings, node.data
     dim = training.embed(model, d.x_train[:1]).shape[1]
-    store = Datastore.load(node.state, model_version=version, dim=dim, index_type=index_type)
+    store = Datastore.load(node.state, model_version=version, dim=dim, index_type=knn.index)
     if store is None:
-        store = Datastore(dim, index_type, cfg.knn_capacity, cfg.knn_policy, model_version=version, model=cfg.model,
+        store = Datastore(dim, knn.index, knn.capacity, knn.policy, model_version=version, model=cfg.model,
                           input_shape=list(d.input_shape), num_classes=cfg.num_classes)  # fmt: skip
         store.add(training.embed(model, d.x_train), d.y_train)
         store.save(node.state)
@@ -35,22 +83,22 @@ def datastore_for(node: Node, model: Net, version: str) -> Datastore:
     return store
 
 
-def knn_proba(node: Node, store: Datastore, embeddings: np.ndarray, k: int) -> np.ndarray:
+def stored_proba(node: Node, store: Datastore, embeddings: np.ndarray, k: int) -> np.ndarray:
     """p_kNN for already-embedded inputs from their k nearest stored embeddings."""
-    return knn.knn_proba(*store.search(embeddings, k), node.cfg.num_classes, node.cfg.knn_sigma)
+    return knn_proba(*store.search(embeddings, k), node.cfg.num_classes, node.cfg.settings.sigma)
 
 
-def evaluate(node: Node, content: RecordDict) -> RecordDict:
+def evaluate(node: Node, request: Request) -> RecordDict:
     """Build (or reuse) the datastore for the received global model, choose λ and k on the
     validation split, and score the mixture on the test split beside the global model (λ = 0)."""
-    model = received_model(node, content)
-    store = datastore_for(node, model, content.array_records[protocol.ARRAYS].object_id)
+    model = node.received_model(request)
+    store = datastore_for(node, model, request.content.array_records[protocol.ARRAYS].object_id)
     d = node.data
     emb_val = training.embed(model, d.x_val)  # once, searched for every k of the grid
-    by_k = {k: knn_proba(node, store, emb_val, k) for k in node.cfg.knn_k_grid}
-    choice = knn.select(training.predict_proba(model, d.x_val), by_k, d.y_val)
+    by_k = {k: stored_proba(node, store, emb_val, k) for k in node.cfg.settings.k_grid}
+    choice = select(training.predict_proba(model, d.x_val), by_k, d.y_val)
     p_global = training.predict_proba(model, d.x_test)
-    mixed = knn.mix(knn_proba(node, store, training.embed(model, d.x_test), choice.k), p_global, choice.lam)
+    mixed = mix(stored_proba(node, store, training.embed(model, d.x_test), choice.k), p_global, choice.lam)
     extra = {"global-accuracy": float((p_global.argmax(1) == d.y_test).mean()), "lambda": choice.lam,
              "k": choice.k, "datastore-size": len(store)}  # fmt: skip
     return node.score_reply(mixed, **extra)

@@ -19,12 +19,11 @@ import math
 import faiss
 import numpy as np
 
+from florist.algorithms.knnper.spec import INDEX_TYPES, POLICIES
 from florist.client.state import NodeState
 
 log = logging.getLogger("flwr").getChild(__name__)
 
-POLICIES = ("concat", "fifo", "fixed")
-INDEX_TYPES = ("flat", "hnsw", "ivf")
 FILE, META = "datastore.npz", "datastore.json"
 
 

@@ -1,65 +1,63 @@
-"""PeFLL (Scott, Zakerinia, Lampert, ICLR 2024): an embedding network φ (weights η_v)
-describes each client by its data; a hypernetwork h (weights η_h) maps the descriptor to the
-client's model. A training round is Algorithm 2's three exchanges (`client/pefll.py`); a
-client that never trained gets its model from one descriptor and one forward pass of h
-(PeFLL-predict), with no training anywhere."""
+"""PeFLL's and OD-PFL's server half: the hypernetwork h and the encoder η_v, updated from the
+three exchanges of a round by the chain rule; PeFLL-predict for clients that never trained."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord
 
-from florist.client.pefll import DESCRIPTOR
-from florist.common import protocol
-from florist.common.hypernet import ENCODERS, Encoder, HyperNetwork, default_embed_dim
-from florist.strategies.base import TESTED, TRAINED, NodeInfo, Reply, Strategy, mean_loss
+from florist.algorithms.pefll.networks import ENCODERS, Encoder, HyperNetwork, default_embed_dim
+from florist.algorithms.pefll.spec import (DESCRIBE, DESCRIPTOR, EVALUATE_GENERATED, TRAIN_ENCODER, TRAIN_GENERATED,
+                                           HyperNet)  # fmt: skip
+from florist.common.models import build_model, seeded
+from florist.server.report import pct
+from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, Strategy, mean_loss
 
 Params = dict[str, torch.Tensor]
 
 
 class PeFLL(Strategy):
-    name = "pefll"
+    settings: HyperNet
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        cfg = self.cfg
-        template = self.new_model()  # seeds torch, so both networks below start alike for a seed
+        cfg, hn = self.cfg, self.settings
+        self.embed_dim = hn.embed_dim or default_embed_dim(self.num_seen)
+        with seeded(cfg.seed):  # the three networks start alike for a seed
+            template = build_model(cfg.model, self.input_shape, cfg.num_classes)
+            self.hyper = HyperNetwork(template, self.embed_dim, hn.hidden)
+            self.embed: Encoder = ENCODERS[cfg.strategy](self.input_shape, cfg.num_classes, self.embed_dim)
         self.template = template.state_dict()
-        self.embed_dim = cfg.hn_embed_dim or default_embed_dim(self.num_seen)
-        self.hyper = HyperNetwork(template, self.embed_dim, cfg.hn_hidden)
-        self.embed = self.new_encoder()
         # Both optimizers take the pseudo-gradient −mean Δη. SGD with weight decay 2λ is then
         # Algorithm 2's η ← (1 − 2βλ)η + β·mean Δη; AdamW decays the same way before Adam's step.
-        groups = [{"params": list(self.hyper.parameters()), "weight_decay": 2 * cfg.hn_l2_hyper},
-                  {"params": list(self.embed.parameters()), "weight_decay": 2 * cfg.hn_l2_embed}]  # fmt: skip
-        optimizer = torch.optim.SGD if cfg.hn_optimizer == "sgd" else torch.optim.AdamW
-        self.optimizer = optimizer(groups, lr=cfg.hn_server_lr)
+        groups = [{"params": list(self.hyper.parameters()), "weight_decay": 2 * hn.l2_hyper},
+                  {"params": list(self.embed.parameters()), "weight_decay": 2 * hn.l2_embed}]  # fmt: skip
+        optimizer = torch.optim.SGD if hn.optimizer == "sgd" else torch.optim.AdamW
+        self.optimizer = optimizer(groups, lr=hn.server_lr)
 
-    def new_encoder(self) -> Encoder:
-        """The network that turns a client's data into its descriptor (by strategy name)."""
-        return ENCODERS[self.name](self.input_shape, self.cfg.num_classes, self.embed_dim)
-
-    def config(self, server_round: int, **extra) -> dict:
-        return self.client_config(server_round, embed_dim=self.embed_dim, **extra)
-
-    def describe(self, server_round: int, nodes: list[NodeInfo], **flags: bool) -> dict[int, Reply]:
+    def describe(self, server_round: int, nodes: list[NodeInfo], predict: bool = False, serve: bool = False
+                 ) -> dict[int, Reply]:  # fmt: skip
         """η_v down, each node's descriptor v up (over its whole train split with `predict`)."""
-        request = protocol.content(protocol.to_record(self.embed), self.config(server_round, **flags))
+        request = self.request(DESCRIBE, server_round, ArrayRecord(self.embed.state_dict()), embed_dim=self.embed_dim,
+                               predict=predict, serve=serve)  # fmt: skip
         reference = {DESCRIPTOR: torch.zeros(self.embed_dim)}
-        return self.broadcast(nodes, protocol.DESCRIBE, server_round, request, ("num-examples",), reference)
+        return self.broadcast(DESCRIBE, nodes, server_round, request, ("num-examples",), reference)
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         described = self.describe(server_round, nodes)
         v = {node: r.arrays[DESCRIPTOR].clone().requires_grad_() for node, r in described.items()}
         theta = {node: self.hyper(v[node]) for node in v}
-        config = self.config(server_round)
-        requests = {node: protocol.content(ArrayRecord(t), config) for node, t in theta.items()}
-        trained = self.ask(requests, protocol.TRAIN_GENERATED, server_round, TRAINED, self.template)
+        requests = {node: self.request(TRAIN_GENERATED, server_round, ArrayRecord(t)) for node, t in theta.items()}
+        trained = self.ask(TRAIN_GENERATED, requests, server_round, TRAINED, self.template)
         # Δv_i = (∂θ_i/∂v_i)ᵀ Δθ_i, a vector-Jacobian product through h.
         dv = {node: torch.autograd.grad(_inner(theta[node], r.arrays), v[node], retain_graph=True)[0]
               for node, r in trained.items()}  # fmt: skip
-        requests = {node: protocol.content(ArrayRecord({DESCRIPTOR: g}), config) for node, g in dv.items()}
-        embedded = self.ask(requests, protocol.TRAIN_ENCODER, server_round, ("num-examples",), self.embed.state_dict())
+        requests = {node: self.request(TRAIN_ENCODER, server_round, ArrayRecord({DESCRIPTOR: g}), embed_dim=self.embed_dim)
+                    for node, g in dv.items()}  # fmt: skip
+        embedded = self.ask(TRAIN_ENCODER, requests, server_round, ("num-examples",), self.embed.state_dict())
         # Only clients that completed all three exchanges count; fixed order: same seed, same sums.
         done = [n.node_id for n in nodes if n.node_id in embedded]
         if done:
@@ -86,11 +84,10 @@ class PeFLL(Strategy):
         may hold no labels (OD-PFL): they keep their model and report no accuracy. Each row
         carries the descriptor's sample count and, when noised, its privacy settings."""
         described = self.describe(server_round, nodes, predict=True, serve=serve)
-        config = self.config(server_round)
         with torch.no_grad():
-            requests = {node: protocol.content(ArrayRecord(self.hyper(r.arrays[DESCRIPTOR])), config)
+            requests = {node: self.request(EVALUATE_GENERATED, server_round, ArrayRecord(self.hyper(r.arrays[DESCRIPTOR])))
                         for node, r in described.items()}  # fmt: skip
-        scored = self.ask(requests, protocol.EVALUATE_GENERATED, server_round, ("num-examples",) if serve else TESTED)
+        scored = self.ask(EVALUATE_GENERATED, requests, server_round, ("num-examples",) if serve else TESTED)
         return {node: reply.metrics | _descriptor_fields(described[node].metrics) for node, reply in scored.items()}
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -106,3 +103,19 @@ def _inner(theta: Params, delta: Params) -> torch.Tensor:
 def _descriptor_fields(metrics: dict[str, float]) -> dict[str, float]:
     """What a node said about its descriptor: how many samples, and any privacy settings."""
     return {"descriptor-size": metrics["num-examples"]} | {k: v for k, v in metrics.items() if k.startswith("dp-")}
+
+
+class ODPFL(PeFLL):
+    """PeFLL's training on descriptors of unlabeled data (the encoder is chosen by name)."""
+
+
+def report(results: dict[str, Any], folder: Path) -> list[str]:
+    """OD-PFL: the served nodes that noised their descriptor, with their privacy settings."""
+    lines: list[str] = []
+    private = [c for c in results["clients"] if c.get("dp_sigma")]
+    if private:
+        lines += ["", "Descriptors sent with Gaussian noise for (ε, δ)-differential privacy:", "",
+                  "| client | \\|D\\| | ε | δ | σ | accuracy (%) |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {c['client']} | {c['descriptor_size']} | {c['dp_epsilon']:g} | {c['dp_delta']:g} | "
+                  f"{c['dp_sigma']:.4f} | {pct(c['accuracy'])} |" for c in private]  # fmt: skip
+    return lines

@@ -1,31 +1,23 @@
-"""Client half of PerFed-CKT (Cho, Wang, Chiruvolu, Joshi, 2021): the node owns its model,
-whose architecture may differ from every other node's, and only soft decisions (logits) on
-the public unlabeled set P travel.
-
-A training round (Algorithm 1): receive the centroids (none in round one); compute the soft
-decisions s_k on P; pick the nearest centroid s̄_k; run τ SGD steps on
-`F_k(w) + λ/|P|·Σ_{x∈P} ‖s̄_k(x) − s(w, x)‖²`, the sum estimated on mini-batches of P; reply
-with the new s_k. The model lives in the node's state folder, tagged with its run and
-architecture: a sampled node continues from its last model, a new run starts afresh.
-"""
+"""PerFed-CKT's client half: the node owns its model, whose architecture may differ from every
+other node's, and only soft decisions on P travel. The distillation sum is estimated on
+mini-batches of P. The model lives in the node's state folder, tagged with its run and
+architecture: a sampled node continues from its last model, a new run starts afresh."""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from florist.client.node import Node
+from florist.algorithms.perfedckt.spec import CENTROIDS, SOFT
+from florist.client.node import Node, Request
 from florist.common import data as data_lib
 from florist.common import protocol, training
-from florist.common.models import Net, build_model
+from florist.common.models import Net
 
-CENTROIDS = "centroids"  # c × |P| × C, down (in the `arrays` record)
-SOFT = "soft-decisions"  # |P| × C, up (in the `arrays` record)
-MODEL_FILE, META_FILE = "perfed-ckt-model.npz", "perfed-ckt-model.json"
+MODEL_FILE, META_FILE = "model.npz", "model.json"
 
 
 def architecture(node: Node) -> str:
@@ -33,7 +25,7 @@ def architecture(node: Node) -> str:
     cycling), else the run's `model`."""
     if "model" in node.node_config:
         return str(node.node_config["model"])
-    names = [n.strip() for n in node.cfg.client_models.split(",") if n.strip()]
+    names = [n.strip() for n in node.cfg.settings.client_models.split(",") if n.strip()]
     if names and "partition-id" in node.node_config:
         return names[int(node.node_config["partition-id"]) % len(names)]
     return node.cfg.model
@@ -41,7 +33,7 @@ def architecture(node: Node) -> str:
 
 def public_set(node: Node, expected: str) -> np.ndarray:
     """This node's copy of P, refused unless its fingerprint is the server's `expected` one."""
-    folder = str(node.node_config.get("public-dir") or node.cfg.public_dir)
+    folder = node.cfg.settings.public_dir
     if folder:
         x, source = data_lib.folder_public(folder, node.cfg.num_classes), f"public-dir {folder!r}"
     else:
@@ -59,7 +51,7 @@ def public_set(node: Node, expected: str) -> np.ndarray:
 
 def _soft(node: Node, logits: torch.Tensor) -> torch.Tensor:
     """s(w, x): the logits (the paper), or the class probabilities with `ckt-soft = "probs"`."""
-    return logits.softmax(1) if node.cfg.ckt_soft == "probs" else logits
+    return logits.softmax(1) if node.cfg.settings.soft == "probs" else logits
 
 
 def soft_decisions(node: Node, model: Net, public: np.ndarray) -> np.ndarray:
@@ -77,18 +69,13 @@ def distillation_loss(logits: torch.Tensor, targets: torch.Tensor, lam: float) -
     return lam * ((targets - logits) ** 2).sum(1).mean()
 
 
-def _config(content: RecordDict) -> dict:
-    return dict(content.config_records.get(protocol.CONFIG, {}))
-
-
-def _owned_model(node: Node, run_id: int) -> tuple[Net, dict | None]:
+def _owned_model(node: Node) -> tuple[Net, dict | None]:
     """The node's model and its record (None, with a fresh model, when it has none for this
     run and architecture)."""
     name = architecture(node)
-    torch.manual_seed(node.cfg.seed)
-    model = build_model(name, node.data.input_shape, node.cfg.num_classes)
+    model = node.new_model(name)
     meta, arrays = node.state.load_json(META_FILE), node.state.load_arrays(MODEL_FILE)
-    if not meta or arrays is None or meta.get("run-id") != run_id or meta.get("model") != name:
+    if not meta or arrays is None or meta.get("run-id") != node.run_id or meta.get("model") != name:
         return model, None
     model.load_state_dict({k: torch.from_numpy(v) for k, v in arrays.items()})
     return model, meta
@@ -117,48 +104,46 @@ def _fit(node: Node, model: Net, public: np.ndarray, centroids: np.ndarray | Non
     if centroids is not None:
         cluster = nearest_centroid(soft_decisions(node, model, public), centroids)
         penalty = _distillation(node, public, centroids[cluster], salt)
-    loss = node.fit(model, cfg.local_epochs, salt=salt, steps=cfg.ckt_steps or None, penalty=penalty)
+    loss = node.fit(model, cfg.local_epochs, salt=salt, steps=cfg.settings.steps or None, penalty=penalty)
     return loss, cluster
 
 
 def _distillation(node: Node, public: np.ndarray, target: np.ndarray, salt: int) -> Callable[[Net], torch.Tensor]:
     """The distillation term on a fresh mini-batch of P at every call (seeded like `Node.fit`)."""
-    generator = training.seeded_generator(node.cfg.seed, node.server_round, zlib.crc32(node.key.encode()), salt, 1)
-    order = training.batches(len(public), node.cfg.batch_size, generator)
+    order = training.batches(len(public), node.cfg.batch_size, node.generator(salt, 1))
     x, s_bar = torch.from_numpy(public), torch.from_numpy(target)
 
     def penalty(model: Net) -> torch.Tensor:
         batch = next(order)
-        return distillation_loss(_soft(node, model(x[batch])), s_bar[batch], node.cfg.ckt_lambda)
+        return distillation_loss(_soft(node, model(x[batch])), s_bar[batch], node.cfg.settings.lambda_)
 
     return penalty
 
 
-def train(node: Node, content: RecordDict, run_id: int) -> RecordDict:
+def train(node: Node, request: Request) -> RecordDict:
     """One round of Algorithm 1 on this node; its model stays here, its soft decisions go up."""
-    public = public_set(node, str(_config(content).get("public-hash", "")))
-    model, meta = _owned_model(node, run_id)
-    loss, cluster = _fit(node, model, public, _centroids(node, content, public), salt=0)
+    public = public_set(node, request.settings.public_hash)
+    model, meta = _owned_model(node)
+    loss, cluster = _fit(node, model, public, _centroids(node, request.content, public), salt=0)
     rounds = (meta or {}).get("rounds", 0) + 1
-    _save(node, model, {"run-id": run_id, "model": architecture(node), "rounds": rounds, "cluster": cluster})
+    _save(node, model, {"run-id": node.run_id, "model": architecture(node), "rounds": rounds, "cluster": cluster})
     soft = torch.from_numpy(soft_decisions(node, model, public))
     metrics = {"num-examples": len(node.data.x_train), "train-loss": loss, "cluster": cluster}
     return protocol.content(ArrayRecord({SOFT: soft}), metrics=metrics)
 
 
-def evaluate(node: Node, content: RecordDict, run_id: int) -> RecordDict:
+def evaluate(node: Node, request: Request) -> RecordDict:
     """Test the node's own model. A node without one (never sampled, or held out) tests a fresh
     model while training runs; when the server says `scratch-rounds` (the final evaluation and
     the serve phase) it trains one first, as a seen node did over that many rounds: local
     training, then distillation toward the nearest of the final centroids."""
-    model, meta = _owned_model(node, run_id)
-    config = _config(content)
-    if meta is None and config.get("scratch-rounds", 0) > 0:
-        public = public_set(node, str(config.get("public-hash", "")))
-        centroids, cluster = _centroids(node, content, public), -1
-        for i in range(int(config["scratch-rounds"])):
+    model, meta = _owned_model(node)
+    if meta is None and request.settings.scratch_rounds > 0:
+        public = public_set(node, request.settings.public_hash)
+        centroids, cluster = _centroids(node, request.content, public), -1
+        for i in range(request.settings.scratch_rounds):
             _, cluster = _fit(node, model, public, centroids if i else None, salt=2 + i)
-        meta = {"run-id": run_id, "model": architecture(node), "rounds": 0, "cluster": cluster}
+        meta = {"run-id": node.run_id, "model": architecture(node), "rounds": 0, "cluster": cluster}
         _save(node, model, meta)
     params = sum(p.numel() for p in model.parameters())
     record = meta or {"rounds": 0, "cluster": -1}

@@ -1,12 +1,12 @@
-"""PerFed-CKT (Cho, Wang, Chiruvolu, Joshi, 2021), server half: sample clients in proportion
-to their data, send them the centroids of the last round's soft decisions on the public set P,
-and cluster the soft decisions they return with faiss k-means. The server never sees a weight,
-so clients may run different architectures, and a round costs c·|P|·C floats down and |P|·C
-up per client whatever the models' size (`client/perfedckt.py` has the client half)."""
+"""PerFed-CKT's server half: sample clients in proportion to their data, send them the
+centroids of the last round's soft decisions on the public set P, and cluster the soft
+decisions they return with faiss k-means. The server never sees a weight, so a round costs
+c·|P|·C floats down and |P|·C up per client whatever the models' size."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import faiss
@@ -14,29 +14,30 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from florist.client.perfedckt import CENTROIDS, SOFT
+from florist.algorithms.fedavg.server import exchange_bytes
+from florist.algorithms.fedavg.spec import TRAIN
+from florist.algorithms.perfedckt.spec import CENTROIDS, EVALUATE_CKT, SOFT, TRAIN_CKT, Ckt
 from florist.common import data as data_lib
-from florist.common import protocol
-from florist.common.config import RunConfig
-from florist.strategies.base import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, metrics_of
-from florist.strategies.fedavg import exchange_bytes
+from florist.common.metrics import summarize
+from florist.server.report import pct
+from florist.server.strategy import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, message_config, metrics_of
 
 
-def public_fingerprint(cfg: RunConfig) -> str:
+def public_fingerprint(ckt: Ckt, num_classes: int, public_size: int, seed: int) -> str:
     """The fingerprint of P every node must match: `public-hash` when given, else that of
     `public-dir` read here, else that of the embedded digits' public slice."""
-    if cfg.public_hash:
-        if not re.fullmatch(r"[1-9][0-9]*-[0-9a-f]{16}", cfg.public_hash):
-            raise ValueError(f"public-hash {cfg.public_hash!r} is not a fingerprint like '200-0123456789abcdef' "
+    if ckt.public_hash:
+        if not re.fullmatch(r"[1-9][0-9]*-[0-9a-f]{16}", ckt.public_hash):
+            raise ValueError(f"public-hash {ckt.public_hash!r} is not a fingerprint like '200-0123456789abcdef' "
                              "(`florist public-hash DIR` prints it)")  # fmt: skip
-        return cfg.public_hash
-    if cfg.public_dir:
+        return ckt.public_hash
+    if ckt.public_dir:
         try:
-            return data_lib.fingerprint(data_lib.folder_public(cfg.public_dir, cfg.num_classes))
+            return data_lib.fingerprint(data_lib.folder_public(ckt.public_dir, num_classes))
         except FileNotFoundError as err:
             raise FileNotFoundError(f"{err}. If P is only on the nodes, set public-hash to what "
                                     "`florist public-hash DIR` prints there") from err  # fmt: skip
-    return data_lib.fingerprint(data_lib.embedded_public(cfg.public_size, cfg.seed))
+    return data_lib.fingerprint(data_lib.embedded_public(public_size, seed))
 
 
 def cluster(points: np.ndarray, clusters: int, seed: int) -> np.ndarray:
@@ -50,16 +51,17 @@ def cluster(points: np.ndarray, clusters: int, seed: int) -> np.ndarray:
 
 
 class PerFedCKT(Strategy):
-    name = "perfed-ckt"
+    settings: Ckt
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.public_hash = public_fingerprint(self.cfg)
+        cfg = self.cfg
+        self.public_hash = public_fingerprint(self.settings, cfg.num_classes, cfg.public_size, cfg.seed)
         self.soft_shape = (int(self.public_hash.split("-")[0]), self.cfg.num_classes)
         self.centroids: np.ndarray | None = None  # c × |P| × C, none before the first round
         self.trained: set[int] = set()  # nodes that own a model of this run
         self.participations = 0  # training replies so far
-        self.fedavg_exchange = exchange_bytes(self.new_model(), self.client_config(0))
+        self.fedavg_exchange = exchange_bytes(self.new_model(), message_config(cfg, TRAIN, 0))
         self.extras: dict[str, Any] = {}
 
     def sample(self, nodes: list[NodeInfo], server_round: int) -> list[NodeInfo]:
@@ -69,19 +71,19 @@ class PerFedCKT(Strategy):
         picked = rng.choice(len(nodes), self.sample_size(len(nodes)), replace=False, p=sizes / sizes.sum())
         return [nodes[i] for i in sorted(picked)]
 
-    def request(self, server_round: int, centroids: bool, **extra: Any) -> RecordDict:
-        """The settings with P's fingerprint, and the centroids when asked for and there are some."""
+    def ckt_request(self, exchange, server_round: int, centroids: bool, scratch_rounds: int = 0) -> RecordDict:
+        """A request with P's fingerprint, and the centroids when asked for and there are some."""
         arrays = None
         if centroids and self.centroids is not None:
             arrays = ArrayRecord({CENTROIDS: torch.from_numpy(self.centroids)})
-        return protocol.content(arrays, self.client_config(server_round, public_hash=self.public_hash, **extra))
+        return self.request(exchange, server_round, arrays, public_hash=self.public_hash, scratch_rounds=scratch_rounds)
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         fed = self.federation
         before = fed.bytes_up, fed.bytes_down
         reference = {SOFT: torch.zeros(self.soft_shape)}
-        replies = self.broadcast(nodes, protocol.TRAIN_CKT, server_round, self.request(server_round, True), TRAINED,
-                                 reference)  # fmt: skip
+        request = self.ckt_request(TRAIN_CKT, server_round, True)
+        replies = self.broadcast(TRAIN_CKT, nodes, server_round, request, TRAINED, reference)
         fedavg_up, fedavg_down = self.fedavg_exchange
         self.extras = {"train_bytes_up": fed.bytes_up - before[0], "train_bytes_down": fed.bytes_down - before[1],
                        "fedavg_bytes_up": fedavg_up * len(replies), "fedavg_bytes_down": fedavg_down * len(nodes)}
@@ -89,7 +91,7 @@ class PerFedCKT(Strategy):
         if done:
             points = np.stack([r.arrays[SOFT].numpy().reshape(-1) for r in done])
             seed = self.cfg.seed * 100_003 + server_round
-            self.centroids = cluster(points, self.cfg.ckt_clusters, seed).reshape(-1, *self.soft_shape)
+            self.centroids = cluster(points, self.settings.clusters, seed).reshape(-1, *self.soft_shape)
         self.trained.update(replies)
         self.participations += len(replies)
         return mean_loss(r.metrics for r in done)
@@ -98,16 +100,50 @@ class PerFedCKT(Strategy):
         """Each node tests its own model. After training, a node without one (never sampled,
         held out, or joining late) gets the centroids and first trains its model for as many
         rounds as a seen node took part in on average."""
-        plain = self.request(server_round, False)
+        plain = self.ckt_request(EVALUATE_CKT, server_round, False)
         scratch = plain
         if server_round > self.cfg.num_server_rounds:
             rounds = max(1, round(self.participations / self.num_seen))
-            scratch = self.request(server_round, True, scratch_rounds=rounds)
+            scratch = self.ckt_request(EVALUATE_CKT, server_round, True, scratch_rounds=rounds)
         requests = {n.node_id: plain if n.node_id in self.trained else scratch for n in nodes}
-        return metrics_of(self.ask(requests, protocol.EVALUATE_CKT, server_round, TESTED))
+        return metrics_of(self.ask(EVALUATE_CKT, requests, server_round, TESTED))
 
     def state(self) -> dict[str, torch.Tensor]:
         return {} if self.centroids is None else {"centroids": torch.from_numpy(self.centroids)}
 
     def round_extras(self) -> dict[str, Any]:
         return self.extras
+
+
+def report(results: dict[str, Any], folder: Path) -> list[str]:
+    """Traffic beside FedAvg's, and accuracy per client architecture."""
+    return _communication(results) + _per_model(results)
+
+
+def _communication(results: dict[str, Any]) -> list[str]:
+    """Training traffic per round beside FedAvg's for the same clients and model, when the
+    strategy measured it (PerFed-CKT)."""
+    rounds = [r for r in results["rounds"] if "fedavg_bytes_up" in r]
+    if not rounds:
+        return []
+    mean = lambda key: sum(r[key] for r in rounds) / len(rounds) / 1e3  # noqa: E731
+    ours, fedavg = mean("train_bytes_up") + mean("train_bytes_down"), mean("fedavg_bytes_up") + mean("fedavg_bytes_down")
+    return ["", f"Training traffic per round: {mean('train_bytes_up'):,.1f} kB up and {mean('train_bytes_down'):,.1f} kB "
+            f"down. FedAvg with the same clients and model `{results['config']['model']}` would send "
+            f"{mean('fedavg_bytes_up'):,.1f} kB up and {mean('fedavg_bytes_down'):,.1f} kB down: "
+            f"{fedavg / ours:,.0f}× as much."]  # fmt: skip
+
+
+def _per_model(results: dict[str, Any]) -> list[str]:
+    """Accuracy per client model, when clients ran models of different sizes."""
+    clients = [c for c in results["clients"] if c.get("num_params") is not None and c["accuracy"] is not None]
+    sizes = sorted({c["num_params"] for c in clients})
+    if len(sizes) < 2:
+        return []
+    lines = ["", "Accuracy per client model:", "", "| parameters | clients | mean acc. (%) | bottom decile (%) |",
+             "|---:|---:|---:|---:|"]  # fmt: skip
+    for size in sizes:
+        rows = [c for c in clients if c["num_params"] == size]
+        s = summarize([c["accuracy"] for c in rows], [c["num_test"] for c in rows])
+        lines.append(f"| {size:,} | {s['num_clients']} | {pct(s['mean_accuracy'])} | {pct(s['bottom_decile_accuracy'])} |")
+    return lines
