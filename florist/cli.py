@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from florist.algorithms import SPECS
 from florist.common.config import STRATEGY_NAMES, RunConfig, parse_overrides
 
 
@@ -145,7 +146,8 @@ def print_summary(results: dict[str, Any], console, wall: float) -> None:
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategy", choices=STRATEGY_NAMES, help="algorithm to run (default: fedavg)")
+    parser.add_argument("--strategy", choices=STRATEGY_NAMES, metavar="STRATEGY",
+                        help="algorithm to run (default: fedavg): " + "; ".join(f"{n} = {s.summary}" for n, s in SPECS.items()))
     parser.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K (default: dirichlet:0.3)")
     parser.add_argument("--rounds", type=int, help="server rounds (default: 30)")
     parser.add_argument("--seed", type=int, help="seed for partitions, splits, init and sampling (default: 1)")

@@ -51,8 +51,7 @@ class InProcessGrid:
         return [self.replies.pop(i) for i in message_ids if i in self.replies]
 
     def _answer(self, msg: Message) -> Message:
-        received = Message(_copy(msg.content), reply_to=msg)  # the client's own copy, as sent
-        received.__dict__["_metadata"] = msg.metadata
+        received = Message(_copy(msg.content), metadata=msg.metadata)  # the client's own copy, as sent
         try:
             reply = self.app(received, self.contexts[msg.metadata.dst_node_id])
         except Exception as err:  # noqa: BLE001 (the runtimes turn any handler error into an error reply)

@@ -45,7 +45,8 @@ def run_with_late_joiner(fed: LocalFederation, tmp_path: Path, late: dict | None
         output, _ = run.communicate(timeout=600)
         assert run.returncode == 0, output[-3000:]
     finally:
-        run.kill() if run.poll() is None else None
+        if run.poll() is None:
+            run.kill()
         if fed.nodes[3]:
             fed.nodes[3].stop()
             fed.nodes[3] = None
