@@ -11,8 +11,9 @@ It runs only what it preloaded. A run's app bundle (FAB) is served warm when it 
 the preloaded app: the installed package's project name and version, the same ClientApp
 reference, and byte for byte the Python files of the package as they were when this process
 imported them. Any other app runs in Flower's stock per-message process, and so does the
-first message of a FAB this machine has not installed yet: installing it is how the executor
-gets to read it.
+first message of a FAB this machine has not installed yet (installing it is how the executor
+gets to read it), unless its hash is that of the bundle `flwr run` builds from the checkout the
+preloaded app was imported from (checked at start-up to hold exactly the preloaded files).
 
 Fork safety: a forked child has only the thread that forked, so a lock that another thread
 held at that moment stays locked in the child forever. This process therefore starts no
@@ -52,6 +53,7 @@ from pathlib import Path
 
 from florist.client.deadline import DISPOSABLE
 from florist.common import flower_internals
+from florist.common.processes import send
 from florist.common.pacing import Backoff
 
 log = logging.getLogger("florist.executor")
@@ -82,6 +84,7 @@ class PreloadedApp:
     package: str  # the top-level package the app lives in
     files: dict[str, str]  # "package/path.py" -> sha256, read when imported
     distribution: tuple[str, str] | None  # (project name, version) when installed as one
+    bundle_hash: str | None = None  # of the app bundle built from the checkout it was imported from
 
     @classmethod
     def load(cls, ref: str) -> PreloadedApp:
@@ -98,7 +101,23 @@ class PreloadedApp:
         if callable(warm_up := getattr(module, "warm_up", None)):
             warm_up()
         files = {p.relative_to(root.parent).as_posix(): _digest(p) for p in sorted(root.rglob("*.py"))}
-        return cls(ref, package, files, _distribution(package))
+        app = cls(ref, package, files, _distribution(package))
+        return dataclasses.replace(app, bundle_hash=app.own_bundle_hash(root.parent))
+
+    def own_bundle_hash(self, checkout: Path) -> str | None:
+        """The hash of the bundle `flwr run` builds from the checkout the app was imported from,
+        if there is one and it holds exactly the preloaded app: a task of that bundle is served
+        warm from its first message, before this machine has installed the bundle."""
+        if not (checkout / "pyproject.toml").is_file():  # installed as a package, not run from a checkout
+            return None
+        import io
+        import tempfile
+        import zipfile
+
+        fab = flower_internals.fab_bytes(checkout)
+        with tempfile.TemporaryDirectory() as unpacked:
+            zipfile.ZipFile(io.BytesIO(fab)).extractall(unpacked)
+            return hashlib.sha256(fab).hexdigest() if self.mismatch(Path(unpacked)) is None else None
 
     def mismatch(self, fab_dir: Path) -> str | None:
         """Why the app bundle installed in `fab_dir` is not this app; None when it is."""
@@ -193,6 +212,9 @@ class WarmExecutor:
         """None if `task` may run in a forked child, else the reason it may not."""
         if not flower_internals.is_client_app(task):
             return f"a {task.type} task"
+        if task.fab_hash not in self.verdicts and task.fab_hash == self.app.bundle_hash:
+            self.verdicts[task.fab_hash] = None
+            log.info("app bundle %s: built from the preloaded app's checkout, served warm", task.fab_hash[:8])
         if task.fab_hash not in self.verdicts:
             fab = flower_internals.installed_fab(task.fab_hash)
             if fab is None:
@@ -264,13 +286,13 @@ class WarmExecutor:
     def close(self) -> None:
         """Stop every child (SIGTERM, then SIGKILL after STOP_GRACE seconds) and wait for them."""
         for pid in self.children:
-            _signal(pid, signal.SIGTERM)
+            send(pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE
         while self.children and time.monotonic() < deadline:
             self.reap()
             time.sleep(0.05)
         for pid, child in self.children.items():
-            _signal(pid, signal.SIGKILL)
+            send(pid, signal.SIGKILL)
             child.popen.wait() if child.popen else os.waitpid(pid, 0)
         self.children.clear()
         log.info("executor stopped after %d warm and %d stock tasks", self.served["warm"], self.served["stock"])
@@ -280,13 +302,6 @@ def _notify(fd: int) -> None:
     try:
         os.write(fd, b"!")
     except OSError:  # nobody listens any more
-        pass
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
         pass
 
 

@@ -8,10 +8,12 @@ no authentication in Flower 1.39) and each SuperNode's Runtime port always bind 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +23,9 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
+from florist.common import flower_internals
+from florist.common.processes import terminate_marked
+from florist.common.storage import cache_dir
 from florist.deploy.certs import make_ca_and_server, make_node_key
 
 log = logging.getLogger(__name__)
@@ -39,19 +44,6 @@ def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     }
-
-
-def started_with(flwr_home: Path) -> list[int]:
-    """Live processes that inherited FLWR_HOME=`flwr_home`: everything a federation started,
-    down to its executors' children (Linux; empty elsewhere)."""
-    marker, pids = f"FLWR_HOME={flwr_home}".encode(), []
-    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        try:
-            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                pids.append(int(pid))
-        except OSError:
-            continue
-    return pids
 
 
 def free_port() -> int:
@@ -73,8 +65,8 @@ def flower_bin(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-def app_dir() -> Path:
-    """The florist source tree, which `flwr run` bundles and ships to the federation."""
+def checkout() -> Path:
+    """The florist source checkout this package runs from."""
     root = Path(__file__).resolve().parents[2]
     if not (root / "pyproject.toml").exists():
         raise FileNotFoundError(
@@ -82,6 +74,28 @@ def app_dir() -> Path:
             "(git clone, then pip install -e .)"
         )
     return root
+
+
+def app_dir() -> Path:
+    """The folder `flwr run` is given: the checkout's publishable files, staged in the cache
+    under a hash of their contents. The bundle Flower builds from it is byte for byte the one
+    it would build from the checkout, without walking the checkout's .venv first."""
+    files = flower_internals.publishable_files(checkout())
+    digest = hashlib.sha256()
+    for name, path in sorted(files.items()):
+        digest.update(f"{name}\0{path.stat().st_size}\0".encode() + path.read_bytes())
+    stage = cache_dir() / "app" / digest.hexdigest()[:16]
+    if not stage.exists():
+        scratch = stage.with_name(f"{stage.name}.{os.getpid()}.partial")
+        shutil.rmtree(scratch, ignore_errors=True)
+        for name, path in files.items():
+            (scratch / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, scratch / name)
+        try:
+            scratch.rename(stage)
+        except OSError:  # another process staged the same files first
+            shutil.rmtree(scratch, ignore_errors=True)
+    return stage
 
 
 def toml_node_config(values: dict[str, Any]) -> str:
@@ -205,12 +219,21 @@ class LocalFederation:
             self.start_node(i)
         self.wait_for_nodes(count, timeout)
 
-    def stop(self) -> None:
-        for node in self.nodes:
-            if node:
-                node.stop()
-        if self.superlink:
-            self.superlink.stop()
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM to the SuperLink and every SuperNode at once, SIGKILL to any still running
+        after `grace` seconds; then whatever else carries this federation's FLWR_HOME (their
+        executors and ClientApps) gets the same."""
+        running = [p for p in (*self.nodes, self.superlink) if p and p.alive()]
+        for process in running:
+            process.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for process in running:
+            try:
+                process.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.popen.kill()
+                process.popen.wait()
+        terminate_marked("FLWR_HOME", str(self.flwr_home), grace=2.0)
 
     def _spawn(self, name: str, args: list[str]) -> Process:
         return spawn(args, self.logs / f"{name}.log", env=self.env, cwd=self.workdir)
@@ -268,11 +291,15 @@ class LocalFederation:
             [flower_bin("flwr"), *args], env=self.env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout
         )
 
-    def online_nodes(self) -> list[dict[str, Any]]:
-        result = self.flwr("supernode", "list", CONNECTION, "--format", "json")
+    def online_nodes(self) -> list[int]:
+        """IDs of the SuperNodes the SuperLink lists as online (empty while it cannot answer)."""
+        import httpx
+
+        from florist.common.flower_internals import online_node_ids
+
         try:
-            return [n for n in json.loads(result.stdout).get("nodes", []) if n.get("status") == "online"]
-        except json.JSONDecodeError:
+            return online_node_ids(self.control_address, str(self.certs / "ca.crt") if self.tls else None)
+        except httpx.HTTPError:  # not up yet, or restarting: the callers' loops are bounded
             return []
 
     def wait_for_nodes(self, count: int, timeout: float) -> None:
@@ -283,7 +310,7 @@ class LocalFederation:
                 raise RuntimeError(f"{dead[0].name} exited (status {dead[0].popen.returncode}):\n{dead[0].tail()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"fewer than {count} SuperNodes connected within {timeout:.0f} s; logs in {self.logs}")
-            time.sleep(1.0)
+            time.sleep(0.5)
 
     def _wait_for_port(self, port: int, process: Process, timeout: float) -> None:
         deadline = time.monotonic() + timeout

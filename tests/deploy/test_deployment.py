@@ -10,7 +10,8 @@ import time
 import pytest
 
 from florist.cli import main
-from florist.deploy.federation import LocalFederation, free_port, started_with
+from florist.common.processes import marked
+from florist.deploy.federation import LocalFederation, free_port
 from florist.deploy.join import JoinError, join
 
 from processes import labelled_folder, node_configs, submit
@@ -37,7 +38,7 @@ def test_deploy_local_runs_fedavg_over_grpc(tmp_path, executor):
         assert node_log.count(": warm process") >= 4 and ": stock process" not in node_log.split(": warm process")[-1]
     else:
         assert "florist.executor" not in node_log and "Start `flwr-clientapp` process" in node_log
-    assert not started_with(tmp_path / "out" / "federation" / "flwr-home")  # every process it started is gone
+    assert not marked("FLWR_HOME", str(tmp_path / "out" / "federation" / "flwr-home"))  # every process it started is gone
 
 
 def test_unreachable_superlink_gives_up_with_a_clear_error(tmp_path):
@@ -54,10 +55,10 @@ def test_join_checks_the_data_folder_before_connecting(tmp_path):
 
 def test_superlink_restart_keeps_nodes_and_the_next_run_works(tmp_path):
     with LocalFederation(tmp_path, node_configs(2, tmp_path), persistent=True) as fed:
-        before = sorted(n["node-id"] for n in fed.online_nodes())
+        before = fed.online_nodes()
         fed.superlink.stop()
         fed.start_superlink()
         fed.wait_for_nodes(2, timeout=180)
-        assert sorted(n["node-id"] for n in fed.online_nodes()) == before
+        assert fed.online_nodes() == before
         results = submit(fed, tmp_path / "out", **{"num-server-rounds": 1})
         assert results["complete"] and results["summary"]["seen"]["num_clients"] == 2

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from florist.deploy.executor import PreloadedApp
-from florist.deploy.federation import LocalFederation, app_dir, started_with
+from florist.common.processes import marked
+from florist.deploy.federation import LocalFederation, checkout
 
 APPS = Path(__file__).parent / "apps"
 
@@ -24,8 +25,8 @@ def florist_app():
 def bundle(tmp_path: Path, change=None) -> Path:
     """florist as an installed app bundle would hold it: pyproject.toml and the package."""
     fab = tmp_path / "fab"
-    shutil.copytree(app_dir() / "florist", fab / "florist", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(app_dir() / "pyproject.toml", fab)
+    shutil.copytree(checkout() / "florist", fab / "florist", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(checkout() / "pyproject.toml", fab)
     if change:
         change(fab)
     return fab
@@ -33,7 +34,7 @@ def bundle(tmp_path: Path, change=None) -> Path:
 
 def test_the_preloaded_app_is_fingerprinted_as_it_was_imported(florist_app):
     assert florist_app.distribution[0] == "florist"
-    path = app_dir() / "florist" / "client" / "app.py"
+    path = checkout() / "florist" / "client" / "app.py"
     assert florist_app.files["florist/client/app.py"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -85,7 +86,7 @@ def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(t
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert [node.pid for node in fed.nodes] == node_pids and all(node.alive() for node in fed.nodes)
         logs = [(fed.logs / f"supernode-{i}.log").read_text() for i in (1, 2)]
-        started = started_with(fed.flwr_home)
+        started = marked("FLWR_HOME", str(fed.flwr_home))
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     failures = {f["node"].split("(")[-1].rstrip(")"): f for f in results["failures"]}
     assert sorted(failures) == ["partition-1", "partition-2"]  # round 2's train, on the faulty nodes only
@@ -96,4 +97,4 @@ def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(t
     for log, fault in zip(logs, ("injected fault", "DeadlineExceeded")):
         assert fault in log and "warm process" in log.split(fault)[-1]  # served warm afterwards
         assert log.count("warm executor for faultyapp.apps:client") == 1  # by the same executor
-    assert started and not started_with(fed.flwr_home)  # stopping the federation stopped them all
+    assert started and not marked("FLWR_HOME", str(fed.flwr_home))  # stopping the federation stopped them all

@@ -111,7 +111,7 @@ def test_fedattn_personalizes_a_late_joiner_from_its_nearest_clients(federation,
 
 def test_a_supernode_killed_mid_run_is_left_out(federation, tmp_path):
     fed = federation
-    config = RUN | {"min-nodes": 3, "num-server-rounds": 2, "round-timeout": 25.0, "eval-every": 0,
+    config = RUN | {"min-nodes": 3, "num-server-rounds": 2, "round-timeout": 15.0, "eval-every": 0,
                     "results-dir": str(tmp_path / "out")}  # each exchange with the dead node waits out the timeout
     run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     progress = tmp_path / "out" / "results.json"

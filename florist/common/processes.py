@@ -1,0 +1,76 @@
+"""Finding and stopping the processes florist started, and nothing else.
+
+Every process tree florist starts carries a marker in its environment (a private FLWR_HOME
+for a federation, FLORIST_RUN for a simulation), which children inherit: Ray's workers, a
+SuperNode's executor and its ClientApps. Stopping by marker reaches all of them, even those
+that left the process group they were started in.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def marked(variable: str, value: str) -> list[int]:
+    """Live processes whose environment has `variable=value` (Linux; empty elsewhere)."""
+    marker, pids = f"{variable}={value}".encode(), []
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                pids.append(int(pid))
+        except OSError:
+            continue
+    return [pid for pid in pids if pid != os.getpid()]
+
+
+def terminate(pids: list[int], grace: float = 3.0) -> None:
+    """SIGTERM to each of `pids`, SIGKILL to those still there after `grace` seconds, then
+    wait (at most a second) until they are gone."""
+    for pid in pids:
+        send(pid, signal.SIGTERM)
+    _wait_until_gone(pids, grace)
+    for pid in pids:
+        send(pid, signal.SIGKILL)
+    _wait_until_gone(pids, 1.0)
+
+
+def terminate_marked(variable: str, value: str, pids: list[int] = (), grace: float = 3.0) -> None:
+    """`terminate` `pids` and every process marked `variable=value`, again until none is left
+    (a process may start another while the first ones are stopping; at most five passes)."""
+    for _ in range(5):
+        if not (found := [*pids, *marked(variable, value)]):
+            return
+        terminate(found, grace)
+        pids = []
+
+
+def _wait_until_gone(pids: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (another parent's, not reaped yet) is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
+    except OSError:
+        return True
+
+
+def send(pid: int, sig: int) -> None:
+    """`sig` to `pid`, if it still exists."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
