@@ -29,24 +29,38 @@ def _console():
     return Console(stderr=True)
 
 
+def _checked(args: argparse.Namespace, num_clients: int) -> RunConfig:
+    """The run config, refused before any work starts if anything about it cannot work."""
+    from florist.server.preflight import check_run
+
+    cfg = _config(args, num_clients)
+    for warning in check_run(cfg, num_clients):
+        print(f"florist: warning: {warning}", file=sys.stderr)
+    return cfg
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from florist.server.simulation import simulate
+    from florist.server.simulation import simulate_in_child
 
-    cfg, console, start = _config(args, args.num_clients), _console(), time.monotonic()
+    cfg, console, start = _checked(args, args.num_clients), _console(), time.monotonic()
+    _interrupt_on_signals()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:  # fmt: skip
         task = progress.add_task(f"{cfg.strategy} rounds", total=cfg.num_server_rounds, status="starting clients")
 
         def on_round(row: dict[str, Any]) -> None:
-            loss = "–" if row["train_loss"] is None else f"{row['train_loss']:.3f}"
-            acc = "–" if row["accuracy"] is None else f"{100 * row['accuracy']:.1f}%"
-            progress.update(task, completed=row["round"], status=f"loss {loss}  seen acc {acc}")
+            progress.update(task, completed=row["round"], status=f"loss {_number(row['train_loss'], '.3f')}  "
+                            f"seen acc {_number(row['accuracy'], '.1%')}")  # fmt: skip
 
-        results = simulate(cfg, args.num_clients, on_round)
+        results = simulate_in_child(cfg, args.num_clients, on_round)
     print_summary(results, console, time.monotonic() - start)
     return 0
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "–" if value is None or value != value else format(value, spec)
 
 
 def _node_configs(num_nodes: int, state_root: Path) -> list[dict[str, Any]]:
@@ -59,16 +73,24 @@ def _deploy_local(args: argparse.Namespace) -> int:
 
     from florist.deploy.federation import LocalFederation
 
-    cfg, console, start = _config(args, args.num_nodes), _console(), time.monotonic()
+    from florist.server.simulation import Interrupted
+
+    cfg, console, start = _checked(args, args.num_nodes), _console(), time.monotonic()
     results_dir = Path(cfg.results_dir).expanduser().resolve()
     cfg = cfg.replace(results_dir=str(results_dir))
     workdir = Path(args.state_dir or results_dir / "federation").expanduser().resolve()
-    with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth,
-                         executor=args.executor) as fed:  # fmt: skip
-        print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe()}", flush=True)
-        (results_dir / "results.json").unlink(missing_ok=True)
-        rc = subprocess.run(fed.run_command(cfg.to_mapping()), env=fed.env, cwd=workdir).returncode
     results_file = results_dir / "results.json"
+    _interrupt_on_signals()
+    try:
+        with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth,
+                             executor=args.executor) as fed:  # fmt: skip
+            print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe()}", flush=True)
+            results_file.unlink(missing_ok=True)
+            rc = subprocess.run(fed.run_command(cfg.to_mapping()), env=fed.env, cwd=workdir,
+                                start_new_session=True).returncode  # fmt: skip
+    except KeyboardInterrupt:
+        saved = json.loads(results_file.read_text()) if results_file.exists() else None
+        raise Interrupted(saved, results_dir) from None
     if rc != 0 or not results_file.exists():
         raise RuntimeError(f"the run failed (flwr run exited {rc}); logs in {workdir / 'logs'}")
     print_summary(json.loads(results_file.read_text()), console, time.monotonic() - start)
@@ -90,6 +112,9 @@ def _interrupt_on_signals() -> None:
 def _local_federation(args: argparse.Namespace) -> int:
     from florist.deploy.federation import LocalFederation
 
+    from florist.common.data import parse_partition
+
+    parse_partition(args.partition)  # it goes into the printed run line: refuse a wrong one now
     workdir = Path(args.state_dir).expanduser().resolve()
     _interrupt_on_signals()
     with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth,
@@ -132,6 +157,7 @@ def _supernode(args: argparse.Namespace) -> int:
 
 
 def print_summary(results: dict[str, Any], console, wall: float) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from florist.server.report import summary_rows
@@ -142,6 +168,12 @@ def print_summary(results: dict[str, Any], console, wall: float) -> None:
     for row in summary_rows(results):
         table.add_row(*row)
     console.print(table)
+    failed: dict[tuple[str, str], list[int]] = {}
+    for failure in results.get("failures", []):
+        failed.setdefault((failure["node"], failure["reason"]), []).append(failure["round"])
+    for (node, reason), rounds in failed.items():
+        console.print(f"[yellow]{escape(node)} left out of round(s) {', '.join(map(str, sorted(set(rounds))))}:[/] "
+                      f"{escape(reason)}", highlight=False)  # fmt: skip
     console.print(f"wall time {wall:.1f} s · results in {results['config']['results-dir']}/ (results.json, report.md, plots)")
 
 
@@ -169,7 +201,7 @@ def _executor_option(parser: argparse.ArgumentParser) -> None:
 
 def _federation_options(parser: argparse.ArgumentParser) -> None:
     _executor_option(parser)
-    parser.add_argument("--num-nodes", type=int, default=3, help="SuperNodes to start (default: 3)")
+    parser.add_argument("--num-nodes", type=_count, default=3, help="SuperNodes to start (default: 3)")
     parser.add_argument("--tls", action="store_true", help="TLS on the Fleet API (certificates made on first use)")
     parser.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
 
@@ -192,10 +224,35 @@ def _public_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    """A number of nodes or clients: an integer >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line and a hint, not the whole usage text."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"florist {version('florist')} (Flower {version('flwr')})"
+    except PackageNotFoundError:
+        return "florist (not installed as a package)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="florist", description="Personalized federated learning on Flower: simulate, deploy, compare."
+    parser = _Parser(
+        prog="florist", description="Personalized federated learning on Flower: simulate, deploy, join."
     )
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also FLORIST_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sim = sub.add_parser(
@@ -204,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
         "seen/unseen summary. Writes results.json, report.md and plots to --results-dir.",
     )  # fmt: skip
     _run_options(sim)
-    sim.add_argument("--num-clients", type=int, default=20, help="simulated SuperNodes = partitions (default: 20)")
+    sim.add_argument("--num-clients", type=_count, default=20, help="simulated SuperNodes = partitions (default: 20)")
     sim.set_defaults(func=_simulate)
 
     dep = sub.add_parser(
@@ -241,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     certs.add_argument("--out", required=True, help="output folder")
     certs.add_argument("--hosts", required=True, help='names/IPs SuperNodes dial, comma-separated, e.g. "superlink,10.0.0.5"')
-    certs.add_argument("--num-nodes", type=int, default=3, help="SuperNode key pairs to make (default: 3)")
+    certs.add_argument("--num-nodes", type=_count, default=3, help="SuperNode key pairs to make (default: 3)")
     certs.set_defaults(func=_certs)
 
     join = sub.add_parser(
@@ -257,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--state-dir", help="node state folder (default: ~/.cache/florist/nodes)")
     join.add_argument("--node-key", help="stable name of this node (default: the host name)")
     join.add_argument("--num-classes", type=int, default=10, help="label range to check the data against (default: 10)")
-    join.add_argument("--max-wait-time", type=float, default=60.0, help="give up connecting after this many seconds")
+    join.add_argument("--max-wait-time", type=float, default=60.0,
+                      help="give up connecting after this many seconds (default: 60)")  # fmt: skip
     _executor_option(join)
     join.set_defaults(func=_join)
 
@@ -281,7 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
         "policy (concat: keep all; fifo: keep the newest knn-capacity; fixed: keep the first knn-capacity).",
     )  # fmt: skip
     store_sub = store.add_subparsers(dest="action", required=True, metavar="ACTION")
-    add = store_sub.add_parser("add", help="embed a folder's labelled samples and add them to the datastore")
+    add = store_sub.add_parser(
+        "add", help="embed a folder's labelled samples and add them to the datastore",
+        description="Embed the labelled samples of --data-dir with the global model the node's datastore was built "
+        "with and add them to it, under the run's knn-capacity and knn-policy. No training, no connection: "
+        "the node's next kNN-Per evaluation uses the new entries.",
+    )  # fmt: skip
     add.add_argument("--data-dir", required=True, help="train.npz/test.npz or ImageFolder trees with the new samples")
     add.add_argument("--state-dir", help="the node's state folder (node config state-dir; default ~/.cache/florist/nodes)")
     add.add_argument("--node-key", required=True, help="the node's key (node config node-key, e.g. partition-3)")
@@ -300,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every failure a user can cause ends in one line on stderr and exit status 2 (1 for a
+    bug); `--debug` or FLORIST_DEBUG=1 shows the traceback instead. Ctrl-C exits with 130."""
     # The florist command reports nothing home unless the user asks for it (their setting wins).
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -308,11 +373,20 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "supernode":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.flower_args = extra
+    debug = args.debug or os.environ.get("FLORIST_DEBUG", "") not in ("", "0")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as err:
-        print(f"florist: error: {err}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt as stop:  # runs raise `Interrupted`, which says what was kept
+        print(f"florist: {stop or 'interrupted'}", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if debug:
+            raise
+        if isinstance(err, (ValueError, OSError, TimeoutError, RuntimeError)):
+            print(f"florist: error: {err}", file=sys.stderr)
+            return 2
+        print(f"florist: internal error: {type(err).__name__}: {err} (FLORIST_DEBUG=1 shows where)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

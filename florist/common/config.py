@@ -13,6 +13,7 @@ from typing import Any
 
 from florist.algorithms import SPECS, spec_of
 from florist.algorithms.base import NoSettings, Settings, setting
+from florist.common.data import PARTITIONS, parse_partition
 
 # The strategies `strategy` may name (the registry holds their specs, which import no torch).
 STRATEGY_NAMES = tuple(SPECS)
@@ -84,8 +85,9 @@ class RunConfig(Settings):
 
     def checks(self) -> list[tuple[bool, str]]:
         return [
-            (self.strategy in SPECS, f"strategy must be one of {', '.join(SPECS)}"),
+            (self.strategy in SPECS, f"unknown strategy {self.strategy!r}; choose one of {', '.join(SPECS)}"),
             (self.num_server_rounds >= 0, "num-server-rounds must be >= 0"),
+            (_parses(self.partition), f"partition must be {PARTITIONS}, got {self.partition!r}"),
             (0 < self.fraction_train <= 1, "fraction-train must be in (0, 1]"),
             (self.min_train_nodes >= 1, "min-train-nodes must be >= 1"),
             (self.min_nodes >= 1, "min-nodes must be >= 1"),
@@ -104,6 +106,13 @@ class RunConfig(Settings):
         ]
 
 
+def _parses(partition: str) -> bool:
+    try:
+        return bool(parse_partition(partition))
+    except ValueError:
+        return False
+
+
 def all_settings() -> dict[str, Any]:
     """Every run-config key with its default: the common ones, then each section's once."""
     defaults = RunConfig().to_mapping()
@@ -113,7 +122,20 @@ def all_settings() -> dict[str, Any]:
 
 
 def parse_overrides(text: str) -> dict[str, Any]:
-    """Parse `'k=v k2="s"'` exactly as `flwr run --run-config` does (values are TOML)."""
-    from flwr.common.config import parse_config_args
+    """`'k=v k2="s"'` as `flwr run --run-config` reads it: space-separated pairs, each value
+    TOML (numbers, true/false, "quoted strings"). A pair that is not one is an error naming it."""
+    import re
+    import tomllib
 
-    return dict(parse_config_args([text])) if text.strip() else {}
+    values: dict[str, Any] = {}
+    for pair in re.findall(r'(?:[^\s"]|"(?:\\.|[^"\\])*")+', text):
+        hint = " (separate pairs with spaces, not commas)" if "," in pair else ""
+        hint = hint or (' (strings need quotes: key="text")' if re.match(r"[\w-]+=[A-Za-z]", pair) else "")
+        try:
+            parsed = tomllib.loads(pair) if re.match(r"[A-Za-z0-9_-]+=", pair) else None
+        except tomllib.TOMLDecodeError:
+            parsed = None
+        if not parsed or isinstance(value := next(iter(parsed.values())), dict):
+            raise ValueError(f"--run-config: {pair!r} is not key=value with a TOML value{hint}")
+        values |= {next(iter(parsed)): value}
+    return values

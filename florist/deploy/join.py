@@ -41,6 +41,36 @@ def diagnose(output: str, **facts: object) -> str | None:
     return None
 
 
+def tls_mismatch(superlink: str, tls: bool) -> str | None:
+    """What is wrong when the SuperLink answers at `superlink` but speaks TLS where this node
+    was given no CA, or plain text where it was; None when it matches or does not answer (the
+    SuperNode's own retries then tell "unreachable")."""
+    import ssl
+
+    host, _, port = superlink.rpartition(":")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=3)
+    except OSError:
+        return None
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # only asking whether it speaks TLS
+    context.set_alpn_protocols(["h2"])
+    try:
+        with context.wrap_socket(sock, server_hostname=host):
+            speaks_tls = True
+    except (ssl.SSLError, OSError):
+        speaks_tls = False
+    finally:
+        sock.close()
+    if speaks_tls and not tls:
+        return (f"the SuperLink at {superlink} speaks TLS: pass --root-certificates with the CA certificate it was "
+                "issued by (ca.crt)")  # fmt: skip
+    if tls and not speaks_tls:
+        return (f"the SuperLink at {superlink} does not speak TLS (it runs with --insecure): leave out "
+                "--root-certificates, or restart it with TLS")  # fmt: skip
+    return None
+
+
 def supernode_args(
     superlink: str,
     data_dir: Path,
@@ -103,6 +133,8 @@ def join(
             raise FileNotFoundError(f"{flag} {path}: no such file")
     if auth_key and not root_certificates:
         raise ValueError("node authentication runs over TLS: pass --root-certificates with --auth-key")
+    if mismatch := tls_mismatch(superlink, tls=root_certificates is not None):
+        raise JoinError(mismatch)
     key = node_key or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "edge"
     args = supernode_args(
         superlink, data_dir, root_certificates=Path(root_certificates) if root_certificates else None,

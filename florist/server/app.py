@@ -18,6 +18,7 @@ from florist.algorithms.base import INFO
 from florist.common import flower_internals, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
+from florist.server import preflight
 from florist.server.results import Results
 from florist.server.strategy import Federation, NodeInfo, Strategy, message_config
 
@@ -50,9 +51,12 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
     strategy_class = spec_of(cfg.strategy).load_server()
     federation = Federation(grid, cfg.round_timeout)
     results = Results(cfg)
+    results.save()  # a run stopped before its first round still says so
     nodes = discover(federation, cfg, federation.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
     if not nodes:
-        raise RuntimeError("no node answered the info request; see the warnings above for each node's error")
+        first = federation.failures[0] if federation.failures else {"node": "-", "reason": "-"}
+        raise RuntimeError(f"no node answered the info request ({len(federation.failures)} failed; the first, "
+                           f"{first['node']}: {first['reason']})")  # fmt: skip
     if len(shapes := {n.input_shape for n in nodes}) > 1:
         detail = ", ".join(f"{n.key}: {n.input_shape}" for n in nodes)
         raise ValueError(f"one input shape is needed across nodes, got {detail} ({len(shapes)} shapes)")
@@ -125,7 +129,9 @@ def _mean_accuracy(metrics: Mapping[int, Mapping[str, float]]) -> float | None:
 
 
 def _log_round(row: dict[str, Any]) -> None:
-    log.info("round %(round)d done in %(seconds).1f s: train loss %(train_loss)s, seen accuracy %(accuracy)s", row)
+    loss, accuracy = row["train_loss"], row["accuracy"]
+    log.info("round %d done in %.1f s: train loss %s, seen accuracy %s", row["round"], row["seconds"],
+             "–" if loss is None else f"{loss:.4f}", "–" if accuracy is None else f"{100 * accuracy:.1f}%")  # fmt: skip
 
 
 def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundCallback | None = None) -> ServerApp:
@@ -137,6 +143,7 @@ def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundC
     def main(grid: Grid, context: Context) -> None:
         flower_internals.quick_object_pulls()  # replies are pulled as soon as they are there
         cfg = RunConfig.from_mapping({**context.run_config, **(overrides or {})})
+        preflight.check_results_dir(cfg.results_dir)  # before any work: a run that cannot be saved is not started
         run(grid, cfg, on_round)
 
     return server_app

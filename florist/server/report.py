@@ -13,7 +13,12 @@ from florist.common.metrics import summarize
 
 
 def pct(value: float | None) -> str:
-    return "–" if value is None else f"{100 * value:.1f}"
+    """A percentage with one decimal; "–" where there is none (no client in the group: NaN)."""
+    return "–" if value is None or value != value else f"{100 * value:.1f}"
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
 
 
 # Per-client fields some strategies report beside `accuracy`, each summarized in its own row.
@@ -44,7 +49,7 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
     lines = [
         f"# florist run: {results['strategy']}",
         "",
-        f"Partition `{cfg['partition']}`, model `{cfg.get('client-models') or cfg['model']}`, {len(rounds)} rounds, "
+        f"Partition `{cfg['partition']}`, model `{cfg.get('client-models') or cfg['model']}`, {plural(len(rounds), 'round')}, "
         f"seed {cfg['seed']}, unseen fraction {cfg['unseen-fraction']}.",
         "",
         "| strategy | clients | n | mean acc. (%) | bottom decile (%) |",
@@ -55,7 +60,7 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
         f"{sum(r['bytes_up'] for r in rounds):,}, down {sum(r['bytes_down'] for r in rounds):,}.",
     ]
     if results.get("failures"):
-        lines += ["", f"{len(results['failures'])} node failures were left out of their rounds:", ""]
+        lines += ["", f"{plural(len(results['failures']), 'node failure')} left out of their rounds:", ""]
         lines += [f"- round {f['round']}, {f['node']}, `{f['message_type']}`: {f['reason']}" for f in results["failures"]]
     lines += exchange_times(results) + list(own_section)
     lines += ["", "![accuracy per round](accuracy_per_round.png)", "", "![per-client accuracy](client_accuracy.png)", ""]
@@ -84,6 +89,7 @@ def exchange_times(results: dict[str, Any]) -> list[str]:
 
 def write_report(results: dict[str, Any], folder: Path) -> None:
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -105,9 +111,10 @@ def write_report(results: dict[str, Any], folder: Path) -> None:
     groups = [("seen", True), ("unseen", False)]
     data = [[100 * c["accuracy"] for c in results["clients"] if c["seen"] == s and c["accuracy"] is not None]
             for _, s in groups]  # fmt: skip
+    jitter = np.random.default_rng(0)  # spread the dots sideways: clients with equal scores stay visible
     for i, values in enumerate(data):
-        ax.scatter([i + 1] * len(values), values, alpha=0.6)
-    ax.boxplot([v or [float("nan")] for v in data])
+        ax.scatter(i + 1 + jitter.uniform(-0.12, 0.12, len(values)), values, alpha=0.6, s=14, zorder=3)
+    ax.boxplot([v or [float("nan")] for v in data], showfliers=False)  # every client is a dot already
     ax.set_xticks([1, 2], [f"{name} ({len(v)})" for (name, _), v in zip(groups, data)])
     ax.set(ylabel="client test accuracy (%)", title=f"{results['strategy']}: per-client accuracy")
     ax.grid(alpha=0.3, axis="y")

@@ -67,13 +67,17 @@ class Results:
         self.failures = failures
         last = self.rounds[-1]["round"] if self.rounds else 0
         atomic_write(self.folder / "checkpoint.pt", lambda f: torch.save({"round": last, "state": state}, f))
+        self.save()
+
+    def save(self) -> None:
+        """results.json as it stands (`complete` once the clients are scored)."""
         atomic_write(self.folder / "results.json", lambda f: f.write(_dumps(self.to_json())))
 
     def write(self) -> None:
         """The final results.json, report.md and plots."""
         from florist.server.report import write_report
 
-        atomic_write(self.folder / "results.json", lambda f: f.write(_dumps(self.to_json())))
+        self.save()
         write_report(self.to_json(), self.folder)
 
 

@@ -1,4 +1,5 @@
-"""Run florist in Flower's simulation runtime, in this process (Ray runs the clients)."""
+"""Run florist in Flower's simulation runtime (Ray runs the clients): in this process
+(`simulate`), or in a child process that Ctrl-C stops at once (`simulate_in_child`)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,27 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from florist.common.config import RunConfig
+from florist.common.processes import terminate_marked
+
+MARKER = "FLORIST_RUN"  # in the environment of the child and of every Ray process it starts
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by Ctrl-C or SIGTERM; `results` is what it had saved (or None)."""
+
+    def __init__(self, results: dict[str, Any] | None, folder: Path):
+        rounds = len(results["rounds"]) if results else 0
+        super().__init__(f"interrupted after {rounds} round{'s' * (rounds != 1)}; results in {folder}")
+        self.results = results
 
 
 class _DropDeprecation(logging.Filter):
@@ -53,3 +70,63 @@ def simulate(cfg: RunConfig, num_clients: int, on_round=None, client_app=None) -
             },
         )
     return json.loads((Path(cfg.results_dir).expanduser() / "results.json").read_text())
+
+
+def simulate_in_child(
+    cfg: RunConfig, num_clients: int, on_round: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """`simulate` in a child process in a session of its own, so that Ctrl-C (KeyboardInterrupt
+    here) stops it and every Ray process it started within seconds: the ServerApp runs in a
+    thread no signal reaches, and Ray's own shutdown can take half a minute. Progress comes from
+    the results.json the ServerApp rewrites after every round; the child's output (Ray's
+    included) goes to RESULTS_DIR/simulation.log, and its error, if any, is raised here as one
+    line. On Ctrl-C, raises `Interrupted` with the rounds saved so far."""
+    folder = Path(cfg.results_dir).expanduser().absolute()
+    folder.mkdir(parents=True, exist_ok=True)
+    results_file, log_path, token = folder / "results.json", folder / "simulation.log", secrets.token_hex(8)
+    results_file.unlink(missing_ok=True)
+    command = [sys.executable, "-m", __name__, json.dumps(cfg.to_mapping()), str(num_clients)]
+    with open(log_path, "wb") as log_file:
+        child = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=os.environ | {MARKER: token}, start_new_session=True)  # fmt: skip
+    shown = 0
+    try:
+        while child.poll() is None:
+            time.sleep(0.2)
+            for row in (_read(results_file) or {"rounds": []})["rounds"][shown:]:
+                shown += 1
+                if on_round:
+                    on_round(row)
+    except KeyboardInterrupt:
+        terminate_marked(MARKER, token, [child.pid], grace=2.0)
+        raise Interrupted(_read(results_file), folder) from None
+    if child.returncode != 0:
+        lines = log_path.read_text(errors="replace").splitlines()
+        error = next((line for line in reversed(lines) if line.startswith("florist: error: ")), None)
+        reason = error.removeprefix("florist: error: ") if error else f"the simulation exited with status {child.returncode}"
+        raise RuntimeError(f"{reason} (full log: {log_path})")
+    return json.loads(results_file.read_text())
+
+
+def _read(results_file: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(results_file.read_text())
+    except (OSError, json.JSONDecodeError):  # not written yet (it is replaced atomically once it is)
+        return None
+
+
+def _main(argv: list[str]) -> int:
+    """The child of `simulate_in_child`: argv = [run config as JSON, number of clients]."""
+    try:
+        simulate(RunConfig.from_mapping(json.loads(argv[0])), int(argv[1]))
+    except Exception as err:  # the parent shows this line; the traceback stays in the log
+        import traceback
+
+        traceback.print_exc()
+        print(f"florist: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

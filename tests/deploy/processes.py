@@ -47,7 +47,7 @@ def wait_for_rounds(run: subprocess.Popen, progress: Path, rounds: int, timeout:
     """Until the run's checkpointed results.json lists `rounds` rounds; fails if the run ends first."""
     deadline = time.monotonic() + timeout
     while not (progress.exists() and len(json.loads(progress.read_text())["rounds"]) >= rounds):
-        assert run.poll() is None, run.stdout.read()[-3000:]
+        assert run.poll() is None, run.stdout.read()[-3000:] if run.stdout else f"exited with {run.returncode}"
         assert time.monotonic() < deadline, f"fewer than {rounds} rounds after {timeout:.0f} s"
         time.sleep(0.5)
 

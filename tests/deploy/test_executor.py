@@ -12,7 +12,7 @@ import pytest
 
 from florist.deploy.executor import PreloadedApp
 from florist.common.processes import marked
-from florist.deploy.federation import LocalFederation, checkout
+from florist.deploy.federation import LocalFederation, app_dir, checkout
 
 APPS = Path(__file__).parent / "apps"
 
@@ -36,6 +36,12 @@ def test_the_preloaded_app_is_fingerprinted_as_it_was_imported(florist_app):
     assert florist_app.distribution[0] == "florist"
     path = checkout() / "florist" / "client" / "app.py"
     assert florist_app.files["florist/client/app.py"] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_bundle_flwr_run_builds_from_the_checkout_is_known_before_it_is_installed(florist_app):
+    from flwr.cli.build import build_fab_from_disk
+
+    assert florist_app.bundle_hash == hashlib.sha256(build_fab_from_disk(app_dir())).hexdigest()
 
 
 def test_only_a_bundle_with_exactly_the_preloaded_code_is_served_warm(florist_app, tmp_path):

@@ -1,0 +1,107 @@
+"""What a user can get wrong on the command line ends in exit status 2 and one line (plus at
+most a hint), before any work starts."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from florist.cli import main
+
+BAD = {  # what the user typed (after `florist`) -> what the one line must say
+    "partition without alpha": (["simulate", "--partition", "dirichlet"], "partition must be"),
+    "unknown partition": (["simulate", "--partition", "foo:3"], "partition must be"),
+    "alpha zero": (["simulate", "--partition", "dirichlet:0"], "got 'dirichlet:0'"),
+    "K above the classes": (["simulate", "--partition", "pathological:11"], "1 <= K <= 10"),
+    "unknown model": (["simulate", "--run-config", 'model="resnet"'], "unknown model 'resnet'"),
+    "model for other images": (["simulate", "--strategy", "pefll", "--run-config", 'model="mobilenet_v2"'],
+                               "expects inputs of shape 3×H×W"),
+    "unknown strategy": (["simulate", "--run-config", 'strategy="knn"'], "unknown strategy 'knn'"),
+    "unquoted string": (["simulate", "--run-config", "lr=abc"], "strings need quotes"),
+    "commas": (["simulate", "--run-config", "lr=0.1,local-epochs=2"], "not commas"),
+    "unknown key": (["simulate", "--run-config", "learning-rate=0.1"], "unknown run-config key 'learning-rate'"),
+    "wrong type": (["simulate", "--run-config", 'lr="fast"'], "'lr' expects float"),
+    "negative lr": (["simulate", "--run-config", "lr=-1.0"], "lr must be > 0"),
+    "negative rounds": (["simulate", "--rounds", "-1"], "num-server-rounds must be >= 0"),
+    "unseen fraction": (["simulate", "--unseen-fraction", "1.5"], "unseen-fraction must be in [0, 1)"),
+    "no clients": (["simulate", "--num-clients", "0"], "expected a whole number >= 1"),
+    "not a number": (["simulate", "--seed", "abc"], "invalid int value: 'abc'"),
+    "fewer clients than min-nodes": (["simulate", "--num-clients", "2", "--run-config", "min-nodes=3"],
+                                     "min-nodes is 3"),
+    "unpartitionable": (["simulate", "--num-clients", "200", "--partition", "dirichlet:0.05"], "cannot partition"),
+    "strategy setting": (["simulate", "--strategy", "perfed-ckt", "--run-config", "ckt-clusters=0"],
+                         "ckt-clusters must be >= 1"),
+    "a client model": (["simulate", "--strategy", "perfed-ckt", "--run-config", 'client-models="cnn,resnet"'],
+                       "unknown model 'resnet'"),
+    "results under a file": (["simulate", "--results-dir", "{file}/out"], "is a file, not a folder"),
+    "results under /proc": (["simulate", "--results-dir", "/proc/florist-results"], "/proc refuses it"),
+    "auth without tls": (["deploy-local", "--auth", "--results-dir", "{tmp}/d"], "needs TLS"),
+    "deploy-local bad config": (["deploy-local", "--partition", "dirichlet"], "partition must be"),
+    "unknown executor": (["deploy-local", "--executor", "cold"], "invalid choice: 'cold'"),
+    "join address": (["join", "--superlink", "nohost", "--data-dir", "{tmp}"], "must be HOST:PORT"),
+    "join data": (["join", "--superlink", "127.0.0.1:9", "--data-dir", "{tmp}/missing"], "does not exist"),
+    "join CA file": (["join", "--superlink", "127.0.0.1:9", "--data-dir", "{data}", "--root-certificates",
+                      "{tmp}/ca.crt"], "no such file"),
+    "no datastore yet": (["datastore", "add", "--node-key", "x", "--data-dir", "{data}"], "no kNN-Per datastore"),
+    "public set": (["public-hash", "{tmp}/missing"], "does not exist"),
+    "unknown command": (["compare"], "invalid choice: 'compare'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_a_mistake_is_one_line_and_exit_status_2(case, tmp_path, capsys):
+    args, expected = BAD[case]
+    (tmp_path / "file").write_text("")
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "test"):
+        np.savez(data / f"{split}.npz", x=np.zeros((4, 1, 8, 8), np.float32), y=np.arange(4))
+    args = [a.format(tmp=tmp_path, file=tmp_path / "file", data=data) for a in args]
+    if "--results-dir" not in args and args[0] in ("simulate", "deploy-local"):
+        args += ["--results-dir", str(tmp_path / "results")]
+    try:
+        code = main(args)
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) <= 2 and "Traceback" not in err and expected in lines[0], err
+    assert not (tmp_path / "results" / "simulation.log").exists()  # refused before the simulation started
+
+
+def test_a_real_process_prints_one_line_and_no_traceback(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "florist", "simulate", "--partition", "dirichlet", "--results-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "partition must be" in done.stderr
+
+
+def test_version_and_help_promise_only_what_exists(capsys):
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith("florist ")
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = capsys.readouterr().out
+    assert "compare" not in help_text and "simulate" in help_text
+
+
+def test_a_class_only_held_out_clients_have_is_named_before_the_run(tmp_path):
+    import re
+
+    from florist.common import data
+    from florist.common.config import RunConfig
+    from florist.server.preflight import check_run
+
+    cfg = RunConfig.from_mapping({"partition": "pathological:2", "results-dir": str(tmp_path)})
+    warnings = check_run(cfg, 10)
+    assert warnings and check_run(cfg.replace(partition="iid"), 10) == []
+    held_out = data.unseen_partitions(10, cfg.unseen_fraction, cfg.seed)
+    clients = [data.embedded_client(i, 10, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
+                                    public_size=cfg.public_size) for i in range(10)]  # fmt: skip
+    trained = set().union(*(set(c.y_train) | set(c.y_val) for i, c in enumerate(clients) if i not in held_out))
+    for warning in warnings:  # each names a digit no training client has, and the held-out clients that do
+        digit, owners = re.match(r"digit (\d+) belongs only to held-out client\(s\) ([\d, ]+):", warning).groups()
+        assert int(digit) not in trained
+        assert {int(o) for o in owners.split(", ")} <= held_out
