@@ -219,7 +219,7 @@ class LocalFederation:
             self.start_node(i)
         self.wait_for_nodes(count, timeout)
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = 5.0) -> None:
         """SIGTERM to the SuperLink and every SuperNode at once, SIGKILL to any still running
         after `grace` seconds; then whatever else carries this federation's FLWR_HOME (their
         executors and ClientApps) gets the same."""
