@@ -42,6 +42,7 @@ def _checked(args: argparse.Namespace, num_clients: int) -> RunConfig:
 def _simulate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from florist.server.report import number
     from florist.server.simulation import simulate_in_child
 
     cfg, console, start = _checked(args, args.num_clients), _console(), time.monotonic()
@@ -51,16 +52,12 @@ def _simulate(args: argparse.Namespace) -> int:
         task = progress.add_task(f"{cfg.strategy} rounds", total=cfg.num_server_rounds, status="starting clients")
 
         def on_round(row: dict[str, Any]) -> None:
-            progress.update(task, completed=row["round"], status=f"loss {_number(row['train_loss'], '.3f')}  "
-                            f"seen acc {_number(row['accuracy'], '.1%')}")  # fmt: skip
+            progress.update(task, completed=row["round"], status=f"loss {number(row['train_loss'], '.3f')}  "
+                            f"seen acc {number(row['accuracy'], '.1%')}")  # fmt: skip
 
         results = simulate_in_child(cfg, args.num_clients, on_round)
     print_summary(results, console, time.monotonic() - start)
     return 0
-
-
-def _number(value: float | None, spec: str) -> str:
-    return "–" if value is None or value != value else format(value, spec)
 
 
 def _node_configs(num_nodes: int, state_root: Path) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ from florist.common import flower_internals, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
 from florist.server import preflight
+from florist.server.report import number
 from florist.server.results import Results
 from florist.server.strategy import Federation, NodeInfo, Strategy, message_config
 
@@ -129,9 +130,8 @@ def _mean_accuracy(metrics: Mapping[int, Mapping[str, float]]) -> float | None:
 
 
 def _log_round(row: dict[str, Any]) -> None:
-    loss, accuracy = row["train_loss"], row["accuracy"]
     log.info("round %d done in %.1f s: train loss %s, seen accuracy %s", row["round"], row["seconds"],
-             "–" if loss is None else f"{loss:.4f}", "–" if accuracy is None else f"{100 * accuracy:.1f}%")  # fmt: skip
+             number(row["train_loss"], ".4f"), number(row["accuracy"], ".1%"))  # fmt: skip
 
 
 def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundCallback | None = None) -> ServerApp:

@@ -34,14 +34,12 @@ def held_out(cfg: RunConfig, num_clients: int) -> frozenset[int]:
 
 
 def check_models(cfg: RunConfig, input_shape: tuple[int, ...], num_seen: int) -> None:
-    """Every model the run builds accepts `input_shape`, and the strategy's server half accepts
-    the model (e.g. PeFLL's hypernetwork generates no BatchNorm buffers): the server half is
-    built here once, dry, so its own checks speak now."""
+    """The run's model accepts `input_shape`, and the strategy's server half accepts the run
+    (e.g. PeFLL's hypernetwork generates no BatchNorm buffers, PerFed-CKT's client models fit
+    the data): the server half is built here once, dry, so its own checks speak now."""
     from florist.common.models import build_model
 
-    names = [cfg.model] + [m for m in getattr(cfg.settings, "client_models", "").split(",") if m]
-    for name in dict.fromkeys(names):
-        build_model(name, input_shape, cfg.num_classes)
+    build_model(cfg.model, input_shape, cfg.num_classes)
     spec_of(cfg.strategy).load_server()(cfg, None, input_shape, num_seen)
 
 

@@ -12,9 +12,14 @@ from florist.algorithms.base import load
 from florist.common.metrics import summarize
 
 
+def number(value: float | None, spec: str) -> str:
+    """`value` formatted with `spec`; "–" where there is none (None, or NaN: no client in a group)."""
+    return "–" if value is None or value != value else format(value, spec)
+
+
 def pct(value: float | None) -> str:
-    """A percentage with one decimal; "–" where there is none (no client in the group: NaN)."""
-    return "–" if value is None or value != value else f"{100 * value:.1f}"
+    """A fraction as a percentage with one decimal."""
+    return number(None if value is None else 100 * value, ".1f")
 
 
 def plural(count: int, noun: str) -> str:

@@ -22,12 +22,12 @@ MARKER = "FLORIST_RUN"  # in the environment of the child and of every Ray proce
 
 
 class Interrupted(KeyboardInterrupt):
-    """The run was stopped by Ctrl-C or SIGTERM; `results` is what it had saved (or None)."""
+    """The run was stopped by Ctrl-C or SIGTERM; the message says how far it got (`results`:
+    what it had saved, or None) and where that is."""
 
     def __init__(self, results: dict[str, Any] | None, folder: Path):
         rounds = len(results["rounds"]) if results else 0
         super().__init__(f"interrupted after {rounds} round{'s' * (rounds != 1)}; results in {folder}")
-        self.results = results
 
 
 class _DropDeprecation(logging.Filter):
@@ -90,13 +90,19 @@ def simulate_in_child(
         child = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=os.environ | {MARKER: token}, start_new_session=True)  # fmt: skip
     shown = 0
+
+    def report_new_rounds() -> None:
+        nonlocal shown
+        for row in (_read(results_file) or {"rounds": []})["rounds"][shown:]:
+            shown += 1
+            if on_round:
+                on_round(row)
+
     try:
         while child.poll() is None:
             time.sleep(0.2)
-            for row in (_read(results_file) or {"rounds": []})["rounds"][shown:]:
-                shown += 1
-                if on_round:
-                    on_round(row)
+            report_new_rounds()
+        report_new_rounds()  # the rounds saved between the last look and the end
     except KeyboardInterrupt:
         terminate_marked(MARKER, token, [child.pid], grace=2.0)
         raise Interrupted(_read(results_file), folder) from None

@@ -19,6 +19,7 @@ from florist.algorithms.fedavg.spec import TRAIN
 from florist.algorithms.perfedckt.spec import CENTROIDS, EVALUATE_CKT, SOFT, TRAIN_CKT, Ckt
 from florist.common import data as data_lib
 from florist.common.metrics import summarize
+from florist.common.models import build_model
 from florist.server.report import pct
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, message_config, metrics_of
 
@@ -56,6 +57,8 @@ class PerFedCKT(Strategy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         cfg = self.cfg
+        for name in filter(None, (n.strip() for n in self.settings.client_models.split(","))):
+            build_model(name, self.input_shape, cfg.num_classes)  # a wrong name or shape fails here, not on a node
         self.public_hash = public_fingerprint(self.settings, cfg.num_classes, cfg.public_size, cfg.seed)
         self.soft_shape = (int(self.public_hash.split("-")[0]), self.cfg.num_classes)
         self.centroids: np.ndarray | None = None  # c × |P| × C, none before the first round
