@@ -55,7 +55,7 @@ def measure(model: str, big: bool, clusters: int, public_size: int, folder: Path
     key = f"bench-{model}"
     node = Node(key, True, 1, 2, cfg, client, NodeState(folder / "state", key, cfg.strategy), {"model": model})
     reply = ckt_client.train(node, Request(Public(public_hash=strategy.public_hash), request))
-    fedavg_up, fedavg_down = exchange_bytes(strategy.new_model(), message_config(cfg, TRAIN, 2))
+    fedavg_up, fedavg_down = exchange_bytes(strategy.new_model(), message_config(cfg, TRAIN, 2, 0))
     params = sum(p.numel() for p in strategy.new_model().parameters())
     return {"params": params, "ckt": protocol.nbytes(request) + protocol.nbytes(reply), "fedavg": fedavg_up + fedavg_down}
 

@@ -49,7 +49,7 @@ def main() -> None:
     server = ODPFL(cfg, None, clients[0].input_shape, num - len(novel))
     state = torch.load(args.run / "checkpoint.pt")["state"]
     for prefix, net in (("hyper", server.hyper), ("embed", server.embed)):
-        net.load_state_dict({k.removeprefix(f"{prefix}."): v for k, v in state.items() if k.startswith(f"{prefix}.")})
+        net.load_state_dict(state[prefix])
     model = build_model(cfg.model, clients[0].input_shape, cfg.num_classes)
     rng = np.random.default_rng(0)
 

@@ -13,14 +13,24 @@ from typing import Any
 from florist.algorithms import SPECS
 from florist.common.config import STRATEGY_NAMES, RunConfig, parse_overrides
 
+DEFAULT_NODES = {"simulate": 20, "deploy-local": 3, "local-federation": 3}
 
-def _config(args: argparse.Namespace, num_nodes: int) -> RunConfig:
-    """The run config from the shared run flags, `--run-config` on top."""
+
+def _config(args: argparse.Namespace) -> tuple[RunConfig, int]:
+    """The run config from the shared run flags, `--run-config` on top, and the node count;
+    with `--resume DIR`, the run's own, which any flag given beside must agree with."""
     flags = {"strategy": args.strategy, "partition": args.partition, "num-server-rounds": args.rounds,
              "seed": args.seed, "unseen-fraction": args.unseen_fraction, "results-dir": args.results_dir}  # fmt: skip
     values = {k: v for k, v in flags.items() if v is not None} | parse_overrides(args.run_config or "")
-    values.setdefault("min-nodes", num_nodes)
-    return RunConfig.from_mapping(values)
+    if not args.resume:
+        num_nodes = args.num_nodes or DEFAULT_NODES[args.command]
+        return RunConfig.from_mapping({"min-nodes": num_nodes} | values), num_nodes
+    from florist.server.checkpoint import Checkpoint, resumed_config
+
+    num_nodes = len(Checkpoint.load(args.resume).nodes)
+    if args.num_nodes not in (None, num_nodes):
+        raise ValueError(f"cannot resume from {args.resume}: its run had {num_nodes} nodes, not {args.num_nodes}")
+    return resumed_config(args.resume, values), num_nodes
 
 
 def _console():
@@ -29,14 +39,15 @@ def _console():
     return Console(stderr=True)
 
 
-def _checked(args: argparse.Namespace, num_clients: int) -> RunConfig:
-    """The run config, refused before any work starts if anything about it cannot work."""
+def _checked(args: argparse.Namespace) -> tuple[RunConfig, int]:
+    """The run config and node count, refused before any work starts if anything about them
+    cannot work."""
     from florist.server.preflight import check_run
 
-    cfg = _config(args, num_clients)
-    for warning in check_run(cfg, num_clients):
+    cfg, num_nodes = _config(args)
+    for warning in check_run(cfg, num_nodes):
         print(f"florist: warning: {warning}", file=sys.stderr)
-    return cfg
+    return cfg, num_nodes
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -45,7 +56,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from florist.server.report import number
     from florist.server.simulation import simulate_in_child
 
-    cfg, console, start = _checked(args, args.num_clients), _console(), time.monotonic()
+    (cfg, num_clients), console, start = _checked(args), _console(), time.monotonic()
     _interrupt_on_signals()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:  # fmt: skip
@@ -55,7 +66,7 @@ def _simulate(args: argparse.Namespace) -> int:
             progress.update(task, completed=row["round"], status=f"loss {number(row['train_loss'], '.3f')}  "
                             f"seen acc {number(row['accuracy'], '.1%')}")  # fmt: skip
 
-        results = simulate_in_child(cfg, args.num_clients, on_round)
+        results = simulate_in_child(cfg, num_clients, on_round)
     print_summary(results, console, time.monotonic() - start)
     return 0
 
@@ -72,17 +83,18 @@ def _deploy_local(args: argparse.Namespace) -> int:
 
     from florist.server.simulation import Interrupted
 
-    cfg, console, start = _checked(args, args.num_nodes), _console(), time.monotonic()
+    (cfg, num_nodes), console, start = _checked(args), _console(), time.monotonic()
     results_dir = Path(cfg.results_dir).expanduser().resolve()
     cfg = cfg.replace(results_dir=str(results_dir))
     workdir = Path(args.state_dir or results_dir / "federation").expanduser().resolve()
     results_file = results_dir / "results.json"
     _interrupt_on_signals()
     try:
-        with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth,
+        with LocalFederation(workdir, _node_configs(num_nodes, workdir), tls=args.tls, auth=args.auth,
                              executor=args.executor) as fed:  # fmt: skip
             print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe()}", flush=True)
-            results_file.unlink(missing_ok=True)
+            if not cfg.resume_from:
+                results_file.unlink(missing_ok=True)
             rc = subprocess.run(fed.run_command(cfg.to_mapping()), env=fed.env, cwd=workdir,
                                 start_new_session=True).returncode  # fmt: skip
     except KeyboardInterrupt:
@@ -114,7 +126,8 @@ def _local_federation(args: argparse.Namespace) -> int:
     parse_partition(args.partition)  # it goes into the printed run line: refuse a wrong one now
     workdir = Path(args.state_dir).expanduser().resolve()
     _interrupt_on_signals()
-    with LocalFederation(workdir, _node_configs(args.num_nodes, workdir), tls=args.tls, auth=args.auth,
+    num_nodes = args.num_nodes or DEFAULT_NODES[args.command]
+    with LocalFederation(workdir, _node_configs(num_nodes, workdir), tls=args.tls, auth=args.auth,
                          executor=args.executor, persistent=args.persistent) as fed:  # fmt: skip
         print(fed.describe().replace("...", f"partition=\"{args.partition}\""), flush=True)
         print("Running; Ctrl-C stops the SuperLink and SuperNodes started here.", flush=True)
@@ -182,6 +195,8 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="seed for partitions, splits, init and sampling (default: 1)")
     parser.add_argument("--unseen-fraction", type=float, help="fraction of clients held out of training (default: 0.2)")
     parser.add_argument("--results-dir", help="output folder (default: results)")
+    parser.add_argument("--resume", metavar="DIR", help="continue the run whose results folder is DIR from its last "
+                        "finished round, with its own config (flags given beside must agree with it)")  # fmt: skip
     parser.add_argument(
         "--run-config", metavar='"k=v ..."',
         help='any other run-config keys, as for `flwr run --run-config`, e.g. "lr=0.1 local-epochs=2"',
@@ -198,7 +213,7 @@ def _executor_option(parser: argparse.ArgumentParser) -> None:
 
 def _federation_options(parser: argparse.ArgumentParser) -> None:
     _executor_option(parser)
-    parser.add_argument("--num-nodes", type=_count, default=3, help="SuperNodes to start (default: 3)")
+    parser.add_argument("--num-nodes", type=_count, help="SuperNodes to start (default: 3)")
     parser.add_argument("--tls", action="store_true", help="TLS on the Fleet API (certificates made on first use)")
     parser.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
 
@@ -258,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
         "seen/unseen summary. Writes results.json, report.md and plots to --results-dir.",
     )  # fmt: skip
     _run_options(sim)
-    sim.add_argument("--num-clients", type=_count, default=20, help="simulated SuperNodes = partitions (default: 20)")
+    sim.add_argument("--num-clients", type=_count, dest="num_nodes",
+                     help=f"simulated SuperNodes = partitions (default: {DEFAULT_NODES['simulate']})")
     sim.set_defaults(func=_simulate)
 
     dep = sub.add_parser(

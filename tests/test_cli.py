@@ -36,6 +36,7 @@ BAD = {  # what the user typed (after `florist`) -> what the one line must say
                        "unknown model 'resnet'"),
     "results under a file": (["simulate", "--results-dir", "{file}/out"], "is a file, not a folder"),
     "results under /proc": (["simulate", "--results-dir", "/proc/florist-results"], "/proc refuses it"),
+    "nothing to resume": (["simulate", "--resume", "{tmp}"], "checkpoint.pt does not exist"),
     "auth without tls": (["deploy-local", "--auth", "--results-dir", "{tmp}/d"], "needs TLS"),
     "deploy-local bad config": (["deploy-local", "--partition", "dirichlet"], "partition must be"),
     "unknown executor": (["deploy-local", "--executor", "cold"], "invalid choice: 'cold'"),

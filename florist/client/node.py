@@ -42,7 +42,7 @@ class Node:
 
     key: str
     seen: bool
-    run_id: int
+    run_id: int  # what this node keys its state of the run by (the same for a resumed run)
     server_round: int
     cfg: RunConfig  # `cfg.settings`: the strategy's section, with this node's overrides
     data: data_lib.ClientData
@@ -101,7 +101,7 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
     source = f"the server's {msg.metadata.message_type!r} message"
     if "strategy" in config:  # florist's server: exactly the declared keys
         spec = spec_of(str(config["strategy"]))
-        expected = {"server-round", *RunConfig.keys(True), *spec.settings.keys(True), *exchange.request.keys()}
+        expected = {"server-round", "run-id", *RunConfig.keys(True), *spec.settings.keys(True), *exchange.request.keys()}
         unknown, missing = sorted(set(config) - expected), sorted(expected - set(config))
         if unknown or missing:
             raise protocol.ProtocolError(f"{source} does not match strategy {spec.name!r}: "
@@ -109,15 +109,15 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
         shared = {*RunConfig.keys(True), *spec.settings.keys(True)}
         cfg = RunConfig.from_mapping({k: v for k, v in config.items() if k in shared})
         request = exchange.request.from_mapping(config, strict=True)
-        server_round = int(config["server-round"])
+        server_round, run_id = int(config["server-round"]), int(config["run-id"])
     else:  # one of Flower's strategies: the run config, and what it shares with the message
         run = dict(context.run_config) | {k: v for k, v in config.items() if k in RunConfig.keys()}
         cfg = RunConfig.from_mapping({k: v for k, v in run.items() if k != "server-round"})
-        request, server_round = exchange.request(), int(config.get("server-round", 0))
+        request, server_round, run_id = exchange.request(), int(config.get("server-round", 0)), msg.metadata.run_id
     cfg = dataclasses.replace(cfg, settings=cfg.settings.for_node(node_config))
     key, seen, client = _identity(node_config, cfg)
     state = NodeState(node_config.get("state-dir"), key, cfg.strategy, context.state)
-    node = Node(key, seen, msg.metadata.run_id, server_round, cfg, client, state, node_config)
+    node = Node(key, seen, run_id, server_round, cfg, client, state, node_config)
     return node, Request(request, msg.content)
 
 

@@ -4,7 +4,10 @@
   keeps it between the messages of a run, whichever process answers them);
 - `save_*` / `load_*`: files in the node's own folder, which outlive runs and restarts (local
   models, FAISS datastores). The folder is keyed by a stable node key from `--node-config`,
-  never by Flower's node id, which changes whenever a SuperNode restarts without an auth key.
+  never by Flower's node id, which changes whenever a SuperNode restarts without an auth key;
+- `save_round` / `load_round`: such files, versioned by run and round, for what a node carries
+  from round to round of a run (its own model): a run resumed from the server's checkpoint
+  finds the node's state as of that round, never a later one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from florist.common.storage import atomic_write, cache_dir
+
+META = "__meta__"  # the JSON `meta` of a `save_round` version, stored beside its arrays
+OTHER_RUNS = 2  # runs besides the current one whose round state a node keeps (to resume them)
 
 
 def default_root() -> Path:
@@ -73,6 +79,37 @@ class NodeState:
                 return {k: archive[k] for k in archive.files}
         except (ValueError, OSError) as err:
             raise ValueError(f"node state file {path} is unreadable ({err}); delete it to rebuild") from err
+
+    def save_round(self, name: str, arrays: Mapping[str, np.ndarray], run_id: int, server_round: int,
+                   **meta: Any) -> None:  # fmt: skip
+        """Keep `arrays` (and small JSON `meta`) as `name` after `server_round` of run `run_id`.
+        Of this run's other versions only the newest before this round stays: a server that
+        dies before it checkpoints this round resumes from that one; later rounds' (a resumed
+        run's abandoned future) go. Of other runs, the last `OTHER_RUNS` stay, resumable too."""
+        self.save_arrays(f"{name}-{run_id}-{server_round}.npz", {**arrays, META: np.array(json.dumps(meta))})
+        versions = self._versions(name)
+        older = [r for (run, r) in versions if run == run_id and r < server_round]
+        keep = {(run_id, server_round)} | ({(run_id, max(older))} if older else set())
+        by_age = sorted({run for run, _ in versions} - {run_id}, key=lambda run: max(
+            versions[v].stat().st_mtime for v in versions if v[0] == run))  # fmt: skip
+        keep |= {v for v in versions if v[0] in by_age[len(by_age) - OTHER_RUNS:]}
+        for version in set(versions) - keep:
+            versions[version].unlink(missing_ok=True)
+
+    def load_round(self, name: str, run_id: int, up_to: int) -> tuple[dict[str, np.ndarray], dict[str, Any]] | None:
+        """(arrays, meta) of the newest version of `name` in run `run_id` from round `up_to` or
+        before, or None."""
+        rounds = [r for (run, r) in self._versions(name) if run == run_id and r <= up_to]
+        if not rounds:
+            return None
+        arrays = self.load_arrays(f"{name}-{run_id}-{max(rounds)}.npz") or {}
+        return arrays, json.loads(str(arrays.pop(META)))
+
+    def _versions(self, name: str) -> dict[tuple[int, int], Path]:
+        pattern = re.compile(rf"{re.escape(name)}-(\d+)-(\d+)\.npz")
+        folder = self.path(name).parent
+        found = (pattern.fullmatch(p.name) for p in folder.glob(f"{name}-*.npz")) if folder.is_dir() else ()
+        return {(int(m[1]), int(m[2])): folder / m[0] for m in found if m}
 
     def save_json(self, name: str, value: Any) -> Path:
         return atomic_write(self.path(name), lambda f: f.write(json.dumps(value, indent=2).encode()))

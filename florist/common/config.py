@@ -54,6 +54,7 @@ class RunConfig(Settings):
     serve_seconds: float = setting(0.0, server=True)
     serve_count: int = setting(0, server=True)
     results_dir: str = setting("results", server=True)
+    resume_from: str = setting("", server=True)  # a results folder whose run this one continues
     # the strategy's own section; not a run-config key itself
     settings: Settings = dataclasses.field(default=NoSettings(), metadata={"section": True})
 

@@ -19,6 +19,7 @@ from florist.common import flower_internals, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
 from florist.server import preflight
+from florist.server.checkpoint import Checkpoint
 from florist.server.report import number
 from florist.server.results import Results
 from florist.server.strategy import Federation, NodeInfo, Strategy, message_config
@@ -32,7 +33,7 @@ RoundCallback = Callable[[dict[str, Any]], None]
 def discover(federation: Federation, cfg: RunConfig, node_ids: list[int]) -> list[NodeInfo]:
     """Ask nodes who they are (one `query.info` exchange); a node with an ill-formed answer is
     recorded as failed and left out."""
-    request = protocol.content(config=message_config(cfg, INFO, 0))
+    request = protocol.content(config=message_config(cfg, INFO, 0, federation.run_id))
     replies = federation.exchange({n: request for n in node_ids}, INFO.message_type, 0)
     nodes = []
     for node_id, reply in replies.items():
@@ -47,12 +48,15 @@ def discover(federation: Federation, cfg: RunConfig, node_ids: list[int]) -> lis
     return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
 
 
-def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Results:
-    """The whole run; returns the results it also wrote to `cfg.results_dir`."""
+def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_id: int = 0) -> Results:
+    """The whole run (from its checkpoint on, with `resume-from`); returns the results it also
+    wrote to `cfg.results_dir`. `run_id`: Flower's id of this run."""
     strategy_class = spec_of(cfg.strategy).load_server()
-    federation = Federation(grid, cfg.round_timeout)
+    resumed = Checkpoint.load(cfg.resume_from) if cfg.resume_from else None
+    federation = Federation(grid, cfg.round_timeout, resumed.run_id if resumed else run_id)
     results = Results(cfg)
-    results.save()  # a run stopped before its first round still says so
+    if not resumed:
+        results.save()  # a run stopped before its first round still says so
     nodes = discover(federation, cfg, federation.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
     if not nodes:
         first = federation.failures[0] if federation.failures else {"node": "-", "reason": "-"}
@@ -68,8 +72,14 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
     strategy: Strategy = strategy_class(cfg, federation, nodes[0].input_shape, len(seen))
     federation.take_bytes()
     federation.take_exchanges()
+    done = 0
+    if resumed:
+        resumed.check(cfg, [n.key for n in nodes])
+        strategy.load_state(resumed.state)
+        done, results.rounds, federation.failures = resumed.round, resumed.rounds, resumed.failures
+        log.info("resuming the run of %s after round %d", cfg.resume_from, done)
 
-    for server_round in range(1, cfg.num_server_rounds + 1):
+    for server_round in range(done + 1, cfg.num_server_rounds + 1):
         start = time.monotonic()
         loss = strategy.train_round(server_round, strategy.sample(seen, server_round))
         accuracy = None
@@ -78,7 +88,9 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None) -> Re
         up, down = federation.take_bytes()
         extras = strategy.round_extras() | {"exchanges": federation.take_exchanges()}
         row = results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, extras)
-        results.checkpoint(strategy.state(), federation.failures)
+        checkpoint = Checkpoint(server_round, cfg.to_mapping(), federation.run_id, [n.key for n in nodes],
+                                strategy.state(), federation.failures, results.rounds)  # fmt: skip
+        results.checkpoint(checkpoint)
         (on_round or _log_round)(row)
 
     final_round = cfg.num_server_rounds + 1
@@ -144,7 +156,7 @@ def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundC
         flower_internals.quick_object_pulls()  # replies are pulled as soon as they are there
         cfg = RunConfig.from_mapping({**context.run_config, **(overrides or {})})
         preflight.check_results_dir(cfg.results_dir)  # before any work: a run that cannot be saved is not started
-        run(grid, cfg, on_round)
+        run(grid, cfg, on_round, context.run_id)
 
     return server_app
 

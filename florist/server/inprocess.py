@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,9 @@ class InProcessGrid:
     """The three Grid calls florist's server makes (node ids, push, pull), answered at once by
     calling the ClientApp. A handler that raises gives an error reply, as Flower's runtimes do."""
 
-    def __init__(self, client_app: ClientApp, node_configs: Iterable[dict[str, Any]], run_id: int = 1):
-        self.app, self.run_id = client_app, run_id
+    def __init__(self, client_app: ClientApp, node_configs: Iterable[dict[str, Any]], run_id: int | None = None):
+        """`run_id`: random unless given, as Flower's are (nodes key their run's state by it)."""
+        self.app, self.run_id = client_app, random.getrandbits(63) if run_id is None else run_id
         self.contexts = {
             100 + i: Context(run_id=run_id, node_id=100 + i, node_config=dict(c), state=RecordDict(), run_config={})
             for i, c in enumerate(node_configs)
@@ -82,5 +84,5 @@ def run_in_process(cfg: RunConfig, num_clients: int, client_app: ClientApp | Non
     nodes = [{"partition-id": i, "num-partitions": num_clients} for i in range(num_clients)]
     grid = InProcessGrid(client_app or default_client_app, nodes)
     with server_identity(grid.run_id):
-        run(grid, cfg, on_round)  # type: ignore[arg-type]  (the Grid calls florist makes)
+        run(grid, cfg, on_round, grid.run_id)  # type: ignore[arg-type]  (the Grid calls florist makes)
     return json.loads((Path(cfg.results_dir).expanduser() / "results.json").read_text())

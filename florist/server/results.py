@@ -11,11 +11,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from florist.common.config import RunConfig
 from florist.common.metrics import summarize
 from florist.common.storage import atomic_write
+from florist.server.checkpoint import Checkpoint
 from florist.server.strategy import NodeInfo
 
 STANDARD_CLIENT_KEYS = ("accuracy", "num-examples", "num-train", "seen")
@@ -62,11 +61,11 @@ class Results:
                 "rounds": self.rounds, "clients": self.clients, "summary": self.summary(),
                 "failures": self.failures}  # fmt: skip
 
-    def checkpoint(self, state: dict[str, torch.Tensor], failures: list[dict[str, Any]]) -> None:
-        """Save the server state and the history so far (called after every round)."""
-        self.failures = failures
-        last = self.rounds[-1]["round"] if self.rounds else 0
-        atomic_write(self.folder / "checkpoint.pt", lambda f: torch.save({"round": last, "state": state}, f))
+    def checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Save the checkpoint, then results.json (called after every round): a crash between
+        the two leaves a checkpoint one round ahead, never behind."""
+        self.failures = checkpoint.failures
+        checkpoint.save(self.folder)
         self.save()
 
     def save(self) -> None:

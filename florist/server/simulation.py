@@ -84,7 +84,8 @@ def simulate_in_child(
     folder = Path(cfg.results_dir).expanduser().absolute()
     folder.mkdir(parents=True, exist_ok=True)
     results_file, log_path, token = folder / "results.json", folder / "simulation.log", secrets.token_hex(8)
-    results_file.unlink(missing_ok=True)
+    if not cfg.resume_from:  # a resumed run goes on from what is there
+        results_file.unlink(missing_ok=True)
     command = [sys.executable, "-m", __name__, json.dumps(cfg.to_mapping()), str(num_clients)]
     with open(log_path, "wb") as log_file:
         child = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -50,8 +50,10 @@ class NodeInfo:
 class Federation:
     """Exchanges with the nodes: one message per node out, one reply per node back."""
 
-    def __init__(self, grid: Grid, timeout: float):
-        self.grid, self.timeout = grid, timeout
+    def __init__(self, grid: Grid, timeout: float, run_id: int = 0):
+        """`run_id`: what nodes key their state of this run by, sent in every message: the
+        Flower run id of the run's first part, which a resumed run keeps."""
+        self.grid, self.timeout, self.run_id = grid, timeout, run_id
         self.names: dict[int, str] = {}
         self.bytes_up = self.bytes_down = 0
         self.failures: list[dict[str, Any]] = []
@@ -194,7 +196,8 @@ class Strategy:
     ) -> RecordDict:
         """A request of `exchange`: the records, the settings that travel, and the exchange's
         own settings `values` (checked against its declared `request` dataclass)."""
-        return protocol.content(arrays, message_config(self.cfg, exchange, server_round, **values), side=side)
+        config = message_config(self.cfg, exchange, server_round, self.federation.run_id, **values)
+        return protocol.content(arrays, config, side=side)
 
     def ask(
         self, exchange: Exchange, requests: Mapping[int, RecordDict], server_round: int, required: tuple[str, ...],
@@ -240,9 +243,19 @@ class Strategy:
         the strategy's personalization itself does; by default that is its evaluation."""
         return self.evaluate(server_round, nodes)
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """The server state to checkpoint after every round (empty when the server keeps none)."""
-        return {}
+    # Attributes with `state_dict()` / `load_state_dict()` (networks, optimizers) that make up
+    # the server's state; `state` and `load_state` add anything else a subclass keeps.
+    checkpointed: tuple[str, ...] = ()
+
+    def state(self) -> dict[str, Any]:
+        """Everything the server half needs to go on from here (checkpointed after every round):
+        tensors, dicts, lists and numbers only, so that a checkpoint loads without pickle."""
+        return {name: getattr(self, name).state_dict() for name in self.checkpointed}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Go on from a `state()` saved by an earlier process of the same run."""
+        for name in self.checkpointed:
+            getattr(self, name).load_state_dict(state[name])
 
     def round_extras(self) -> dict[str, Any]:
         """Figures of the last training round to keep in its results row beside the standard
@@ -250,11 +263,12 @@ class Strategy:
         return {}
 
 
-def message_config(cfg: RunConfig, exchange: Exchange, server_round: int, **values: Any) -> dict[str, Any]:
+def message_config(cfg: RunConfig, exchange: Exchange, server_round: int, run_id: int, **values: Any
+                   ) -> dict[str, Any]:  # fmt: skip
     """A request's `config` record: the run's settings that travel (the common ones and the
-    strategy's section), the round, and the exchange's own settings, by its dataclass."""
+    strategy's section), the round and run id, and the exchange's own settings, by its dataclass."""
     own = exchange.request(**values).to_mapping()
-    return cfg.to_mapping(travelling=True) | {"server-round": server_round} | own
+    return cfg.to_mapping(travelling=True) | {"server-round": server_round, "run-id": run_id} | own
 
 
 def metrics_of(replies: Mapping[int, Reply]) -> dict[int, dict[str, float]]:

@@ -77,7 +77,7 @@ def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradi
     loss = F.cross_entropy(torch.func.functional_call(build_model("cnn", (1, 8, 8), 10), theta, (x,)), y)
     loss.backward()
     for prefix, net in (("hyper", server.hyper), ("embed", server.embed)):
-        got = torch.cat([(after[f"{prefix}.{k}"] - p.detach()).flatten() for k, p in net.named_parameters()])
+        got = torch.cat([(after[prefix][k] - p.detach()).flatten() for k, p in net.named_parameters()])
         expected = torch.cat([-alpha * p.grad.flatten() for p in net.parameters()])
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=prefix)
         assert (got - expected).norm() < 1e-3 * expected.norm(), prefix  # also relative to the step's size

@@ -77,7 +77,7 @@ def _request(cfg: RunConfig, centroids: np.ndarray | None = None) -> Request:
 def test_lambda_zero_trains_exactly_like_local_training(make_node):
     node = _node(make_node, ckt_lambda=0.0)
     public = data_lib.embedded_public(node.cfg.public_size, node.cfg.seed)
-    model, _ = client_half._owned_model(node)
+    model, _ = client_half._owned_model(node, 0)
     plain = copy.deepcopy(model)
     centroids = np.random.default_rng(0).normal(size=(3, len(public), 10)).astype(np.float32)
     client_half._fit(node, model, public, centroids, salt=0)
@@ -91,13 +91,14 @@ def test_a_trained_node_keeps_its_model_for_the_run_and_sends_only_soft_decision
     reply = client_half.train(node, _request(node.cfg))
     soft = reply.array_records[protocol.ARRAYS].to_torch_state_dict()
     assert list(soft) == [SOFT] and tuple(soft[SOFT].shape) == (node.cfg.public_size, 10)
-    kept, meta = client_half._owned_model(node)
+    assert client_half._owned_model(node, 0)[1] is None  # as of round 0 (a resumed round one), none
+    kept, meta = client_half._owned_model(node, 1)
     assert meta["rounds"] == 1 and meta["cluster"] == -1  # round one: no centroids, local training
     public = data_lib.embedded_public(node.cfg.public_size, node.cfg.seed)
     with torch.no_grad():
         torch.testing.assert_close(kept(torch.from_numpy(public)), soft[SOFT])
     node.run_id = 6
-    assert client_half._owned_model(node)[1] is None  # another run starts afresh
+    assert client_half._owned_model(node, 1)[1] is None  # another run starts afresh
 
 
 def test_a_node_whose_public_set_differs_refuses_to_train(tmp_path, make_node):
@@ -108,7 +109,7 @@ def test_a_node_whose_public_set_differs_refuses_to_train(tmp_path, make_node):
     with pytest.raises(ValueError, match=r"node partition-0: its public set P \(from public-dir .*\) has fingerprint "
                        r"200-[0-9a-f]{16}, but the server expects 200-"):  # fmt: skip
         client_half.train(node, _request(_cfg()))
-    assert not node.state.path(client_half.MODEL_FILE).exists()  # nothing trained, nothing saved
+    assert client_half._owned_model(node, 1)[1] is None  # nothing trained, nothing saved
     # The same folder named on the server (or its fingerprint in public-hash) is accepted.
     agreed = _cfg(public_dir=str(other))
     assert _fingerprint(agreed) == data_lib.fingerprint(data_lib.folder_public(other, 10))
@@ -161,7 +162,7 @@ def test_public_hash_prints_the_fingerprint_nodes_check(tmp_path, capsys):
 def test_soft_decisions_are_logits_or_probabilities(make_node):
     node = _node(make_node)
     public = data_lib.embedded_public(node.cfg.public_size, node.cfg.seed)
-    model, _ = client_half._owned_model(node)
+    model, _ = client_half._owned_model(node, 0)
     logits = client_half.soft_decisions(node, model, public)
     probs = client_half.soft_decisions(_node(make_node, ckt_soft="probs"), model, public)
     np.testing.assert_allclose(probs, torch.from_numpy(logits).softmax(1).numpy(), rtol=1e-6)

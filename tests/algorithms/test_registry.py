@@ -60,7 +60,7 @@ def _context() -> Context:
 
 def test_a_florist_message_must_carry_exactly_the_declared_keys():
     cfg = RunConfig.from_mapping({"strategy": "knnper", "knn-ks": "3"})
-    config = message_config(cfg, EVALUATE_KNNPER, 2)
+    config = message_config(cfg, EVALUATE_KNNPER, 2, 1)
     node, request = parse(_message(config, "evaluate.knnper"), _context(), EVALUATE_KNNPER)
     assert (node.server_round, node.cfg.settings.k_grid, node.key) == (2, (3,), "partition-0")
     with pytest.raises(protocol.ProtocolError, match=r"unknown keys \['knn-kz'\], missing keys \['knn-ks'\]"):

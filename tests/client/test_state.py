@@ -42,3 +42,25 @@ def test_one_naming_rule_for_run_memory_and_files(tmp_path):
     assert "pefll/encoder" in memory.array_records
     assert NodeState(tmp_path, "n1", "odpfl", memory).recall("encoder") is None  # another algorithm's name
     assert state.save_arrays("model.npz", {"w": np.ones(2)}) == tmp_path / "n1" / "pefll" / "model.npz"
+
+
+def test_round_state_is_read_as_of_a_round_so_a_resumed_run_never_sees_its_abandoned_future(tmp_path):
+    state = NodeState(tmp_path, "n1", "local")
+    for server_round in (1, 2, 3):  # the server checkpointed round 2 and died during round 3
+        state.save_round("model", {"w": np.full(2, server_round)}, 7, server_round, rounds=server_round)
+    arrays, meta = state.load_round("model", 7, 2)  # the resumed round 3 starts from round 2's
+    assert arrays["w"].tolist() == [2, 2] and meta == {"rounds": 2}
+    assert state.load_round("model", 8, 3) is None  # another run
+    state.save_round("model", {"w": np.full(2, 30)}, 7, 3)  # round 3 again: the abandoned one is replaced
+    assert state.load_round("model", 7, 3)[0]["w"].tolist() == [30, 30]
+    assert state.load_round("model", 7, 2)[0]["w"].tolist() == [2, 2]  # kept: the server may die again
+    assert state.load_round("model", 7, 1) is None  # older versions go
+    state.save_round("model", {"w": np.zeros(2)}, 7, 2)  # resumed from round 1: rounds 2 and 3 were never
+    assert sorted(p.name for p in state.path("").glob("model-*")) == ["model-7-2.npz"]
+
+
+def test_a_node_keeps_round_state_of_the_last_other_runs_only(tmp_path):
+    state = NodeState(tmp_path, "n1", "local")
+    for run in range(1, 6):
+        state.save_round("model", {"w": np.zeros(1)}, run, 1)
+    assert sorted(p.name for p in state.path("").glob("model-*")) == ["model-3-1.npz", "model-4-1.npz", "model-5-1.npz"]

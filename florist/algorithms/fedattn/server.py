@@ -11,6 +11,7 @@ first, attention over deviations from the mean biases (`fedattn-residual`), a pe
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import faiss
 import numpy as np
@@ -52,6 +53,7 @@ class BiasAttention(nn.Module):
 
 class FedAttn(FedAvg):
     settings: Attention
+    checkpointed = ("model", "attention", "optimizer")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -175,6 +177,11 @@ class FedAttn(FedAvg):
         replies = self.ask(EVALUATE, requests, server_round, TESTED)
         return {node: reply.metrics | extra.get(node, {}) for node, reply in replies.items()}
 
-    def state(self) -> dict[str, torch.Tensor]:
-        return {f"model.{k}": v for k, v in self.model.state_dict().items()} | {
-            f"attention.{k}": v for k, v in self.attention.state_dict().items()}
+    def state(self) -> dict[str, Any]:
+        return super().state() | {"memory": {key: list(zm) for key, zm in self.memory.items()}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.memory = {}
+        if state["memory"]:
+            self.remember({key: (z, m) for key, (z, m) in state["memory"].items()})

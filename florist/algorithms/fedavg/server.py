@@ -39,6 +39,7 @@ class FedAvg(Strategy):
     """Sample-weighted FedAvg on Flower's standard `train` / `evaluate` messages."""
 
     evaluation: Exchange = EVALUATE  # kNN-Per personalizes at evaluation with its own exchange
+    checkpointed = ("model",)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -56,6 +57,3 @@ class FedAvg(Strategy):
         """Send the global model with `evaluation`; clients personalize it their way."""
         request = self.request(self.evaluation, server_round, protocol.to_record(self.model))
         return metrics_of(self.broadcast(self.evaluation, nodes, server_round, request, TESTED))
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()

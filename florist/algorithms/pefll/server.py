@@ -21,6 +21,7 @@ Params = dict[str, torch.Tensor]
 
 class PeFLL(Strategy):
     settings: HyperNet
+    checkpointed = ("hyper", "embed", "optimizer")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -89,10 +90,6 @@ class PeFLL(Strategy):
                         for node, r in described.items()}  # fmt: skip
         scored = self.ask(EVALUATE_GENERATED, requests, server_round, ("num-examples",) if serve else TESTED)
         return {node: reply.metrics | _descriptor_fields(described[node].metrics) for node, reply in scored.items()}
-
-    def state(self) -> dict[str, torch.Tensor]:
-        nets = {"hyper": self.hyper, "embed": self.embed}
-        return {f"{prefix}.{k}": v for prefix, net in nets.items() for k, v in net.state_dict().items()}
 
 
 def _inner(theta: Params, delta: Params) -> torch.Tensor:

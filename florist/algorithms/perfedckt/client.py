@@ -1,6 +1,6 @@
 """PerFed-CKT's client half: the node owns its model, whose architecture may differ from every
 other node's, and only soft decisions on P travel. The distillation sum is estimated on
-mini-batches of P. The model lives in the node's state folder, tagged with its run and
+mini-batches of P. The model lives in the node's state folder, tagged with its run, round and
 architecture: a sampled node continues from its last model, a new run starts afresh."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from florist.common import data as data_lib
 from florist.common import protocol, training
 from florist.common.models import Net
 
-MODEL_FILE, META_FILE = "model.npz", "model.json"
+MODEL = "model"
 
 
 def architecture(node: Node) -> str:
@@ -69,21 +69,20 @@ def distillation_loss(logits: torch.Tensor, targets: torch.Tensor, lam: float) -
     return lam * ((targets - logits) ** 2).sum(1).mean()
 
 
-def _owned_model(node: Node) -> tuple[Net, dict | None]:
-    """The node's model and its record (None, with a fresh model, when it has none for this
-    run and architecture)."""
+def _owned_model(node: Node, up_to: int) -> tuple[Net, dict | None]:
+    """The node's model as of round `up_to` and its record (None, with a fresh model, when it
+    has none for this run and architecture)."""
     name = architecture(node)
-    model = node.new_model(name)
-    meta, arrays = node.state.load_json(META_FILE), node.state.load_arrays(MODEL_FILE)
-    if not meta or arrays is None or meta.get("run-id") != node.run_id or meta.get("model") != name:
+    model, kept = node.new_model(name), node.state.load_round(MODEL, node.run_id, up_to)
+    if kept is None or kept[1].get("model") != name:
         return model, None
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in arrays.items()})
-    return model, meta
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in kept[0].items()})
+    return model, kept[1]
 
 
-def _save(node: Node, model: Net, meta: dict) -> None:
-    node.state.save_arrays(MODEL_FILE, {k: v.numpy() for k, v in model.state_dict().items()})
-    node.state.save_json(META_FILE, meta)
+def _save(node: Node, model: Net, **meta) -> None:
+    arrays = {k: v.numpy() for k, v in model.state_dict().items()}
+    node.state.save_round(MODEL, arrays, node.run_id, node.server_round, model=architecture(node), **meta)
 
 
 def _centroids(node: Node, content: RecordDict, public: np.ndarray) -> np.ndarray | None:
@@ -123,10 +122,10 @@ def _distillation(node: Node, public: np.ndarray, target: np.ndarray, salt: int)
 def train(node: Node, request: Request) -> RecordDict:
     """One round of Algorithm 1 on this node; its model stays here, its soft decisions go up."""
     public = public_set(node, request.settings.public_hash)
-    model, meta = _owned_model(node)
+    model, meta = _owned_model(node, node.server_round - 1)
     loss, cluster = _fit(node, model, public, _centroids(node, request.content, public), salt=0)
     rounds = (meta or {}).get("rounds", 0) + 1
-    _save(node, model, {"run-id": node.run_id, "model": architecture(node), "rounds": rounds, "cluster": cluster})
+    _save(node, model, rounds=rounds, cluster=cluster)
     soft = torch.from_numpy(soft_decisions(node, model, public))
     metrics = {"num-examples": len(node.data.x_train), "train-loss": loss, "cluster": cluster}
     return protocol.content(ArrayRecord({SOFT: soft}), metrics=metrics)
@@ -137,14 +136,14 @@ def evaluate(node: Node, request: Request) -> RecordDict:
     model while training runs; when the server says `scratch-rounds` (the final evaluation and
     the serve phase) it trains one first, as a seen node did over that many rounds: local
     training, then distillation toward the nearest of the final centroids."""
-    model, meta = _owned_model(node)
+    model, meta = _owned_model(node, node.server_round)
     if meta is None and request.settings.scratch_rounds > 0:
         public = public_set(node, request.settings.public_hash)
         centroids, cluster = _centroids(node, request.content, public), -1
         for i in range(request.settings.scratch_rounds):
             _, cluster = _fit(node, model, public, centroids if i else None, salt=2 + i)
-        meta = {"run-id": node.run_id, "model": architecture(node), "rounds": 0, "cluster": cluster}
-        _save(node, model, meta)
+        meta = {"rounds": 0, "cluster": cluster}
+        _save(node, model, **meta)
     params = sum(p.numel() for p in model.parameters())
     record = meta or {"rounds": 0, "cluster": -1}
     return node.test_reply(model, **{"num-params": params, "rounds-trained": record["rounds"],

@@ -62,9 +62,9 @@ class PerFedCKT(Strategy):
         self.public_hash = public_fingerprint(self.settings, cfg.num_classes, cfg.public_size, cfg.seed)
         self.soft_shape = (int(self.public_hash.split("-")[0]), self.cfg.num_classes)
         self.centroids: np.ndarray | None = None  # c × |P| × C, none before the first round
-        self.trained: set[int] = set()  # nodes that own a model of this run
+        self.trained: set[str] = set()  # keys of the nodes that own a model of this run
         self.participations = 0  # training replies so far
-        self.fedavg_exchange = exchange_bytes(self.new_model(), message_config(cfg, TRAIN, 0))
+        self.fedavg_exchange = exchange_bytes(self.new_model(), message_config(cfg, TRAIN, 0, 0))
         self.extras: dict[str, Any] = {}
 
     def sample(self, nodes: list[NodeInfo], server_round: int) -> list[NodeInfo]:
@@ -95,7 +95,7 @@ class PerFedCKT(Strategy):
             points = np.stack([r.arrays[SOFT].numpy().reshape(-1) for r in done])
             seed = self.cfg.seed * 100_003 + server_round
             self.centroids = cluster(points, self.settings.clusters, seed).reshape(-1, *self.soft_shape)
-        self.trained.update(replies)
+        self.trained.update(n.key for n in nodes if n.node_id in replies)
         self.participations += len(replies)
         return mean_loss(r.metrics for r in done)
 
@@ -108,11 +108,16 @@ class PerFedCKT(Strategy):
         if server_round > self.cfg.num_server_rounds:
             rounds = max(1, round(self.participations / self.num_seen))
             scratch = self.ckt_request(EVALUATE_CKT, server_round, True, scratch_rounds=rounds)
-        requests = {n.node_id: plain if n.node_id in self.trained else scratch for n in nodes}
+        requests = {n.node_id: plain if n.key in self.trained else scratch for n in nodes}
         return metrics_of(self.ask(EVALUATE_CKT, requests, server_round, TESTED))
 
-    def state(self) -> dict[str, torch.Tensor]:
-        return {} if self.centroids is None else {"centroids": torch.from_numpy(self.centroids)}
+    def state(self) -> dict[str, Any]:
+        centroids = None if self.centroids is None else torch.from_numpy(self.centroids)
+        return {"centroids": centroids, "trained": sorted(self.trained), "participations": self.participations}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.centroids = None if state["centroids"] is None else state["centroids"].numpy()
+        self.trained, self.participations = set(state["trained"]), state["participations"]
 
     def round_extras(self) -> dict[str, Any]:
         return self.extras

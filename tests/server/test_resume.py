@@ -1,0 +1,96 @@
+"""A run whose server dies resumes from its checkpoint and ends exactly where the uninterrupted
+run ends, for every strategy: same per-client accuracies, same round rows."""
+
+import json
+
+import pytest
+
+from florist.algorithms import SPECS
+from florist.cli import main
+from florist.client.app import app as client_app
+from florist.common.config import RunConfig
+from florist.server.app import run
+from florist.server.checkpoint import Checkpoint, resumed_config
+from florist.server.inprocess import InProcessGrid, run_in_process, server_identity
+
+NUM_CLIENTS = 4
+
+
+class ServerCrash(Exception):
+    """The ServerApp process dying."""
+
+
+class CrashingGrid(InProcessGrid):
+    """Dies in round `at` right after its first exchange: the nodes have done their part of
+    round `at` (a node keeps state from a later round than the checkpoint), the server has not
+    checkpointed it."""
+
+    def __init__(self, at: int, *args):
+        super().__init__(*args)
+        self.at, self.types = at, set()
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        self.types |= {m.metadata.message_type for m in messages if m.metadata.group_id == str(self.at)}
+        if len(self.types) > 1:
+            raise ServerCrash
+        return super().push_messages(messages)
+
+
+def _nodes():
+    return [{"partition-id": i, "num-partitions": NUM_CLIENTS} for i in range(NUM_CLIENTS)]
+
+
+def _cfg(tmp_path, strategy: str, name: str) -> RunConfig:
+    return RunConfig.from_mapping({
+        "strategy": strategy, "num-server-rounds": 4, "min-nodes": NUM_CLIENTS, "fraction-train": 0.75,
+        "min-train-nodes": 2, "partition": "dirichlet:0.5", "seed": 3, "results-dir": str(tmp_path / name),
+        "fedattn-warmup": 1, "eval-every": 2,
+    })  # fmt: skip
+
+
+def _accuracies(results):
+    return {c["client"]: c["accuracy"] for c in results["clients"]}
+
+
+def _rows(results):
+    """The round rows without timings, and without byte counts (each message carries the run
+    id, and a random id's protobuf varint may be a byte shorter or longer)."""
+    ignored = ("seconds", "exchanges", "bytes_up", "bytes_down")
+    return [{k: v for k, v in row.items() if k not in ignored} for row in results["rounds"]]
+
+
+def _crash(cfg: RunConfig, at: int) -> None:
+    grid = CrashingGrid(at, client_app, _nodes())
+    with server_identity(grid.run_id), pytest.raises(ServerCrash):
+        run(grid, cfg, None, grid.run_id)
+    assert Checkpoint.load(cfg.results_dir).round == at - 1
+
+
+@pytest.mark.parametrize("strategy", list(SPECS))
+def test_a_run_resumed_after_a_server_crash_ends_exactly_like_the_uninterrupted_run(tmp_path, strategy):
+    whole = run_in_process(_cfg(tmp_path, strategy, "whole"), NUM_CLIENTS)
+    cfg = _cfg(tmp_path, strategy, "resumed")
+    _crash(cfg, 2)
+    # A new server process: new run id, no memory; the nodes keep their state folders.
+    resumed = run_in_process(resumed_config(cfg.results_dir, {}), NUM_CLIENTS)
+    assert resumed["complete"] and [r["round"] for r in resumed["rounds"]] == [1, 2, 3, 4]
+    assert _accuracies(resumed) == _accuracies(whole)
+    assert _rows(resumed) == _rows(whole)
+
+
+def test_florist_simulate_resume_goes_on_in_flowers_simulation_runtime(tmp_path, capsys):
+    """The CLI path: the run's own config from its folder, a differing flag refused by name,
+    and the rest of the run in Ray's workers, ending where the uninterrupted run ends."""
+    cfg = _cfg(tmp_path, "local", "resumed")  # the nodes' own models carry over the crash
+    _crash(cfg, 2)
+    folder = cfg.results_dir
+    assert main(["simulate", "--resume", folder, "--strategy", "fedavg", "--rounds", "4"]) == 2
+    assert "the run config differs in strategy = 'local' there, 'fedavg' here" in capsys.readouterr().err
+    assert main(["simulate", "--resume", folder, "--num-clients", "6"]) == 2
+    assert f"its run had {NUM_CLIENTS} nodes, not 6" in capsys.readouterr().err
+    assert main(["simulate", "--resume", folder]) == 0
+    resumed = json.loads((tmp_path / "resumed" / "results.json").read_text())
+    assert [r["round"] for r in resumed["rounds"]] == [1, 2, 3, 4]
+    whole = run_in_process(_cfg(tmp_path, "local", "whole"), NUM_CLIENTS)
+    assert _accuracies(resumed) == _accuracies(whole)
