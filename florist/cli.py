@@ -16,12 +16,19 @@ from florist.common.config import STRATEGY_NAMES, RunConfig, parse_overrides
 DEFAULT_NODES = {"simulate": 20, "deploy-local": 3, "local-federation": 3}
 
 
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The run-config values the user gave: the flags, `--run-config` on top."""
+    names = {"strategy": "strategy", "dataset": "dataset", "partition": "partition", "shift": "shift",
+             "num-server-rounds": "rounds", "seed": "seed", "unseen-fraction": "unseen_fraction",
+             "results-dir": "results_dir"}  # fmt: skip
+    flags = {key: getattr(args, name, None) for key, name in names.items()}
+    return {k: v for k, v in flags.items() if v is not None} | parse_overrides(args.run_config or "")
+
+
 def _config(args: argparse.Namespace) -> tuple[RunConfig, int]:
     """The run config from the shared run flags, `--run-config` on top, and the node count;
     with `--resume DIR`, the run's own, which any flag given beside must agree with."""
-    flags = {"strategy": args.strategy, "partition": args.partition, "num-server-rounds": args.rounds,
-             "seed": args.seed, "unseen-fraction": args.unseen_fraction, "results-dir": args.results_dir}  # fmt: skip
-    values = {k: v for k, v in flags.items() if v is not None} | parse_overrides(args.run_config or "")
+    values = _given(args)
     if not args.resume:
         num_nodes = args.num_nodes or DEFAULT_NODES[args.command]
         return RunConfig.from_mapping({"min-nodes": num_nodes} | values), num_nodes
@@ -69,6 +76,71 @@ def _simulate(args: argparse.Namespace) -> int:
         results = simulate_in_child(cfg, num_clients, on_round)
     print_summary(results, console, time.monotonic() - start)
     return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from florist.server import compare
+    from florist.server.preflight import check_run
+
+    strategies, seeds = _names(args.strategies, "--strategies"), _seeds(args.seeds)
+    values = {"min-nodes": args.num_clients} | _given(args)
+    configs = compare.planned(Path(args.out).expanduser().absolute(), strategies, seeds, values)
+    warnings = {w for cfg in configs for w in check_run(cfg, args.num_clients)}
+    for warning in sorted(warnings):
+        print(f"florist: warning: {warning}", file=sys.stderr)
+    cfg0 = configs[0]
+    scenario = (f"dataset {cfg0.dataset}, partition {cfg0.partition}, shift {cfg0.shift}, {args.num_clients} clients, "
+                f"{cfg0.num_server_rounds} rounds, unseen fraction {cfg0.unseen_fraction}")  # fmt: skip
+    _interrupt_on_signals()
+    console = _console()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as progress:  # fmt: skip
+        runs = progress.add_task("runs", total=len(configs))
+        rounds = progress.add_task("rounds", total=cfg0.num_server_rounds)
+
+        def on_run(cfg: RunConfig, reused: bool) -> None:
+            done = configs.index(cfg)
+            progress.update(runs, completed=done, description=f"runs ({cfg.strategy}, seed {cfg.seed}{', kept' * reused})")
+            progress.update(rounds, completed=0)
+
+        def runner(cfg: RunConfig, num_clients: int) -> dict[str, Any]:
+            on_round = lambda row: progress.update(rounds, completed=row["round"])  # noqa: E731
+            if args.runtime == "in-process":
+                import logging
+
+                from florist.server.inprocess import run_in_process
+
+                logging.getLogger("flwr").setLevel(logging.WARNING)  # the progress display says how far it got
+
+                return run_in_process(cfg, num_clients, on_round=on_round)
+            from florist.server.simulation import simulate_in_child
+
+            return simulate_in_child(cfg, num_clients, on_round)
+
+        all_results = compare.compare(configs, args.num_clients, runner, on_run)
+        progress.update(runs, completed=len(configs), description="runs")
+    compare.write(Path(args.out), all_results, scenario)
+    print((Path(args.out) / "compare.md").read_text())
+    print(f"compare.md, compare.json and compare.png in {args.out}/")
+    return 0
+
+
+def _names(text: str, option: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in SPECS]:
+        raise ValueError(f"{option}: unknown strategy {unknown[0]!r}; choose from {', '.join(SPECS)}")
+    if not names:
+        raise ValueError(f"{option}: name at least one strategy")
+    return names
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()] or [1]
+    except ValueError:
+        raise ValueError(f"--seeds: expected comma-separated integers, got {text!r}") from None
 
 
 def _node_configs(num_nodes: int, state_root: Path) -> list[dict[str, Any]]:
@@ -190,13 +262,21 @@ def print_summary(results: dict[str, Any], console, wall: float) -> None:
 def _run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", choices=STRATEGY_NAMES, metavar="STRATEGY",
                         help="algorithm to run (default: fedavg): " + "; ".join(f"{n} = {s.summary}" for n, s in SPECS.items()))
-    parser.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K (default: dirichlet:0.3)")
-    parser.add_argument("--rounds", type=int, help="server rounds (default: 30)")
+    _scenario_options(parser)
     parser.add_argument("--seed", type=int, help="seed for partitions, splits, init and sampling (default: 1)")
-    parser.add_argument("--unseen-fraction", type=float, help="fraction of clients held out of training (default: 0.2)")
     parser.add_argument("--results-dir", help="output folder (default: results)")
     parser.add_argument("--resume", metavar="DIR", help="continue the run whose results folder is DIR from its last "
                         "finished round, with its own config (flags given beside must agree with it)")  # fmt: skip
+
+
+def _scenario_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", help="digits (embedded) | synthetic:ALPHA,BETA (FedProx's; use model=\"mlp\") "
+                        "(default: digits)")  # fmt: skip
+    parser.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K (default: dirichlet:0.3)")
+    parser.add_argument("--shift", help="none | relabel:K | rotate:K: K clusters of clients with their own label "
+                        "permutation or image rotation (default: none)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, help="server rounds (default: 30)")
+    parser.add_argument("--unseen-fraction", type=float, help="fraction of clients held out of training (default: 0.2)")
     parser.add_argument(
         "--run-config", metavar='"k=v ..."',
         help='any other run-config keys, as for `flwr run --run-config`, e.g. "lr=0.1 local-epochs=2"',
@@ -344,6 +424,23 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--preload", default="florist.client.app:app", metavar="MODULE:APP",
                       help="the ClientApp the warm executor preloads and serves warm (default: florist's)")
     node.set_defaults(func=_supernode)
+
+    cmp = sub.add_parser(
+        "compare", help="run strategies × seeds on one scenario and write the papers' table",
+        description="Run every strategy of --strategies with every seed of --seeds on one scenario, one after the "
+        "other, each in OUT/<strategy>/seed<k> (a finished run with the same config is kept, an interrupted one "
+        "resumes), then write OUT/compare.md (seen/unseen mean and bottom decile, mean ± std over seeds, kB and "
+        "seconds per round), compare.json and compare.png.",
+    )  # fmt: skip
+    cmp.add_argument("--strategies", default=",".join(SPECS), help="comma-separated (default: all)")
+    cmp.add_argument("--seeds", default="1,2,3", help="comma-separated (default: 1,2,3)")
+    _scenario_options(cmp)
+    cmp.add_argument("--num-clients", type=_count, default=20, help="simulated clients (default: 20)")
+    cmp.add_argument("--out", required=True, help="output folder")
+    cmp.add_argument("--runtime", choices=("simulation", "in-process"), default="simulation",
+                     help="simulation: Flower's simulation runtime (Ray); in-process: the same ServerApp and "
+                     "ClientApp called directly, no Ray (same results, less overhead). Default: simulation")  # fmt: skip
+    cmp.set_defaults(func=_compare)
 
     store = sub.add_parser(
         "datastore", help="manage a node's kNN-Per datastore",

@@ -17,6 +17,9 @@ BAD = {  # what the user typed (after `florist`) -> what the one line must say
     "unknown model": (["simulate", "--run-config", 'model="resnet"'], "unknown model 'resnet'"),
     "model for other images": (["simulate", "--strategy", "pefll", "--run-config", 'model="mobilenet_v2"'],
                                "expects inputs of shape 3×H×W"),
+    "unknown shift": (["simulate", "--shift", "relabel"], "shift must be 'none', 'relabel:K' or 'rotate:K'"),
+    "unknown dataset": (["simulate", "--dataset", "cifar10"], "dataset must be 'digits' or 'synthetic:ALPHA,BETA'"),
+    "synthetic into a CNN": (["simulate", "--dataset", "synthetic:1,1"], "model 'cnn' expects inputs of shape C×H×W"),
     "unknown strategy": (["simulate", "--run-config", 'strategy="knn"'], "unknown strategy 'knn'"),
     "unquoted string": (["simulate", "--run-config", "lr=abc"], "strings need quotes"),
     "commas": (["simulate", "--run-config", "lr=0.1,local-epochs=2"], "not commas"),
@@ -46,7 +49,7 @@ BAD = {  # what the user typed (after `florist`) -> what the one line must say
                       "{tmp}/ca.crt"], "no such file"),
     "no datastore yet": (["datastore", "add", "--node-key", "x", "--data-dir", "{data}"], "no kNN-Per datastore"),
     "public set": (["public-hash", "{tmp}/missing"], "does not exist"),
-    "unknown command": (["compare"], "invalid choice: 'compare'"),
+    "unknown command": (["comparison"], "invalid choice: 'comparison'"),
 }  # fmt: skip
 
 
@@ -85,7 +88,7 @@ def test_version_and_help_promise_only_what_exists(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     help_text = capsys.readouterr().out
-    assert "compare" not in help_text and "simulate" in help_text
+    assert "comparison" not in help_text and "compare" in help_text and "simulate" in help_text
 
 
 def test_a_class_only_held_out_clients_have_is_named_before_the_run(tmp_path):

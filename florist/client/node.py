@@ -23,7 +23,7 @@ from florist.algorithms import spec_of
 from florist.algorithms.base import Exchange, Settings
 from florist.client.state import NodeState
 from florist.common import data as data_lib
-from florist.common import protocol, training
+from florist.common import protocol, scenarios, training
 from florist.common.config import RunConfig
 from florist.common.models import Net, seeded_model
 
@@ -91,6 +91,8 @@ class Node:
             present = np.bincount(d.y_train, minlength=probs.shape[1]) > 0
             extra = {"masked-accuracy": float(((probs * present).argmax(1) == d.y_test).mean())} | extra
         metrics = {"num-examples": len(d.x_test), "num-train": len(d.x_train), "seen": int(self.seen)}
+        if d.cluster is not None:  # a shift scenario: the report breaks accuracy down by cluster
+            metrics["shift-cluster"] = d.cluster
         return protocol.content(metrics=metrics | {"accuracy": accuracy, "loss": loss} | extra)
 
 
@@ -130,10 +132,7 @@ def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.Cl
         seen = not bool(node_config.get("unseen", False))
     else:
         pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
-        client = data_lib.embedded_client(
-            pid, num, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size,
-            public_size=cfg.public_size,
-        )
+        client = scenarios.client_data(pid, num, cfg)
         default_key = f"partition-{pid}"
         seen = pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed)
     return str(node_config.get("node-key", default_key)), seen, client

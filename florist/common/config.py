@@ -13,6 +13,7 @@ from typing import Any
 
 from florist.algorithms import SPECS, spec_of
 from florist.algorithms.base import NoSettings, Settings, setting
+from florist.common import scenarios
 from florist.common.data import PARTITIONS, parse_partition
 
 # The strategies `strategy` may name (the registry holds their specs, which import no torch).
@@ -33,7 +34,9 @@ class RunConfig(Settings):
     round_timeout: float = setting(600.0, server=True)
     eval_every: int = setting(1, server=True)
     # data
+    dataset: str = setting("digits")  # or synthetic:ALPHA,BETA (florist/common/scenarios.py)
     partition: str = setting("dirichlet:0.3")
+    shift: str = setting("none")  # or relabel:K / rotate:K: K clusters of clients, each its own labels or angle
     min_partition_size: int = setting(10)
     seed: int = setting(1)
     unseen_fraction: float = setting(0.2)
@@ -88,7 +91,9 @@ class RunConfig(Settings):
         return [
             (self.strategy in SPECS, f"unknown strategy {self.strategy!r}; choose one of {', '.join(SPECS)}"),
             (self.num_server_rounds >= 0, "num-server-rounds must be >= 0"),
-            (_parses(self.partition), f"partition must be {PARTITIONS}, got {self.partition!r}"),
+            (_parses(parse_partition, self.partition), f"partition must be {PARTITIONS}, got {self.partition!r}"),
+            (_parses(scenarios.parse_dataset, self.dataset), f"dataset must be {scenarios.DATASETS}, got {self.dataset!r}"),
+            (_parses(scenarios.parse_shift, self.shift), f"shift must be {scenarios.SHIFTS}, got {self.shift!r}"),
             (0 < self.fraction_train <= 1, "fraction-train must be in (0, 1]"),
             (self.min_train_nodes >= 1, "min-train-nodes must be >= 1"),
             (self.min_nodes >= 1, "min-nodes must be >= 1"),
@@ -107,9 +112,9 @@ class RunConfig(Settings):
         ]
 
 
-def _parses(partition: str) -> bool:
+def _parses(parse, spec: str) -> bool:
     try:
-        return bool(parse_partition(partition))
+        return bool(parse(spec))
     except ValueError:
         return False
 

@@ -19,11 +19,13 @@ import numpy as np
 from florist.common.storage import atomic_write, cache_dir
 
 DIGITS_CLASSES = 10
+DIGITS_SHAPE = (1, 8, 8)  # the embedded digits' samples, C×H×W
 
 
 @dataclasses.dataclass(frozen=True)
 class ClientData:
-    """One client's splits. `y_*` is None for an unlabeled client."""
+    """One client's splits. `y_*` is None for an unlabeled client; `cluster` is its group in a
+    shift scenario (`florist/common/scenarios.py`), None otherwise."""
 
     x_train: np.ndarray
     y_train: np.ndarray | None
@@ -32,6 +34,7 @@ class ClientData:
     x_test: np.ndarray
     y_test: np.ndarray | None
     num_classes: int
+    cluster: int | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:

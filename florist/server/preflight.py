@@ -11,22 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from florist.algorithms import spec_of
-from florist.common import data
+from florist.common import data, scenarios
 from florist.common.config import RunConfig
 
-DIGITS_SHAPE = (1, 8, 8)  # the embedded dataset's samples, C×H×W
-
-
-def check_run(cfg: RunConfig, num_clients: int | None = None, input_shape: tuple[int, ...] = DIGITS_SHAPE) -> list[str]:
+def check_run(cfg: RunConfig, num_clients: int | None = None, input_shape: tuple[int, ...] | None = None) -> list[str]:
     """Raise ValueError naming what cannot work; return warnings about what will work badly.
-    `num_clients`: the embedded partitions' count, when the run uses them."""
+    `num_clients`: the embedded partitions' count, when the run uses them; `input_shape`: the
+    nodes' samples' (by default the embedded dataset's)."""
+    input_shape = input_shape or scenarios.input_shape(cfg.dataset)
     if num_clients is not None and num_clients < cfg.min_nodes:
         raise ValueError(f"{num_clients} clients, but min-nodes is {cfg.min_nodes}: the run would wait for nodes "
                          "that never come")  # fmt: skip
     num_seen = num_clients - len(held_out(cfg, num_clients)) if num_clients else max(cfg.min_train_nodes, 1)
     check_models(cfg, input_shape, num_seen)
     check_results_dir(cfg.results_dir)
-    return partition_warnings(cfg, num_clients) if num_clients else []
+    return partition_warnings(cfg, num_clients) if num_clients and cfg.dataset == "digits" else []
 
 
 def held_out(cfg: RunConfig, num_clients: int) -> frozenset[int]:

@@ -54,7 +54,8 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
     lines = [
         f"# florist run: {results['strategy']}",
         "",
-        f"Partition `{cfg['partition']}`, model `{cfg.get('client-models') or cfg['model']}`, {plural(len(rounds), 'round')}, "
+        f"Dataset `{cfg.get('dataset', 'digits')}`, partition `{cfg['partition']}`, shift `{cfg.get('shift', 'none')}`, "
+        f"model `{cfg.get('client-models') or cfg['model']}`, {plural(len(rounds), 'round')}, "
         f"seed {cfg['seed']}, unseen fraction {cfg['unseen-fraction']}.",
         "",
         "| strategy | clients | n | mean acc. (%) | bottom decile (%) |",
@@ -67,9 +68,27 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
     if results.get("failures"):
         lines += ["", f"{plural(len(results['failures']), 'node failure')} left out of their rounds:", ""]
         lines += [f"- round {f['round']}, {f['node']}, `{f['message_type']}`: {f['reason']}" for f in results["failures"]]
-    lines += exchange_times(results) + list(own_section)
+    lines += by_cluster(results) + exchange_times(results) + list(own_section)
     lines += ["", "![accuracy per round](accuracy_per_round.png)", "", "![per-client accuracy](client_accuracy.png)", ""]
     return "\n".join(lines)
+
+
+def by_cluster(results: dict[str, Any]) -> list[str]:
+    """Accuracy per cluster of a shift scenario: a strategy that fits only the largest
+    cluster shows here, where the overall mean would hide it."""
+    clients = [c for c in results["clients"] if c.get("shift_cluster") is not None and c["accuracy"] is not None]
+    if not clients:
+        return []
+    lines = ["", f"Accuracy per cluster of shift `{results['config']['shift']}`:", "",
+             "| cluster | seen clients | seen mean (%) | unseen clients | unseen mean (%) |", "|---:|---:|---:|---:|---:|"]
+    for cluster in sorted({c["shift_cluster"] for c in clients}):
+        cells = []
+        for seen in (True, False):
+            rows = [c for c in clients if c["shift_cluster"] == cluster and c["seen"] == seen]
+            s = summarize([c["accuracy"] for c in rows], [c["num_test"] for c in rows])
+            cells += [str(s["num_clients"]), pct(s["mean_accuracy"])]
+        lines.append(f"| {cluster} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def exchange_times(results: dict[str, Any]) -> list[str]:

@@ -26,7 +26,7 @@ def _cfg(**values) -> RunConfig:
 
 
 def _fingerprint(cfg: RunConfig) -> str:
-    return public_fingerprint(cfg.settings, cfg.num_classes, cfg.public_size, cfg.seed)
+    return public_fingerprint(cfg)
 
 
 def test_nearest_centroid_is_the_argmin_of_squared_distances():

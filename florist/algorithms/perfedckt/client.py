@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, RecordDict
 from florist.algorithms.perfedckt.spec import CENTROIDS, SOFT
 from florist.client.node import Node, Request
 from florist.common import data as data_lib
-from florist.common import protocol, training
+from florist.common import protocol, scenarios, training
 from florist.common.models import Net
 
 MODEL = "model"
@@ -37,7 +37,7 @@ def public_set(node: Node, expected: str) -> np.ndarray:
     if folder:
         x, source = data_lib.folder_public(folder, node.cfg.num_classes), f"public-dir {folder!r}"
     else:
-        x, source = data_lib.embedded_public(node.cfg.public_size, node.cfg.seed), "the embedded digits"
+        x, source = scenarios.public_set(node.cfg), f"the embedded {node.cfg.dataset}"
     found = data_lib.fingerprint(x)
     if found != expected:
         raise ValueError(

@@ -18,15 +18,18 @@ from florist.algorithms.fedavg.server import exchange_bytes
 from florist.algorithms.fedavg.spec import TRAIN
 from florist.algorithms.perfedckt.spec import CENTROIDS, EVALUATE_CKT, SOFT, TRAIN_CKT, Ckt
 from florist.common import data as data_lib
+from florist.common import scenarios
+from florist.common.config import RunConfig
 from florist.common.metrics import summarize
 from florist.common.models import build_model
 from florist.server.report import pct
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Strategy, mean_loss, message_config, metrics_of
 
 
-def public_fingerprint(ckt: Ckt, num_classes: int, public_size: int, seed: int) -> str:
+def public_fingerprint(cfg: RunConfig) -> str:
     """The fingerprint of P every node must match: `public-hash` when given, else that of
-    `public-dir` read here, else that of the embedded digits' public slice."""
+    `public-dir` read here, else that of the run's embedded public set."""
+    ckt, num_classes = cfg.settings, cfg.num_classes
     if ckt.public_hash:
         if not re.fullmatch(r"[1-9][0-9]*-[0-9a-f]{16}", ckt.public_hash):
             raise ValueError(f"public-hash {ckt.public_hash!r} is not a fingerprint like '200-0123456789abcdef' "
@@ -38,7 +41,7 @@ def public_fingerprint(ckt: Ckt, num_classes: int, public_size: int, seed: int) 
         except FileNotFoundError as err:
             raise FileNotFoundError(f"{err}. If P is only on the nodes, set public-hash to what "
                                     "`florist public-hash DIR` prints there") from err  # fmt: skip
-    return data_lib.fingerprint(data_lib.embedded_public(public_size, seed))
+    return data_lib.fingerprint(scenarios.public_set(cfg))
 
 
 def cluster(points: np.ndarray, clusters: int, seed: int) -> np.ndarray:
@@ -59,7 +62,7 @@ class PerFedCKT(Strategy):
         cfg = self.cfg
         for name in filter(None, (n.strip() for n in self.settings.client_models.split(","))):
             build_model(name, self.input_shape, cfg.num_classes)  # a wrong name or shape fails here, not on a node
-        self.public_hash = public_fingerprint(self.settings, cfg.num_classes, cfg.public_size, cfg.seed)
+        self.public_hash = public_fingerprint(cfg)
         self.soft_shape = (int(self.public_hash.split("-")[0]), self.cfg.num_classes)
         self.centroids: np.ndarray | None = None  # c × |P| × C, none before the first round
         self.trained: set[str] = set()  # keys of the nodes that own a model of this run

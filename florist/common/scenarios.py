@@ -1,0 +1,140 @@
+"""Federations where one global model is not enough, built here with no download: clusters
+of clients whose labels are permuted (concept shift) or whose images are rotated (covariate
+shift), on top of the `partition` label skew, and FedProx's Synthetic(α, β) clients.
+
+`client_data` is what a node built from `partition-id` / `num-partitions` holds, whatever the
+scenario; its `cluster` says which group of clients it belongs to (None without a shift).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from florist.common import data as data_lib
+
+SHIFTS = "'none', 'relabel:K' or 'rotate:K' (K >= 1 clusters of clients)"
+DATASETS = "'digits' or 'synthetic:ALPHA,BETA' (ALPHA, BETA >= 0)"
+SYNTHETIC_FEATURES, SYNTHETIC_CLASSES = 60, 10
+MAX_SYNTHETIC_SIZE = 5000  # FedProx's log-normal sizes have a heavy tail; a client holds at most this many
+
+
+def parse_shift(spec: str) -> tuple[str, int]:
+    """(kind, K) of `none`, `relabel:K` or `rotate:K`; a ValueError naming the forms otherwise."""
+    kind, colon, arg = spec.partition(":")
+    if kind == "none" and not colon:
+        return kind, 1
+    if kind in ("relabel", "rotate") and arg.isdigit() and int(arg) >= 1:
+        return kind, int(arg)
+    raise ValueError(f"shift {spec!r} is not one of {SHIFTS}")
+
+
+def parse_dataset(spec: str) -> tuple[str, tuple[float, ...]]:
+    """(kind, parameters) of `digits` or `synthetic:ALPHA,BETA`."""
+    kind, colon, arg = spec.partition(":")
+    if kind == "digits" and not colon:
+        return kind, ()
+    try:
+        alpha, beta = (float(v) for v in arg.split(","))
+        if kind == "synthetic" and alpha >= 0 and beta >= 0:
+            return kind, (alpha, beta)
+    except ValueError:
+        pass
+    raise ValueError(f"dataset {spec!r} is not one of {DATASETS}")
+
+
+def input_shape(dataset: str) -> tuple[int, ...]:
+    return (SYNTHETIC_FEATURES,) if parse_dataset(dataset)[0] == "synthetic" else data_lib.DIGITS_SHAPE
+
+
+def cluster_of(partition_id: int, num_partitions: int, clusters: int, seed: int) -> int:
+    """Client `partition_id`'s cluster: clients are dealt round-robin into `clusters` groups in
+    a seeded order, so groups differ in size by at most one and do not follow partition ids."""
+    order = np.random.default_rng([seed, 0xC1]).permutation(num_partitions)
+    return int(np.flatnonzero(order == partition_id)[0] % clusters)
+
+
+def label_permutation(cluster: int, num_classes: int, seed: int) -> np.ndarray:
+    """Cluster `cluster`'s fixed permutation π of the labels: its clients see π(y) for y."""
+    return np.random.default_rng([seed, 0x1AB, cluster]).permutation(num_classes)
+
+
+def rotate(x: np.ndarray, degrees: float) -> np.ndarray:
+    """N×C×H×W images rotated counter-clockwise; multiples of 90° on square images are exact."""
+    if degrees % 90 == 0 and x.shape[-1] == x.shape[-2]:
+        return np.ascontiguousarray(np.rot90(x, k=int(degrees // 90) % 4, axes=(-2, -1)))
+    import torch
+    from torchvision.transforms.functional import rotate as tv_rotate
+
+    return tv_rotate(torch.from_numpy(x), degrees).numpy()
+
+
+def shifted(data: data_lib.ClientData, shift: str, cluster: int, seed: int) -> data_lib.ClientData:
+    """`data` as cluster `cluster` of `shift` sees it."""
+    kind, clusters = parse_shift(shift)
+    if kind == "relabel":
+        pi = label_permutation(cluster, data.num_classes, seed)
+        relabel = lambda y: None if y is None else pi[y]  # noqa: E731
+        return dataclasses.replace(data, y_train=relabel(data.y_train), y_val=relabel(data.y_val),
+                                   y_test=relabel(data.y_test), cluster=cluster)  # fmt: skip
+    if kind == "rotate":
+        if len(data.input_shape) != 3:
+            raise ValueError(f"shift {shift!r} rotates images, but the samples have shape {data.input_shape}")
+        angle = cluster * 360.0 / clusters
+        return dataclasses.replace(data, x_train=rotate(data.x_train, angle), x_val=rotate(data.x_val, angle),
+                                   x_test=rotate(data.x_test, angle), cluster=cluster)  # fmt: skip
+    return data
+
+
+def synthetic_client(partition_id: int, alpha: float, beta: float, seed: int, val_fraction: float,
+                     test_fraction: float) -> data_lib.ClientData:  # fmt: skip
+    """Client `partition_id` of Synthetic(α, β) (Li et al., FedProx, MLSys 2020, as in its
+    data generator): its own softmax model W, b ~ N(u, 1) with u ~ N(0, α²), its own feature
+    mean v ~ N(B, 1) with B ~ N(0, β²), x ~ N(v, Σ) with Σ_jj = j^(−1.2), y = argmax(Wx + b);
+    50 + LogNormal(4, 2) samples. β sets how far apart the clients' features are; α shifts every
+    entry of a client's W and b alike, which moves all class scores together, so, as in
+    FedProx's generator, it does not change which label wins."""
+    rng = np.random.default_rng([seed, 0x5F, partition_id])
+    size = min(50 + int(rng.lognormal(4, 2)), MAX_SYNTHETIC_SIZE)
+    u, b_mean = rng.normal(0, alpha), rng.normal(0, beta)
+    w = rng.normal(u, 1, (SYNTHETIC_FEATURES, SYNTHETIC_CLASSES))
+    b = rng.normal(u, 1, SYNTHETIC_CLASSES)
+    x = _synthetic_features(rng, b_mean, size)
+    y = (x @ w + b).argmax(1).astype(np.int64)
+    train, val, test = data_lib.split_indices(size, val_fraction, test_fraction, seed * 100_003 + partition_id)
+    return data_lib.ClientData(x[train], y[train], x[val], y[val], x[test], y[test], SYNTHETIC_CLASSES)
+
+
+def client_data(partition_id: int, num_partitions: int, cfg) -> data_lib.ClientData:
+    """What node `partition_id` of `num_partitions` holds under run config `cfg`: the
+    embedded digits partition or its Synthetic(α, β) client, seen through the run's shift."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
+    kind, params = parse_dataset(cfg.dataset)
+    if kind == "synthetic":
+        data = synthetic_client(partition_id, *params, cfg.seed, cfg.val_fraction, cfg.test_fraction)
+    else:
+        data = data_lib.embedded_client(partition_id, num_partitions, cfg.partition, cfg.seed, cfg.val_fraction,
+                                        cfg.test_fraction, cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip
+    shift, clusters = parse_shift(cfg.shift)
+    if shift == "none":
+        return data
+    return shifted(data, cfg.shift, cluster_of(partition_id, num_partitions, clusters, cfg.seed), cfg.seed)
+
+
+def public_set(cfg) -> np.ndarray:
+    """The default public unlabeled set P: digits no client owns, or for Synthetic(α, β) the
+    x of `public-size` samples drawn as one more client (index −1) would."""
+    kind, params = parse_dataset(cfg.dataset)
+    if kind != "synthetic":
+        return data_lib.embedded_public(cfg.public_size, cfg.seed)
+    rng = np.random.default_rng([cfg.seed, 0x9B])
+    return _synthetic_features(rng, rng.normal(0, params[1]), cfg.public_size)
+
+
+def _synthetic_features(rng: np.random.Generator, b_mean: float, size: int) -> np.ndarray:
+    """`size` samples x ~ N(v, Σ), v ~ N(B, 1), Σ_jj = j^(−1.2)."""
+    v = rng.normal(b_mean, 1, SYNTHETIC_FEATURES)
+    std = np.arange(1, SYNTHETIC_FEATURES + 1) ** -0.6  # √(j^−1.2)
+    return (v + std * rng.standard_normal((size, SYNTHETIC_FEATURES))).astype(np.float32)

@@ -1,0 +1,142 @@
+"""`florist compare`: every strategy × seed on one scenario, then the papers' table.
+
+Each run has its own results folder under the output folder (`<strategy>/seed<k>`), so the
+comparison can be stopped and started again: a finished run with the same config is kept, an
+interrupted one resumes from its checkpoint. `compare.md` holds the table (seen and unseen mean
+and bottom decile as mean ± std over seeds, kB per round, seconds per round), `compare.json`
+the same figures and the per-run summaries, `compare.png` the bars with error bars.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from florist.common.config import RunConfig
+from florist.server.checkpoint import FILE as CHECKPOINT
+from florist.server.checkpoint import Checkpoint
+
+Runner = Callable[[RunConfig, int], dict[str, Any]]
+GROUPS = ("seen", "unseen")
+FIGURES = ("mean_accuracy", "bottom_decile_accuracy")
+
+
+def run_folder(out: Path, strategy: str, seed: int) -> Path:
+    return out / strategy / f"seed{seed}"
+
+
+def planned(out: Path, strategies: list[str], seeds: list[int], values: Mapping[str, Any]) -> list[RunConfig]:
+    """The run configs of the comparison, checked before any run starts."""
+    return [RunConfig.from_mapping(dict(values) | {"strategy": s, "seed": seed, "results-dir": str(run_folder(out, s, seed))})
+            for s in strategies for seed in seeds]  # fmt: skip
+
+
+def finished(cfg: RunConfig) -> dict[str, Any] | None:
+    """The results of `cfg`'s run when its folder holds them complete, with this config."""
+    path = Path(cfg.results_dir) / "results.json"
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return results if results.get("complete") and results.get("config") == cfg.to_mapping() else None
+
+
+def resumable(cfg: RunConfig) -> RunConfig:
+    """`cfg`, resuming from the checkpoint its folder holds for the same config, if any."""
+    folder = Path(cfg.results_dir)
+    if not (folder / CHECKPOINT).is_file():
+        return cfg
+    try:
+        checkpoint = Checkpoint.load(folder)
+        checkpoint.refuse_differences(cfg.to_mapping(), folder)
+    except ValueError:  # another config or format: start over
+        return cfg
+    return cfg.replace(resume_from=str(folder))
+
+
+def compare(configs: list[RunConfig], num_clients: int, runner: Runner, on_run: Callable[[RunConfig, bool], None]
+            ) -> list[dict[str, Any]]:  # fmt: skip
+    """Run (or reuse) every config; `on_run(cfg, reused)` before each. Returns their results."""
+    all_results = []
+    for cfg in configs:
+        results = finished(cfg)
+        on_run(cfg, results is not None)
+        all_results.append(results or runner(resumable(cfg), num_clients))
+    return all_results
+
+
+def table(all_results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per strategy: mean and std over seeds of each group's mean and bottom decile, and the
+    mean kB up / down and seconds per round."""
+    by_strategy: dict[str, list[dict[str, Any]]] = {}
+    for results in all_results:
+        by_strategy.setdefault(results["strategy"], []).append(results)
+    rows = {}
+    for strategy, runs in by_strategy.items():
+        row: dict[str, Any] = {"seeds": [r["config"]["seed"] for r in runs]}
+        for group in GROUPS:
+            for figure in FIGURES:
+                values = [r["summary"][group][figure] for r in runs if r["summary"][group]["num_clients"]]
+                row[f"{group}_{figure}"] = _mean_std(values)
+        per_round = lambda key: float(np.mean([np.mean([x[key] for x in r["rounds"]]) for r in runs if r["rounds"]]))  # noqa: E731
+        row |= {"kb_up": per_round("bytes_up") / 1e3, "kb_down": per_round("bytes_down") / 1e3,
+                "seconds": per_round("seconds")}  # fmt: skip
+        rows[strategy] = row
+    return rows
+
+
+def _mean_std(values: list[float]) -> list[float | None]:
+    return [float(np.mean(values)), float(np.std(values))] if values else [None, None]
+
+
+def markdown(rows: dict[str, dict[str, Any]], scenario: str) -> str:
+    lines = [f"# florist compare: {scenario}", "",
+             "Mean ± std over seeds of the per-run client means (%), costs per round.", "",
+             "| strategy | seeds | seen mean | seen bottom 10% | unseen mean | unseen bottom 10% | kB up | kB down | s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for strategy, row in rows.items():
+        cells = [_pct(row[f"{g}_{f}"]) for g in GROUPS for f in FIGURES]
+        lines.append(f"| {strategy} | {len(row['seeds'])} | " + " | ".join(cells)
+                     + f" | {row['kb_up']:,.1f} | {row['kb_down']:,.1f} | {row['seconds']:.2f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _pct(pair: list[float | None]) -> str:
+    mean, std = pair
+    return "–" if mean is None else f"{100 * mean:.1f} ± {100 * std:.1f}"
+
+
+def plot(rows: dict[str, dict[str, Any]], scenario: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 3.8))
+    x, width = np.arange(len(rows)), 0.38
+    for i, group in enumerate(GROUPS):
+        pairs = [row[f"{group}_mean_accuracy"] for row in rows.values()]
+        means = [100 * (m if m is not None else np.nan) for m, _ in pairs]
+        stds = [100 * (s or 0.0) for _, s in pairs]
+        ax.bar(x + (i - 0.5) * width, means, width, yerr=stds, capsize=3, label=group)
+    ax.set_xticks(x, list(rows), rotation=20)
+    ax.set(ylabel="client mean accuracy (%)", title=f"florist compare: {scenario}", ylim=(0, 100))
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(out: Path, all_results: list[dict[str, Any]], scenario: str) -> dict[str, dict[str, Any]]:
+    """compare.md, compare.json and compare.png in `out`; returns the table's rows."""
+    rows = table(all_results)
+    (out / "compare.md").write_text(markdown(rows, scenario))
+    runs = [{"strategy": r["strategy"], "seed": r["config"]["seed"], "summary": r["summary"]} for r in all_results]
+    (out / "compare.json").write_text(json.dumps({"scenario": scenario, "rows": rows, "runs": runs}, indent=1))
+    plot(rows, scenario, out / "compare.png")
+    return rows
