@@ -37,6 +37,8 @@ class RunConfig(Settings):
     dataset: str = setting("digits")  # or synthetic:ALPHA,BETA (florist/common/scenarios.py)
     partition: str = setting("dirichlet:0.3")
     shift: str = setting("none")  # or relabel:K / rotate:K: K clusters of clients, each its own labels or angle
+    image_column: str = setting("")  # a Hugging Face dataset's image (or feature) column; found when empty
+    label_column: str = setting("")  # ... and its label column
     min_partition_size: int = setting(10)
     seed: int = setting(1)
     unseen_fraction: float = setting(0.2)
@@ -94,6 +96,8 @@ class RunConfig(Settings):
             (_parses(parse_partition, self.partition), f"partition must be {PARTITIONS}, got {self.partition!r}"),
             (_parses(scenarios.parse_dataset, self.dataset), f"dataset must be {scenarios.DATASETS}, got {self.dataset!r}"),
             (_parses(scenarios.parse_shift, self.shift), f"shift must be {scenarios.SHIFTS}, got {self.shift!r}"),
+            (not self.partition.startswith("natural:") or _parses(scenarios.parse_dataset, self.dataset, "hub"),
+             f"partition {self.partition!r} needs a Hugging Face dataset or folder with that column"),
             (0 < self.fraction_train <= 1, "fraction-train must be in (0, 1]"),
             (self.min_train_nodes >= 1, "min-train-nodes must be >= 1"),
             (self.min_nodes >= 1, "min-nodes must be >= 1"),
@@ -112,9 +116,10 @@ class RunConfig(Settings):
         ]
 
 
-def _parses(parse, spec: str) -> bool:
+def _parses(parse, spec: str, kind: str = "") -> bool:
+    """Whether `parse(spec)` accepts `spec` (and, given `kind`, as that kind)."""
     try:
-        return bool(parse(spec))
+        return parse(spec)[0] == kind if kind else bool(parse(spec))
     except ValueError:
         return False
 

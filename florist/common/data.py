@@ -55,16 +55,20 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     return x, bunch.target.astype(np.int64)
 
 
-PARTITIONS = "'iid', 'dirichlet:ALPHA' (ALPHA > 0) or 'pathological:K' (K classes per client, 1 <= K <= 10)"
+PARTITIONS = ("'iid', 'dirichlet:ALPHA' (ALPHA > 0), 'pathological:K' (K classes per client, 1 <= K <= 10) or "
+              "'natural:COLUMN' (a dataset's own grouping, e.g. natural:writer_id)")
 
 
-def parse_partition(spec: str) -> tuple[str, float | int | None]:
-    """(kind, argument) of `iid`, `dirichlet:ALPHA` or `pathological:K`; a ValueError naming
-    the accepted forms otherwise. Imports nothing, so a run config is checked in milliseconds."""
+def parse_partition(spec: str) -> tuple[str, float | int | str | None]:
+    """(kind, argument) of `iid`, `dirichlet:ALPHA`, `pathological:K` or `natural:COLUMN`; a
+    ValueError naming the accepted forms otherwise. Imports nothing, so a run config is
+    checked in milliseconds."""
     kind, colon, arg = spec.partition(":")
     try:
         if kind == "iid" and not colon:
             return kind, None
+        if kind == "natural" and arg:
+            return kind, arg
         if kind == "dirichlet" and float(arg) > 0 and float(arg) < float("inf"):
             return kind, float(arg)
         if kind == "pathological" and 1 <= int(arg) <= DIGITS_CLASSES:
@@ -74,7 +78,7 @@ def parse_partition(spec: str) -> tuple[str, float | int | None]:
     raise ValueError(f"partition {spec!r} is not one of {PARTITIONS}")
 
 
-def make_partitioner(spec: str, num_partitions: int, seed: int, min_partition_size: int = 10):
+def make_partitioner(spec: str, num_partitions: int, seed: int, min_partition_size: int = 10, partition_by: str = "label"):
     """A flwr-datasets partitioner from `iid`, `dirichlet:ALPHA` or `pathological:K`."""
     from flwr_datasets.partitioner import (
         DirichletPartitioner,
@@ -88,7 +92,7 @@ def make_partitioner(spec: str, num_partitions: int, seed: int, min_partition_si
     if kind == "dirichlet":
         return DirichletPartitioner(
             num_partitions=num_partitions,
-            partition_by="label",
+            partition_by=partition_by,
             alpha=arg,
             min_partition_size=min_partition_size,
             self_balancing=False,
@@ -97,7 +101,7 @@ def make_partitioner(spec: str, num_partitions: int, seed: int, min_partition_si
         )
     return PathologicalPartitioner(
         num_partitions=num_partitions,
-        partition_by="label",
+        partition_by=partition_by,
         num_classes_per_partition=arg,
         class_assignment_mode="first-deterministic",
         shuffle=True,
@@ -144,6 +148,8 @@ def _partition(
     if num_partitions < 1:
         raise ValueError(f"num-partitions must be >= 1, got {num_partitions}")
     _, labels = load_digits()
+    if parse_partition(spec)[0] == "natural":
+        raise ValueError(f"partition {spec!r} needs a dataset with that column; the embedded digits have none")
     partitioner = make_partitioner(spec, num_partitions, seed, min_partition_size)
     order = _digits_order(seed)[public_size:]
     dataset = Dataset.from_dict({"label": labels[order], "index": order})
@@ -284,7 +290,7 @@ def _read_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | No
         raise ValueError(f"{path} is not a readable .npz of numeric arrays: {err}") from err
     if "x" not in arrays:
         raise ValueError(f"{path} has arrays {sorted(arrays)}; expected 'x' (samples) and optionally 'y' (labels)")
-    return _check_arrays(str(path), arrays["x"], arrays.get("y"), num_classes)
+    return check_arrays(str(path), arrays["x"], arrays.get("y"), num_classes)
 
 
 def _read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -312,7 +318,7 @@ def _read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.nda
     if len(shapes) > 1:
         raise ValueError(f"{path}: images have different shapes {sorted(shapes)}; expected one size")
     x = np.stack(images).astype(np.float32) / 255.0
-    return _check_arrays(str(path), x, y, num_classes)
+    return check_arrays(str(path), x, y, num_classes)
 
 
 def _load_image(file: str) -> np.ndarray:
@@ -324,7 +330,7 @@ def _load_image(file: str) -> np.ndarray:
         return pil_to_tensor(image if image.mode in ("L", "RGB") else image.convert("RGB")).numpy()
 
 
-def _check_arrays(
+def check_arrays(
     where: str, x: np.ndarray, y: np.ndarray | None, num_classes: int
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Validate and normalise x to float32 N×C×H×W (or N×D) and y to int64 in [0, C)."""

@@ -9,13 +9,16 @@ scenario; its `cluster` says which group of clients it belongs to (None without 
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 
 import numpy as np
 
 from florist.common import data as data_lib
 
 SHIFTS = "'none', 'relabel:K' or 'rotate:K' (K >= 1 clusters of clients)"
-DATASETS = "'digits' or 'synthetic:ALPHA,BETA' (ALPHA, BETA >= 0)"
+DATASETS = ("'digits', 'synthetic:ALPHA,BETA' (ALPHA, BETA >= 0), a Hugging Face dataset id (OWNER/NAME) or a "
+            "local folder")
 SYNTHETIC_FEATURES, SYNTHETIC_CLASSES = 60, 10
 MAX_SYNTHETIC_SIZE = 5000  # FedProx's log-normal sizes have a heavy tail; a client holds at most this many
 
@@ -31,10 +34,12 @@ def parse_shift(spec: str) -> tuple[str, int]:
 
 
 def parse_dataset(spec: str) -> tuple[str, tuple[float, ...]]:
-    """(kind, parameters) of `digits` or `synthetic:ALPHA,BETA`."""
+    """(kind, parameters) of `digits`, `synthetic:ALPHA,BETA`, or `hub` for a dataset id or folder."""
     kind, colon, arg = spec.partition(":")
     if kind == "digits" and not colon:
         return kind, ()
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) or Path(spec).expanduser().is_dir():
+        return "hub", ()
     try:
         alpha, beta = (float(v) for v in arg.split(","))
         if kind == "synthetic" and alpha >= 0 and beta >= 0:
@@ -44,8 +49,12 @@ def parse_dataset(spec: str) -> tuple[str, tuple[float, ...]]:
     raise ValueError(f"dataset {spec!r} is not one of {DATASETS}")
 
 
-def input_shape(dataset: str) -> tuple[int, ...]:
-    return (SYNTHETIC_FEATURES,) if parse_dataset(dataset)[0] == "synthetic" else data_lib.DIGITS_SHAPE
+def input_shape(cfg, num_partitions: int) -> tuple[int, ...]:
+    """The samples' shape under `cfg` (a Hugging Face dataset or folder: its first partition's)."""
+    kind = parse_dataset(cfg.dataset)[0]
+    if kind == "hub":
+        return client_data(0, num_partitions, cfg).input_shape
+    return (SYNTHETIC_FEATURES,) if kind == "synthetic" else data_lib.DIGITS_SHAPE
 
 
 def cluster_of(partition_id: int, num_partitions: int, clusters: int, seed: int) -> int:
@@ -114,6 +123,10 @@ def client_data(partition_id: int, num_partitions: int, cfg) -> data_lib.ClientD
     kind, params = parse_dataset(cfg.dataset)
     if kind == "synthetic":
         data = synthetic_client(partition_id, *params, cfg.seed, cfg.val_fraction, cfg.test_fraction)
+    elif kind == "hub":
+        from florist.common.hub import hub_client
+
+        data = hub_client(partition_id, num_partitions, cfg)
     else:
         data = data_lib.embedded_client(partition_id, num_partitions, cfg.partition, cfg.seed, cfg.val_fraction,
                                         cfg.test_fraction, cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip
@@ -127,6 +140,8 @@ def public_set(cfg) -> np.ndarray:
     """The default public unlabeled set P: digits no client owns, or for Synthetic(α, β) the
     x of `public-size` samples drawn as one more client (index −1) would."""
     kind, params = parse_dataset(cfg.dataset)
+    if kind == "hub":
+        raise ValueError(f"dataset {cfg.dataset!r} has no embedded public set: give PerFed-CKT one with public-dir")
     if kind != "synthetic":
         return data_lib.embedded_public(cfg.public_size, cfg.seed)
     rng = np.random.default_rng([cfg.seed, 0x9B])

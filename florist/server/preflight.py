@@ -18,7 +18,7 @@ def check_run(cfg: RunConfig, num_clients: int | None = None, input_shape: tuple
     """Raise ValueError naming what cannot work; return warnings about what will work badly.
     `num_clients`: the embedded partitions' count, when the run uses them; `input_shape`: the
     nodes' samples' (by default the embedded dataset's)."""
-    input_shape = input_shape or scenarios.input_shape(cfg.dataset)
+    input_shape = input_shape or scenarios.input_shape(cfg, num_clients or cfg.min_nodes)
     if num_clients is not None and num_clients < cfg.min_nodes:
         raise ValueError(f"{num_clients} clients, but min-nodes is {cfg.min_nodes}: the run would wait for nodes "
                          "that never come")  # fmt: skip
