@@ -103,5 +103,6 @@ class HyperNetwork(nn.Module):
 
 
 def default_embed_dim(num_train_clients: int) -> int:
-    """The paper's descriptor size, l = 1 + n/4."""
+    """The descriptor size l = 1 + n/4 of pFedHN's code (the PeFLL paper states l = n/4; the
+    1 keeps l >= 1 for fewer than four clients)."""
     return 1 + num_train_clients // 4

@@ -32,8 +32,9 @@ class PeFLL(Strategy):
             self.hyper = HyperNetwork(template, self.embed_dim, hn.hidden)
             self.embed: Encoder = ENCODERS[cfg.strategy](self.input_shape, cfg.num_classes, self.embed_dim)
         self.template = template.state_dict()
-        # Both optimizers take the pseudo-gradient −mean Δη. SGD with weight decay 2λ is then
-        # Algorithm 2's η ← (1 − 2βλ)η + β·mean Δη; AdamW decays the same way before Adam's step.
+        # Both optimizers take the pseudo-gradient −mean Δη. SGD with learning rate β and weight
+        # decay 2λ is then η ← (1 − 2βλ)η + β·mean Δη: Algorithm 2's η ← (1 − 2βλ)η + mean Δη when
+        # β = 1 (the clients' Δη carry their own step size). AdamW decays alike before Adam's step.
         groups = [{"params": list(self.hyper.parameters()), "weight_decay": 2 * hn.l2_hyper},
                   {"params": list(self.embed.parameters()), "weight_decay": 2 * hn.l2_embed}]  # fmt: skip
         optimizer = torch.optim.SGD if hn.optimizer == "sgd" else torch.optim.AdamW
@@ -66,7 +67,7 @@ class PeFLL(Strategy):
         return mean_loss(trained[n].metrics for n in done)
 
     def update(self, steps: dict[int, tuple[Params, Params, Params]]) -> None:
-        """η ← (1 − 2βλ)η + β·mean Δη from (θ_i, Δθ_i, Δη_v,i) per client. Δη_h,i = J_iᵀΔθ_i
+        """One optimizer step on −mean Δη from (θ_i, Δθ_i, Δη_v,i) per client. Δη_h,i = J_iᵀΔθ_i
         comes from one backward pass through Σ_i ⟨θ_i, Δθ_i⟩."""
         self.optimizer.zero_grad()
         (-sum(_inner(theta, delta) for theta, delta, _ in steps.values()) / len(steps)).backward()

@@ -103,12 +103,15 @@ class PerFedCKT(Strategy):
         return mean_loss(r.metrics for r in done)
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
-        """Each node tests its own model. After training, a node without one (never sampled,
-        held out, or joining late) gets the centroids and first trains its model for as many
-        rounds as a seen node took part in on average."""
+        """Each node tests its own model. While training runs, only nodes that have one are
+        asked (an untrained model says nothing about the method). After training, a node without
+        one (never sampled, held out, or joining late) gets the centroids and first trains its
+        model for as many rounds as a seen node took part in on average."""
         plain = self.ckt_request(EVALUATE_CKT, server_round, False)
         scratch = plain
-        if server_round > self.cfg.num_server_rounds:
+        if server_round <= self.cfg.num_server_rounds:
+            nodes = [n for n in nodes if n.key in self.trained]
+        else:
             rounds = max(1, round(self.participations / self.num_seen))
             scratch = self.ckt_request(EVALUATE_CKT, server_round, True, scratch_rounds=rounds)
         requests = {n.node_id: plain if n.key in self.trained else scratch for n in nodes}
