@@ -96,7 +96,7 @@ def test_a_trained_node_keeps_its_model_for_the_run_and_sends_only_soft_decision
     assert meta["rounds"] == 1 and meta["cluster"] == -1  # round one: no centroids, local training
     public = data_lib.embedded_public(node.cfg.public_size, node.cfg.seed)
     with torch.no_grad():
-        torch.testing.assert_close(kept(torch.from_numpy(public)), soft[SOFT])
+        torch.testing.assert_close(kept(torch.from_numpy(public)).softmax(1), soft[SOFT])  # probabilities by default
     node.run_id = 6
     assert client_half._owned_model(node, 1)[1] is None  # another run starts afresh
 
@@ -167,7 +167,7 @@ def test_soft_decisions_are_logits_or_probabilities(make_node):
     node = _node(make_node)
     public = data_lib.embedded_public(node.cfg.public_size, node.cfg.seed)
     model, _ = client_half._owned_model(node, 0)
-    logits = client_half.soft_decisions(node, model, public)
+    logits = client_half.soft_decisions(_node(make_node, ckt_soft="logits"), model, public)
     probs = client_half.soft_decisions(_node(make_node, ckt_soft="probs"), model, public)
     np.testing.assert_allclose(probs, torch.from_numpy(logits).softmax(1).numpy(), rtol=1e-6)
     np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)

@@ -50,7 +50,7 @@ def public_set(node: Node, expected: str) -> np.ndarray:
 
 
 def _soft(node: Node, logits: torch.Tensor) -> torch.Tensor:
-    """s(w, x): the logits (the paper), or the class probabilities with `ckt-soft = "probs"`."""
+    """s(w, x): the class probabilities (the paper's s ∈ Δ_N), or the logits with `ckt-soft = "logits"`."""
     return logits.softmax(1) if node.cfg.settings.soft == "probs" else logits
 
 
@@ -109,7 +109,7 @@ def _fit(node: Node, model: Net, public: np.ndarray, centroids: np.ndarray | Non
 
 def _distillation(node: Node, public: np.ndarray, target: np.ndarray, salt: int) -> Callable[[Net], torch.Tensor]:
     """The distillation term on a fresh mini-batch of P at every call (seeded like `Node.fit`)."""
-    order = training.batches(len(public), node.cfg.batch_size, node.generator(salt, 1))
+    order = training.batches(len(public), node.cfg.settings.public_batch, node.generator(salt, 1))
     x, s_bar = torch.from_numpy(public), torch.from_numpy(target)
 
     def penalty(model: Net) -> torch.Tensor:

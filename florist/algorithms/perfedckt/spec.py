@@ -5,7 +5,9 @@ picks the nearest centroid s̄_k and runs τ SGD steps on
 
     F_k(w) + λ/|P|·Σ_{x∈P} ‖s̄_k(x) − s(w, x)‖²,
 
-then sends its new soft decisions s_k on P; the server clusters them with k-means."""
+with s(w, x) ∈ Δ_N the model's class probabilities (the sum estimated on mini-batches of b'
+samples of P), then sends its new soft decisions s_k on P; the server clusters them with
+k-means."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ SOFT = "soft-decisions"  # |P| × C, up
 class Ckt(Settings):
     prefix = "ckt"
     clusters: int = setting(3, server=True)  # c, k-means clusters of the soft decisions
-    lambda_: float = setting(0.01, key="ckt-lambda")  # λ, weight of the distillation term
-    soft: str = setting("logits")  # s(w, x): the logits (the paper) or probs
+    lambda_: float = setting(2.0, key="ckt-lambda")  # λ, weight of the distillation term (the paper's grid: 0.05-4)
+    soft: str = setting("probs")  # s(w, x): class probabilities (the paper), or the raw logits
+    public_batch: int = setting(128)  # b', samples of P per distillation step (the paper's 128)
     steps: int = setting(50)  # τ local iterations (0: local-epochs passes over the train split)
     public_dir: str = setting("", key="public-dir", node=True)  # a folder with P instead of the digits' slice
     public_hash: str = setting("", key="public-hash", server=True)  # P's fingerprint when only nodes hold P
@@ -35,6 +38,7 @@ class Ckt(Settings):
             (self.clusters >= 1, "ckt-clusters must be >= 1"),
             (self.lambda_ >= 0, "ckt-lambda must be >= 0"),
             (self.soft in ("logits", "probs"), "ckt-soft must be logits or probs"),
+            (self.public_batch >= 1, "ckt-public-batch must be >= 1"),
             (self.steps >= 0, "ckt-steps must be >= 0 (0: local-epochs passes over the train split)"),
         ]  # fmt: skip
 
