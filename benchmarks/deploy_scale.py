@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from florist.deploy.federation import started_with
+from florist.common.processes import marked
 
 
 def memory_mb(pids: list[int]) -> tuple[float, float]:
@@ -44,7 +44,7 @@ def run(out: Path, strategy: str, rounds: int, nodes: int, executor: str) -> dic
 
     def sample() -> None:
         while not done.wait(0.5):
-            peak[:] = [max(p, m) for p, m in zip(peak, memory_mb(started_with(flwr_home)))]
+            peak[:] = [max(p, m) for p, m in zip(peak, memory_mb(marked("FLWR_HOME", str(flwr_home))))]
 
     threading.Thread(target=sample, daemon=True).start()
     start = time.monotonic()
@@ -57,7 +57,7 @@ def run(out: Path, strategy: str, rounds: int, nodes: int, executor: str) -> dic
     results = json.loads((out / "results.json").read_text())
     return {"wall": wall, "round": statistics.median(r["seconds"] for r in results["rounds"]), "rss": peak[0],
             "pss": peak[1], "scored": sum(s["num_clients"] for s in results["summary"].values()),
-            "left": len(started_with(flwr_home))}
+            "left": len(marked("FLWR_HOME", str(flwr_home)))}
 
 
 def main() -> None:
