@@ -305,7 +305,8 @@ def _datastore_add(args: argparse.Namespace) -> int:
 
     state = NodeState(args.state_dir, args.node_key, KNNPER.name)
     before, after = add_samples(state, args.data_dir)
-    print(f"datastore of node {args.node_key!r} ({state.folder}): {before} -> {after} entries")
+    print(f"datastore of node {args.node_key!r} ({state.folder}): {before} -> {after} entries from the train split "
+          f"of {args.data_dir} (its test split is never added)")  # fmt: skip
     return 0
 
 
@@ -450,12 +451,14 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     store_sub = store.add_subparsers(dest="action", required=True, metavar="ACTION")
     add = store_sub.add_parser(
-        "add", help="embed a folder's labelled samples and add them to the datastore",
-        description="Embed the labelled samples of --data-dir with the global model the node's datastore was built "
-        "with and add them to it, under the run's knn-capacity and knn-policy. No training, no connection: "
-        "the node's next kNN-Per evaluation uses the new entries.",
+        "add", help="embed a folder's labelled train samples and add them to the datastore",
+        description="Embed the labelled samples of --data-dir's train split with the global model the node's "
+        "datastore was built with and add them to it, under the run's knn-capacity and knn-policy. The folder's "
+        "test split is never added (test points in the datastore would find themselves). No training, no "
+        "connection: the node's next kNN-Per evaluation uses the new entries.",
     )  # fmt: skip
-    add.add_argument("--data-dir", required=True, help="train.npz/test.npz or ImageFolder trees with the new samples")
+    add.add_argument("--data-dir", required=True, help="a node data folder (train.npz and test.npz, or ImageFolder "
+                     "trees train/ and test/); only its train split is added")  # fmt: skip
     add.add_argument("--state-dir", help="the node's state folder (node config state-dir; default ~/.cache/florist/nodes)")
     add.add_argument("--node-key", required=True, help="the node's key (node config node-key, e.g. partition-3)")
     add.set_defaults(func=_datastore_add)

@@ -66,8 +66,9 @@ def test_datastore_add_command_embeds_new_samples_under_fifo(tmp_path, knn_node)
     state_dir = str(node.state.folder.parent)
     assert main(["datastore", "add", "--state-dir", state_dir, "--node-key", "partition-4", "--data-dir", str(new)]) == 0
     store = Datastore.load(node.state)
-    assert len(store) == 60 and store.labels[-1] == y[24]  # the newest 60 kept
-    assert np.allclose(store.embeddings[-1], training.embed(model, x[24:25])[0], atol=1e-6)
+    assert len(store) == 60  # the newest 60 kept: the folder's 25 train samples last, its test split not at all
+    found = ((store.embeddings[-25:, None] - training.embed(model, x[:25])[None]) ** 2).sum(-1).argmin(1)
+    assert sorted(found.tolist()) == list(range(25)) and (store.labels[-25:] == y[found]).all()
 
 
 def test_datastore_add_without_a_datastore_says_so(tmp_path):

@@ -1,9 +1,15 @@
+import dataclasses
+
 import faiss
 import numpy as np
 import pytest
 
+from florist.algorithms.knnper import client as knnper
 from florist.algorithms.knnper.datastore import Datastore
+from florist.cli import main
 from florist.client.state import NodeState
+from florist.common import data as data_lib
+from florist.common import training
 
 
 def brute_force(stored, queries, k):
@@ -75,3 +81,82 @@ def test_bad_embeddings_are_refused():
         store.add(np.full((1, 3), np.nan, dtype=np.float32), np.zeros(1))
     with pytest.raises(ValueError, match="empty"):
         store.search(np.zeros((1, 3), dtype=np.float32), 1)
+
+
+# --- what a node's datastore is built from ----------------------------------------------------
+KNN = {"strategy": "knnper", "knn-policy": "fifo", "knn-capacity": 1000}
+
+
+def _marked_store(node, model) -> int:
+    """Build the node's datastore and add three marker entries: a reused store still holds them,
+    a rebuilt one holds the node's train split only. Returns the marked size."""
+    store = knnper.datastore_for(node, model, "v1")
+    store.add(np.full((3, store.dim), 7.0, dtype=np.float32), np.zeros(3, dtype=np.int64))
+    store.save(node.state)
+    return len(store)
+
+
+def _another_partition(node):
+    cfg = node.cfg
+    return data_lib.embedded_client(3, 5, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
+                                    cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip
+
+
+def _first_train_point_moved_to_test(node):
+    d = node.data
+    return dataclasses.replace(d, x_train=d.x_train[1:], y_train=d.y_train[1:],
+                               x_test=np.concatenate([d.x_train[:1], d.x_test]),
+                               y_test=np.concatenate([d.y_train[:1], d.y_test]))  # fmt: skip
+
+
+def _relabelled(node):
+    return dataclasses.replace(node.data, y_train=(node.data.y_train + 1) % node.data.num_classes)
+
+
+CHANGES = {
+    "another partition": ({}, _another_partition),
+    "another split": ({}, _first_train_point_moved_to_test),
+    "other train labels": ({}, _relabelled),
+    "another policy": ({"knn-policy": "concat"}, None),
+    "another capacity": ({"knn-capacity": 999}, None),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES, ids=list(CHANGES))
+def test_a_store_is_rebuilt_when_the_train_data_or_its_settings_change(make_node, change):
+    settings, new_data = CHANGES[change]
+    node = make_node(KNN)
+    model = node.new_model()
+    _marked_store(node, model)
+    changed = make_node(KNN | settings, key=node.key, data=new_data(node) if new_data else None)
+    store = knnper.datastore_for(changed, model, "v1")  # same global model, same state folder
+    d = changed.data
+    assert len(store) == len(d.x_train) and (store.labels == d.y_train).all()  # the node's own split, no marks
+    assert np.allclose(store.embeddings, training.embed(model, d.x_train), atol=1e-5)
+
+
+def test_a_store_is_reused_when_nothing_changed(make_node):
+    node = make_node(KNN)
+    model = node.new_model()
+    size = _marked_store(node, model)
+    restarted = make_node(KNN, key=node.key)  # the same data, settings and state folder
+    assert size == len(node.data.x_train) + 3 and len(knnper.datastore_for(restarted, model, "v1")) == size
+
+
+def test_datastore_add_takes_a_folders_train_split_and_never_its_test_split(tmp_path, make_node):
+    node = make_node({"strategy": "knnper"})
+    model = node.new_model()
+    before = len(knnper.datastore_for(node, model, "v1"))
+    x, y = data_lib.load_digits()
+    folder = tmp_path / "new"
+    folder.mkdir()
+    np.savez(folder / "train.npz", x=x[:30], y=y[:30])
+    np.savez(folder / "test.npz", x=x[30:50], y=y[30:50])
+    args = ["datastore", "add", "--state-dir", str(node.state.folder.parent), "--node-key", node.key]
+    assert main(args + ["--data-dir", str(folder)]) == 0
+    store = Datastore.load(node.state)
+    added, labels = store.embeddings[before:], store.labels[before:]
+    distances = ((added[:, None, :] - training.embed(model, x[:50])[None, :, :]) ** 2).sum(-1)
+    found = distances.argmin(1)  # which of the folder's 50 samples each new entry is
+    assert len(store) == before + 30 and np.allclose(distances.min(1), 0, atol=1e-8)
+    assert sorted(found.tolist()) == list(range(30)) and (labels == y[found]).all()  # each train sample once

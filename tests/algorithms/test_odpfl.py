@@ -68,10 +68,11 @@ def _served(node: Node, encoder: SetEncoder) -> RecordDict:
     return client_half.describe(node, request)
 
 
-def test_a_served_unlabeled_node_noises_its_descriptor_before_sending_it(tmp_path, make_node):
+@pytest.mark.parametrize(("epsilon", "analytic"), [(0.5, 0), (1.0, 1)])
+def test_a_served_unlabeled_node_noises_its_descriptor_before_sending_it(tmp_path, make_node, epsilon, analytic):
     torch.manual_seed(0)
     encoder = SetEncoder((1, 8, 8), 10, 6)
-    node = _unlabeled_node(tmp_path, make_node, **{"dp-epsilon": 1.0, "dp-delta": 1e-5})
+    node = _unlabeled_node(tmp_path, make_node, **{"dp-epsilon": epsilon, "dp-delta": 1e-5})
     assert not node.data.labelled
     with torch.no_grad():
         clean = encoder.describe(torch.from_numpy(node.data.x_train))
@@ -79,8 +80,9 @@ def test_a_served_unlabeled_node_noises_its_descriptor_before_sending_it(tmp_pat
     descriptors = [s.array_records[protocol.ARRAYS].to_torch_state_dict()[DESCRIPTOR] for s in sent]
     metrics = sent[0].metric_records[protocol.METRICS]
     n = len(node.data.x_train)
-    assert metrics["num-examples"] == n and metrics["dp-epsilon"] == 1.0 and metrics["dp-delta"] == 1e-5
-    assert metrics["dp-sigma"] == pytest.approx(gaussian_sigma(1.0, 1e-5, n))
+    assert metrics["num-examples"] == n and metrics["dp-epsilon"] == epsilon and metrics["dp-delta"] == 1e-5
+    assert metrics["dp-sigma"] == pytest.approx(gaussian_sigma(epsilon, 1e-5, n))
+    assert metrics["dp-analytic"] == analytic  # which calibration gave σ: classic below ε = 1
     assert not torch.allclose(descriptors[0], clean, atol=1e-4)  # what leaves the node is not the clean one
     assert not torch.allclose(descriptors[0], descriptors[1])  # fresh noise every time
 
@@ -94,6 +96,7 @@ def test_without_privacy_the_served_descriptor_is_the_clean_encoding(tmp_path, m
         clean = encoder.describe(torch.from_numpy(node.data.x_train))
     torch.testing.assert_close(sent.array_records[protocol.ARRAYS].to_torch_state_dict()[DESCRIPTOR], clean)
     assert sent.metric_records[protocol.METRICS]["dp-sigma"] == 0.0
+    assert "dp-analytic" not in sent.metric_records[protocol.METRICS]
 
 
 def test_odpfl_serves_held_out_clients_from_their_unlabeled_data(tmp_path):
@@ -101,10 +104,10 @@ def test_odpfl_serves_held_out_clients_from_their_unlabeled_data(tmp_path):
               "eval-every": 0, "dp-epsilon": 3.0, "results-dir": str(tmp_path / "run")}  # fmt: skip
     results = run_in_process(RunConfig.from_mapping(values), 6)
     [novel] = [c for c in results["clients"] if not c["seen"]]
-    assert novel["dp_epsilon"] == 3.0 and novel["descriptor_size"] == novel["num_train"]
+    assert novel["dp_epsilon"] == 3.0 and novel["descriptor_size"] == novel["num_train"] and novel["dp_analytic"] == 1
     assert novel["dp_sigma"] == pytest.approx(gaussian_sigma(3.0, 1e-5, novel["num_train"]))
     assert all("dp_sigma" not in c for c in results["clients"] if c["seen"])  # noise is for nodes being served
     report = (tmp_path / "run" / "report.md").read_text()
-    assert f"| {novel['client']} | {novel['num_train']} | 3 | 1e-05 | {novel['dp_sigma']:.4f} |" in report
+    assert f"| {novel['client']} | {novel['num_train']} | 3 | 1e-05 | {novel['dp_sigma']:.4f} | analytic |" in report
     assert all(math.isfinite(r["train_loss"]) for r in results["rounds"])
     assert results["summary"]["seen"]["mean_accuracy"] > 0.5  # two classes per client; chance over ten is 0.1

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
-from florist.algorithms.knnper.datastore import Datastore
+from florist.algorithms.knnper.datastore import Datastore, train_fingerprint
 from florist.client.node import Node, Request
 from florist.client.state import NodeState
 from florist.common import data as data_lib
@@ -69,14 +69,21 @@ def select(
 
 
 def datastore_for(node: Node, model: Net, version: str) -> Datastore:
-    """The node's datastore for this global model: reused if it was built for it (same
-    version, dimension and index type), else rebuilt from the train split and saved."""
+    """The node's datastore for this global model and train split: reused only if it was built
+    from both (same version and train x, y) with the same dimension, index type, policy and
+    capacity, else rebuilt from the train split and saved. A store of other data could hold
+    this node's test points and score them by their own labels."""
     cfg, knn, d = node.cfg, node.cfg.settings, node.data
+    if not d.labelled:
+        raise ValueError(f"node {node.key}: kNN-Per's datastore holds (embedding, label) pairs, but the node's data "
+                         "has no y")  # fmt: skip
     dim = training.embed(model, d.x_train[:1]).shape[1]
-    store = Datastore.load(node.state, model_version=version, dim=dim, index_type=knn.index)
+    built_from = {"model_version": version, "train_data": train_fingerprint(d.x_train, d.y_train),
+                  "index_type": knn.index, "policy": knn.policy, "capacity": knn.capacity}  # fmt: skip
+    store = Datastore.load(node.state, dim=dim, **built_from)
     if store is None:
-        store = Datastore(dim, knn.index, knn.capacity, knn.policy, model_version=version, model=cfg.model,
-                          input_shape=list(d.input_shape), num_classes=cfg.num_classes)  # fmt: skip
+        store = Datastore(dim, **built_from, model=cfg.model, input_shape=list(d.input_shape),
+                          num_classes=cfg.num_classes)  # fmt: skip
         store.add(training.embed(model, d.x_train), d.y_train)
         store.save(node.state)
         node.state.save_arrays(GLOBAL_MODEL, {k: v.numpy() for k, v in model.state_dict().items()})
@@ -105,9 +112,10 @@ def evaluate(node: Node, request: Request) -> RecordDict:
 
 
 def add_samples(state: NodeState, data_dir: str, seed: int = 0) -> tuple[int, int]:
-    """Add a folder's labelled samples (train and test splits alike) to the node's datastore
-    without retraining the global model: embed them with the global model the datastore was
-    built with, apply the capacity policy, save. Returns (size before, size after)."""
+    """Add the labelled samples of a folder's train split to the node's datastore without
+    retraining the global model: embed them with the global model the datastore was built with,
+    apply the capacity policy, save. Returns (size before, size after). The folder's test split
+    is never added: test points in the store would find themselves, with their true labels."""
     store = Datastore.load(state)
     weights = state.load_arrays(GLOBAL_MODEL)
     if store is None or weights is None:
@@ -124,8 +132,8 @@ def add_samples(state: NodeState, data_dir: str, seed: int = 0) -> tuple[int, in
     model = build_model(store.meta["model"], new.input_shape, store.meta["num_classes"])
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
     before = len(store)
-    x = np.concatenate([new.x_train, new.x_val, new.x_test])
-    y = np.concatenate([new.y_train, new.y_val, new.y_test])
+    x = np.concatenate([new.x_train, new.x_val])  # the folder's train split: the loader carves val out of it
+    y = np.concatenate([new.y_train, new.y_val])
     store.add(training.embed(model, x), y)
     store.save(state)
     return before, len(store)

@@ -1,8 +1,10 @@
 """kNN-Per's datastore: (embedding, label) pairs in a FAISS index, kept on the node.
 
-It lives in the node's state folder with metadata naming the global model it was built with
-(`model_version`, a hash of its weights) and the embedding dimension, so a restarted node
-reuses it and a datastore built for another model is detected and rebuilt, never silently used.
+It lives in the node's state folder with metadata naming what it was built from: the global
+model (`model_version`, a hash of its weights), the train split (`train_data`, a hash of its x
+and y), the embedding dimension, index type, policy and capacity. A restarted node reuses it;
+one built for another model, other data (another partition, split or run) or other settings is
+detected and rebuilt, never silently used: it could hold the node's current test points.
 New local samples can be added without retraining the global model (the paper's
 distribution-shift experiment), under a capacity and an update policy:
 
@@ -13,6 +15,7 @@ distribution-shift experiment), under a capacity and an update policy:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 
@@ -21,10 +24,19 @@ import numpy as np
 
 from florist.algorithms.knnper.spec import INDEX_TYPES, POLICIES
 from florist.client.state import NodeState
+from florist.common import data as data_lib
 
 log = logging.getLogger("flwr").getChild(__name__)
 
 FILE, META = "datastore.npz", "datastore.json"
+
+
+def train_fingerprint(x: np.ndarray, y: np.ndarray) -> str:
+    """`N-hash` of a labelled split: the samples' fingerprint extended with their labels, so a
+    relabelled or reordered split counts as other data."""
+    digest = hashlib.sha256(data_lib.fingerprint(x).encode())
+    digest.update(np.ascontiguousarray(y, dtype=np.int64).tobytes())
+    return f"{len(x)}-{digest.hexdigest()[:16]}"
 
 
 class Datastore:
@@ -95,7 +107,8 @@ class Datastore:
     @classmethod
     def load(cls, state: NodeState, **expected) -> Datastore | None:
         """The saved datastore, or None when there is none or it does not match `expected`
-        (e.g. `model_version`, `dim`, `index_type`): a stale store must be rebuilt."""
+        (e.g. `model_version`, `train_data`, `dim`, `index_type`, `policy`, `capacity`): a stale
+        store must be rebuilt. A key the store never recorded does not match."""
         meta = state.load_json(META)
         if meta is None:
             return None

@@ -13,13 +13,17 @@ own code loads it from there) and tests it when the node has labels.
 A node being served under OD-PFL with a finite `dp-epsilon` adds Gaussian noise to its
 descriptor before sending it: the server never sees the clean one. The descriptor is a mean of
 |D| unit vectors, so replacing one sample moves it by at most Δg = 2/|D| in L2; adding
-ξ ~ N(0, σ²I) with σ² = 2·Δg²·log(1.25/δ)/ε² makes what the node sends (ε, δ)-differentially
-private with respect to any one of its samples (OD-PFL, Section 7).
+ξ ~ N(0, σ²I) makes what the node sends (ε, δ)-differentially private with respect to any one
+of its samples (OD-PFL, Section 7) when σ is calibrated for (ε, δ, Δg). For ε < 1 that is the
+classic σ² = 2·Δg²·log(1.25/δ)/ε², whose proof holds for ε < 1 only (at ε = 10, δ = 1e-5
+it falls short); from ε = 1 on it is the analytic Gaussian mechanism's σ (Balle & Wang,
+ICML 2018), the least σ meeting the mechanism's exact (ε, δ) condition. The reply says which.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 
 import numpy as np
@@ -33,6 +37,7 @@ from florist.common import protocol
 
 ENCODER = "encoder"  # η_v from message 1, remembered for the run
 MODEL_FILE = "model.npz"  # the last θ = h(v) received, in the node's folder
+ANALYTIC_FROM = 1.0  # from this ε on, σ is calibrated analytically (the classic proof needs ε < 1)
 
 
 def _encoder(node: Node, request: Request) -> Encoder:
@@ -69,7 +74,8 @@ def describe(node: Node, request: Request) -> RecordDict:
         epsilon, delta = settings.dp_epsilon, settings.dp_delta
         sigma = gaussian_sigma(epsilon, delta, len(x))
         v = privatize(v, sigma) if sigma > 0 else v
-        metrics |= {"dp-sigma": sigma} | ({} if math.isinf(epsilon) else {"dp-epsilon": epsilon, "dp-delta": delta})
+        private = {"dp-epsilon": epsilon, "dp-delta": delta, "dp-analytic": int(is_analytic(epsilon))}
+        metrics |= {"dp-sigma": sigma} | ({} if math.isinf(epsilon) else private)
     if not request.settings.predict:
         node.state.remember(ENCODER, encoder.state_dict(), server_round=node.server_round)
     return protocol.content(ArrayRecord({DESCRIPTOR: v}), metrics=metrics)
@@ -115,7 +121,8 @@ def evaluate(node: Node, request: Request) -> RecordDict:
 
 
 def gaussian_sigma(epsilon: float, delta: float, num_samples: int) -> float:
-    """σ of the Gaussian mechanism for a mean of `num_samples` unit vectors (0 for ε = inf)."""
+    """σ of the Gaussian mechanism for a mean of `num_samples` unit vectors (0 for ε = inf):
+    the classic calibration where its proof holds (ε < 1), the analytic one from ε = 1 on."""
     if not epsilon > 0:
         raise ValueError(f"dp-epsilon must be > 0 (inf: no noise), got {epsilon}")
     if not 0 < delta < 1:
@@ -124,8 +131,50 @@ def gaussian_sigma(epsilon: float, delta: float, num_samples: int) -> float:
         raise ValueError("differential privacy needs at least one sample in the descriptor, got |D| = 0")
     if math.isinf(epsilon):
         return 0.0
-    sensitivity = 2.0 / num_samples
-    return math.sqrt(2.0 * sensitivity**2 * math.log(1.25 / delta)) / epsilon
+    calibrate = analytic_sigma if is_analytic(epsilon) else classic_sigma
+    return calibrate(epsilon, delta, 2.0 / num_samples)
+
+
+def is_analytic(epsilon: float) -> bool:
+    """Whether `gaussian_sigma` calibrates this ε analytically (the node's row says which)."""
+    return epsilon >= ANALYTIC_FROM
+
+
+def classic_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
+    """σ = Δ·√(2·log(1.25/δ))/ε, (ε, δ)-DP for ε < 1 only (Dwork & Roth 2014, Theorem A.1)."""
+    return sensitivity * math.sqrt(2.0 * math.log(1.25 / delta)) / epsilon
+
+
+def gaussian_delta(sigma: float, epsilon: float, sensitivity: float) -> float:
+    """The least δ for which N(0, σ²I) noise on a query of L2 sensitivity Δ is (ε, δ)-DP, for
+    any ε: Φ(Δ/2σ − εσ/Δ) − e^ε·Φ(−Δ/2σ − εσ/Δ) (Balle & Wang 2018, Theorem 8). A second term
+    too small for a normal float is dropped, which can only overstate δ."""
+    a, b = sensitivity / (2.0 * sigma), epsilon * sigma / sensitivity
+    tail = _normal_cdf(-a - b)
+    return _normal_cdf(a - b) - (math.exp(epsilon + math.log(tail)) if tail >= sys.float_info.min else 0.0)
+
+
+def analytic_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
+    """The least σ with `gaussian_delta(σ) <= δ` (the analytic Gaussian mechanism, Balle & Wang
+    2018, Algorithm 1), by bisection on σ itself since δ falls as σ grows; the value returned
+    is on the private side of the root, within a relative 1e-12 of it."""
+    def private(sigma: float) -> bool:
+        return gaussian_delta(sigma, epsilon, sensitivity) <= delta
+
+    low, high = sensitivity, sensitivity
+    while not private(high):
+        high *= 2.0
+    while private(low):  # δ → 1 as σ → 0, so this ends
+        low /= 2.0
+    while high - low > 1e-12 * high:
+        middle = (low + high) / 2.0
+        low, high = (low, middle) if private(middle) else (middle, high)
+    return high
+
+
+def _normal_cdf(x: float) -> float:
+    """Φ(x), accurate in both tails (erfc, not 1 − erf)."""
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
 
 
 def privatize(descriptor: torch.Tensor, sigma: float) -> torch.Tensor:

@@ -108,12 +108,15 @@ class ODPFL(PeFLL):
 
 
 def report(results: dict[str, Any], folder: Path) -> list[str]:
-    """OD-PFL: the served nodes that noised their descriptor, with their privacy settings."""
+    """OD-PFL: the served nodes that noised their descriptor, with their privacy settings and
+    how σ was calibrated (rows without `dp_analytic` predate the analytic one: classic)."""
     lines: list[str] = []
     private = [c for c in results["clients"] if c.get("dp_sigma")]
     if private:
         lines += ["", "Descriptors sent with Gaussian noise for (ε, δ)-differential privacy:", "",
-                  "| client | \\|D\\| | ε | δ | σ | accuracy (%) |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "| client | \\|D\\| | ε | δ | σ | σ calibration | accuracy (%) |",
+                  "|---|---:|---:|---:|---:|---|---:|"]  # fmt: skip
         lines += [f"| {c['client']} | {c['descriptor_size']} | {c['dp_epsilon']:g} | {c['dp_delta']:g} | "
-                  f"{c['dp_sigma']:.4f} | {pct(c['accuracy'])} |" for c in private]  # fmt: skip
+                  f"{c['dp_sigma']:.4f} | {'analytic' if c.get('dp_analytic') else 'classic'} | "
+                  f"{pct(c['accuracy'])} |" for c in private]  # fmt: skip
     return lines
