@@ -15,7 +15,7 @@ from florist.algorithms import SPECS
 from florist.algorithms.base import INFO, Exchange, load
 from florist.client.deadline import deadline
 from florist.client.node import Node, Request, parse
-from florist.common import data, packing, protocol, training
+from florist.common import client_mods, data, packing, protocol, training
 from florist.common.models import build_model
 
 
@@ -65,8 +65,9 @@ def exchanges() -> list[Exchange]:
 
 
 def build_client_app(mods: Sequence[Callable] = ()) -> ClientApp:
-    """The ClientApp; `mods` are Flower mods, run inside `frame` (e.g. for tests that inject failures)."""
-    app = ClientApp(mods=[frame, *mods])
+    """The ClientApp; `mods` are Flower mods, run inside `frame` and the mods `client-mods` names
+    (e.g. for tests that inject failures)."""
+    app = ClientApp(mods=[frame, client_mods.configured, *mods])
     for exchange in exchanges():
         category, _, action = exchange.message_type.partition(".")
         getattr(app, category)(action or "default")(_handler(exchange))

@@ -35,6 +35,11 @@ class Request:
     settings: Settings
     content: RecordDict
 
+    @property
+    def from_flower(self) -> bool:
+        """Whether one of Flower's own strategies sent it (florist's server names its strategy)."""
+        return "strategy" not in self.content.config_records.get(protocol.CONFIG, {})
+
 
 @dataclasses.dataclass
 class Node:

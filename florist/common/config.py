@@ -13,7 +13,7 @@ from typing import Any
 
 from florist.algorithms import SPECS, spec_of
 from florist.algorithms.base import NoSettings, Settings, setting
-from florist.common import scenarios
+from florist.common import client_mods, scenarios
 from florist.common.data import PARTITIONS, parse_partition
 
 # The strategies `strategy` may name (the registry holds their specs, which import no torch).
@@ -53,6 +53,8 @@ class RunConfig(Settings):
     weight_decay: float = setting(0.0)
     local_epochs: int = setting(1)
     batch_size: int = setting(16)
+    proximal_mu: float = setting(0.0)  # FedProx's μ: μ/2·‖w − w_global‖² added to each local step's loss
+    client_mods: str = setting("")  # Flower client mods around each message, by name (florist/common/client_mods.py)
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = setting(False)
     # serve phase: personalize nodes that connect after training
@@ -110,6 +112,8 @@ class RunConfig(Settings):
             (self.lr > 0, "lr must be > 0"),
             (self.local_epochs >= 1, "local-epochs must be >= 1"),
             (self.batch_size >= 1, "batch-size must be >= 1"),
+            (self.proximal_mu >= 0, "proximal-mu must be >= 0"),
+            (not (mods_problem := client_mods.problem(self.client_mods)), mods_problem),
             (self.num_classes >= 2, "num-classes must be >= 2"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
             (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),

@@ -57,6 +57,13 @@ def train(
     return loss_sum / seen
 
 
+def proximal(model: nn.Module, mu: float) -> Callable[[nn.Module], torch.Tensor]:
+    """FedProx's proximal term (Li et al., 2020) as a `train` penalty: μ/2·‖w − w₀‖², with w₀
+    the parameters `model` has now (the global model, before local training moves it)."""
+    anchor = [p.detach().clone() for p in model.parameters()]
+    return lambda m: mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(m.parameters(), anchor, strict=True))
+
+
 def batches(n: int, batch_size: int, generator: torch.Generator | None) -> Iterator[torch.Tensor]:
     """Shuffled index batches, one pass after another, without end."""
     while True:

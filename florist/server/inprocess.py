@@ -26,14 +26,18 @@ def _copy(records: RecordDict) -> RecordDict:
 
 
 class InProcessGrid:
-    """The three Grid calls florist's server makes (node ids, push, pull), answered at once by
-    calling the ClientApp. A handler that raises gives an error reply, as Flower's runtimes do."""
+    """The Grid calls florist's server makes (node ids, push, pull) and Flower's strategies'
+    `start` makes (node ids, send and receive), answered at once by calling the ClientApp. A
+    handler that raises gives an error reply, as Flower's runtimes do."""
 
-    def __init__(self, client_app: ClientApp, node_configs: Iterable[dict[str, Any]], run_id: int | None = None):
-        """`run_id`: random unless given, as Flower's are (nodes key their run's state by it)."""
+    def __init__(self, client_app: ClientApp, node_configs: Iterable[dict[str, Any]], run_id: int | None = None,
+                 run_config: dict[str, Any] | None = None):  # fmt: skip
+        """`run_id`: random unless given, as Flower's are (nodes key their run's state by it);
+        `run_config`: what every node's context carries, as `flwr run --run-config` gives it."""
         self.app, self.run_id = client_app, random.getrandbits(63) if run_id is None else run_id
         self.contexts = {
-            100 + i: Context(run_id=run_id, node_id=100 + i, node_config=dict(c), state=RecordDict(), run_config={})
+            100 + i: Context(run_id=self.run_id, node_id=100 + i, node_config=dict(c), state=RecordDict(),
+                             run_config=dict(run_config or {}))  # fmt: skip
             for i, c in enumerate(node_configs)
         }
         self.replies: dict[str, Message] = {}
@@ -52,13 +56,18 @@ class InProcessGrid:
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
         return [self.replies.pop(i) for i in message_ids if i in self.replies]
 
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        """Every reply at once (each message is answered when pushed, so `timeout` never bites)."""
+        return self.pull_messages(self.push_messages(messages))
+
     def _answer(self, msg: Message) -> Message:
         received = Message(_copy(msg.content), metadata=msg.metadata)  # the client's own copy, as sent
         try:
             reply = self.app(received, self.contexts[msg.metadata.dst_node_id])
         except Exception as err:  # noqa: BLE001 (the runtimes turn any handler error into an error reply)
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(err).__name__}: {err}"), reply_to=msg)
-        reply.content = _copy(reply.content) if reply.has_content() else reply.content
+        if reply.has_content():  # a mod's error reply has none
+            reply.content = _copy(reply.content)
         return reply
 
 

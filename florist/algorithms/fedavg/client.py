@@ -13,12 +13,17 @@ from florist.common import protocol, training
 
 
 def train(node: Node, request: Request) -> RecordDict:
-    """Train the received model on the local train split; reply with the new weights."""
-    model = node.received_model(request)
-    loss = node.fit(model, node.cfg.local_epochs)
-    return protocol.content(
-        protocol.to_record(model), metrics={"num-examples": len(node.data.x_train), "train-loss": loss}
-    )
+    """Train the received model on the local train split, with FedProx's proximal term when
+    `proximal-mu` > 0 (Flower's FedProx sends it); reply with the new weights and `train-loss`,
+    the mean loss of the last pass. For Flower's strategies also `train_loss`, the received
+    model's loss on the whole train split before training: q-FFL's F_k(w^t), what QFedAvg reads."""
+    model, d, mu = node.received_model(request), node.data, node.cfg.proximal_mu
+    metrics = {"num-examples": len(d.x_train)}
+    if request.from_flower and d.labelled:  # unlabelled: `fit` says so
+        metrics["train_loss"] = training.evaluate(model, d.x_train, d.y_train)[0]
+    penalty = training.proximal(model, mu) if mu > 0 else None
+    metrics["train-loss"] = node.fit(model, node.cfg.local_epochs, penalty=penalty)
+    return protocol.content(protocol.to_record(model), metrics=metrics)
 
 
 def evaluate(node: Node, request: Request) -> RecordDict:
