@@ -31,15 +31,46 @@ def trained(knn_node):
     return node, model
 
 
-def test_lambda_zero_reproduces_the_global_model_on_every_test_point(trained):
-    node, model = trained
-    store = knnper.datastore_for(node, model, "v1")
-    p_global = training.predict_proba(model, node.data.x_test)
-    embeddings = training.embed(model, node.data.x_test)
-    for k in (1, 5, 10):
-        mixed = knnper.mix(knnper.stored_proba(node, store, embeddings, k), p_global, 0.0)
-        assert np.array_equal(mixed, p_global)
-        assert (mixed.argmax(1) == p_global.argmax(1)).all()
+@pytest.mark.parametrize("k", [1, 7, 10_000])
+def test_lambda_zero_scores_exactly_as_the_global_model_for_every_k(make_node, k):
+    """λ forced to 0 through the real datastore and its search: the test probabilities are the
+    global model's bit for bit, which needs a finite N×C p_kNN for this k (10,000 is more than
+    the store holds) even where σ is so small that every exp(−d/σ) underflows unshifted."""
+    node = make_node({"strategy": "knnper", "knn-ks": str(k), "knn-sigma": 1e-5})
+    model = node.new_model()
+    scored = knnper.personalize(node, model, knnper.datastore_for(node, model, "v1"), lambdas=(0.0,))
+    assert scored.choice.k == k and scored.choice.lam == 0.0
+    assert np.array_equal(scored.mixed, training.predict_proba(model, node.data.x_test))
+
+
+def vote(stored: np.ndarray, labels: np.ndarray, queries: np.ndarray, k: int, sigma: float) -> np.ndarray:
+    """p_kNN by its definition, in float64 and without FAISS: each of a query's k nearest stored
+    points (squared L2) adds exp(−d/σ) to its label."""
+    p = np.zeros((len(queries), 10))
+    for row, query in zip(p, queries.astype(np.float64)):
+        d = ((stored - query) ** 2).sum(1)
+        for i in np.argsort(d, kind="stable")[:k]:
+            row[labels[i]] += np.exp(-d[i] / sigma)
+    return p / p.sum(1, keepdims=True)
+
+
+def test_lambda_one_is_the_knn_vote_over_the_train_and_validation_pairs(make_node):
+    """λ forced to 1, k = 3, a tiny store: eight train digits 0 and 1, four validation digits
+    relabelled 9 (no train point has 9). λ and k are chosen without the validation pairs (so no
+    validation point can be right); the test split, the four validation images and four more,
+    is scored with them (each of the four finds itself); the saved store keeps the eight."""
+    x, y = data.load_digits()
+    train, rest = np.flatnonzero(y < 2)[:8], np.flatnonzero(y >= 2)[:8]
+    tiny = data.ClientData(x[train], y[train], x[rest[:4]], np.full(4, 9), x[rest], y[rest], num_classes=10)
+    node = make_node({"strategy": "knnper", "knn-ks": "3", "knn-sigma": 0.02}, data=tiny)
+    model = node.new_model()
+    scored = knnper.personalize(node, model, knnper.datastore_for(node, model, "v1"), lambdas=(1.0,))
+    stored = training.embed(model, np.concatenate([tiny.x_train, tiny.x_val]))
+    want = vote(stored, np.concatenate([tiny.y_train, tiny.y_val]), training.embed(model, tiny.x_test), 3, 0.02)
+    np.testing.assert_allclose(scored.mixed, want, atol=1e-5)
+    assert (scored.mixed.argmax(1)[:4] == 9).all()
+    assert scored.choice.accuracy == 0.0 and scored.datastore_size == 12
+    assert len(Datastore.load(node.state)) == 8
 
 
 def test_datastore_holds_the_train_split_and_is_reused_for_the_same_model(trained):

@@ -57,6 +57,14 @@ def test_policies_and_capacity():
         Datastore(2, policy="fifo")
 
 
+def test_joined_is_a_copy_under_the_policy_and_leaves_the_store_alone():
+    store = Datastore(2, capacity=5, policy="fifo")
+    _add(store, 0, 4)
+    whole = store.joined(np.full((2, 2), 50, dtype=np.float32), np.array([50, 51]))
+    assert whole.labels.tolist() == [1, 2, 3, 50, 51] and whole.index.ntotal == 5  # still the newest five
+    assert store.labels.tolist() == [0, 1, 2, 3] and store.index.ntotal == 4 and len(store.embeddings) == 4
+
+
 def test_persistence_survives_a_restart_and_stale_stores_are_rebuilt(tmp_path):
     state = NodeState(tmp_path, "node-a")
     store = Datastore(4, "hnsw", model_version="abc")

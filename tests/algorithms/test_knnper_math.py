@@ -21,7 +21,7 @@ def test_lambda_zero_is_the_global_model_exactly():
     rng = np.random.default_rng(0)
     p_global = rng.dirichlet(np.ones(10), size=50)
     p_knn = rng.dirichlet(np.ones(10), size=50)
-    assert knn.mix(p_knn, p_global, 0.0) is p_global
+    assert np.array_equal(knn.mix(p_knn, p_global, 0.0), p_global)  # computed, not short-circuited
     assert np.array_equal(knn.mix(p_knn, p_global, 1.0), p_knn)
     assert np.allclose(knn.mix(p_knn, p_global, 0.3).sum(1), 1.0)  # a probability, not a logit mix
 
@@ -44,6 +44,15 @@ def test_selection_prefers_accuracy_over_loss():
     assert choice.loss == min(c.loss for c in each if c.accuracy == 1.0)  # the least log-loss among the best
 
 
-@pytest.mark.parametrize("lam", knn.LAMBDA_GRID)
-def test_grid_is_0_to_1_in_tenths(lam):
-    assert 0 <= lam <= 1 and round(lam * 10) == lam * 10
+@pytest.mark.parametrize("best", [0.3, 0.6, 0.9])
+def test_selection_finds_the_least_log_loss_inside_the_grid(best):
+    """Two validation points of class 0: p_kNN is sure of the first, p_global of the second.
+    Their mixed probabilities 0.6 + 0.4λ and 1 − cλ (c < 1/2: every λ gets both right) make the
+    log-loss −log(0.6 + 0.4λ) − log(1 − cλ), convex in λ, least at λ* = (0.4 − 0.6c) / (0.8c);
+    with c = 0.4 / (0.6 + 0.8λ*) that is the grid point λ*, and select must find it."""
+    c = 0.4 / (0.6 + 0.8 * best)
+    y = np.array([0, 0])
+    p_global = np.array([[0.6, 0.4], [1.0, 0.0]])
+    p_knn = np.array([[1.0, 0.0], [1 - c, c]])
+    choice = knn.select(p_global, {5: p_knn}, y)
+    assert choice.lam == best and choice.accuracy == 1.0

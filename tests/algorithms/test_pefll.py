@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from flwr.app import Context, Message
 
 from florist.algorithms import spec_of
-from florist.algorithms.pefll.networks import EmbeddingNet, HyperNetwork, default_embed_dim
-from florist.algorithms.pefll.spec import DESCRIBE, TRAIN_ENCODER
+from florist.algorithms.pefll.networks import EmbeddingNet, HyperNetwork
+from florist.algorithms.pefll.spec import DESCRIBE, DESCRIPTOR, TRAIN_ENCODER
 from florist.client.app import build_client_app
 from florist.common import data as data_lib
 from florist.common import protocol
@@ -43,10 +43,6 @@ def test_two_clients_get_different_descriptors_and_models():
     v = [embed.describe(torch.from_numpy(c.x_train), torch.from_numpy(c.y_train)) for c in clients]
     assert v[0].shape == (4,) and not torch.allclose(v[0], v[1], atol=1e-4)
     assert not torch.allclose(hyper(v[0])["head.weight"], hyper(v[1])["head.weight"])
-
-
-def test_descriptor_size_follows_the_paper():
-    assert [default_embed_dim(n) for n in (1, 16, 40)] == [1, 5, 11]
 
 
 def _simulate(tmp_path, name, num_clients, client_app=None, **overrides):
@@ -97,6 +93,31 @@ def fail_in_message(message_type: str):
     return mod
 
 
+def record_descriptor_sizes(sizes: dict[int, set[int]]):
+    """A Flower mod: the length of every descriptor a node sends, by partition."""
+
+    def mod(msg: Message, context: Context, call_next):
+        reply = call_next(msg, context)
+        if msg.metadata.message_type == DESCRIBE.message_type:
+            v = reply.content.array_records[protocol.ARRAYS].to_torch_state_dict()[DESCRIPTOR]
+            sizes.setdefault(context.node_config["partition-id"], set()).add(v.numel())
+        return reply
+
+    return mod
+
+
+def test_the_default_descriptor_size_is_one_plus_a_quarter_of_the_training_clients(tmp_path):
+    """l = 1 + n/4 (pFedHN's code) with n = 4 training clients of 8: 2, where the paper's n/4
+    gives 1 and counting the 4 unseen clients too gives 3. Both networks are built for it and
+    every node, seen or unseen, sends descriptors of that length."""
+    sizes: dict[int, set[int]] = {}
+    _, results, after = _simulate(tmp_path, "l", 8, build_client_app([record_descriptor_sizes(sizes)]),
+                                  **{"unseen-fraction": 0.5})  # fmt: skip
+    assert results["summary"]["seen"]["num_clients"] == 4 and results["summary"]["unseen"]["num_clients"] == 4
+    assert after["hyper"]["body.0.weight"].shape[1] == 2 and after["embed"]["head.2.weight"].shape[0] == 2
+    assert sizes == {i: {2} for i in range(8)}
+
+
 def test_a_client_failing_in_exchange_three_is_left_out_of_the_update(tmp_path):
     """The update with a client lost in exchange 3 equals the update without it (lost in 1)."""
     settings = {"hn-local-steps": 5, "hn-embed-dim": 2}
@@ -107,9 +128,9 @@ def test_a_client_failing_in_exchange_three_is_left_out_of_the_update(tmp_path):
     [failure] = late["failures"]
     assert failure["message_type"] == TRAIN_ENCODER.message_type and "partition-2" in failure["node"]
     assert "power cut" in failure["reason"]
-    assert all(torch.isfinite(v).all() for v in after_late.values())
-    for key, value in after_late.items():
-        torch.testing.assert_close(value, after_early[key], atol=1e-6, rtol=0, msg=key)
+    for net in ("hyper", "embed"):
+        assert all(torch.isfinite(v).all() for v in after_late[net].values()), net
+        torch.testing.assert_close(after_late[net], after_early[net], atol=1e-6, rtol=0, msg=net)
     assert math.isfinite(late["rounds"][0]["train_loss"])
     assert all(c["accuracy"] is not None for c in late["clients"])  # back for the final evaluation
 

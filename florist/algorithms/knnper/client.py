@@ -1,6 +1,10 @@
 """kNN-Per's client half: the global model from FedAvg, plus a local FAISS datastore of
-(features(x), y) pairs from the train split (`datastore.py`), mixed as
-λ·p_kNN + (1 − λ)·p_global with λ and k chosen per client on its validation split.
+(features(x), y) pairs (`datastore.py`), mixed as λ·p_kNN + (1 − λ)·p_global.
+
+λ and k are chosen per client on its validation split against the store of its train split: a
+validation point in the store would find itself, with its own label, and favour large λ. The
+test split is then scored with the validation pairs joined to a copy of that store, so it holds
+the client's whole training set, as the paper's does. The saved store never holds them.
 
 Both terms are probabilities, so the mixture is one too (the reference code's default mixes
 logits with probabilities, which is not a distribution; florist does not)."""
@@ -38,8 +42,9 @@ def knn_proba(distances: np.ndarray, labels: np.ndarray, num_classes: int, sigma
 
 
 def mix(p_knn: np.ndarray, p_global: np.ndarray, lam: float) -> np.ndarray:
-    """λ·p_kNN + (1 − λ)·p_global. λ = 0 returns p_global itself, bit for bit."""
-    return p_global if lam == 0 else lam * p_knn + (1 - lam) * p_global
+    """λ·p_kNN + (1 − λ)·p_global. No shortcut at λ = 0: the sum is still p_global bit for bit
+    when p_kNN is a finite N×C array, and a NaN or misshapen p_kNN does not go unnoticed."""
+    return lam * p_knn + (1 - lam) * p_global
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +77,9 @@ def datastore_for(node: Node, model: Net, version: str) -> Datastore:
     """The node's datastore for this global model and train split: reused only if it was built
     from both (same version and train x, y) with the same dimension, index type, policy and
     capacity, else rebuilt from the train split and saved. A store of other data could hold
-    this node's test points and score them by their own labels."""
+    this node's test points and score them by their own labels. The saved store holds the train
+    split and samples added later, never the validation split (`personalize` joins it to a copy),
+    so the hash of the train split covers every sample of this node's splits in it."""
     cfg, knn, d = node.cfg, node.cfg.settings, node.data
     if not d.labelled:
         raise ValueError(f"node {node.key}: kNN-Per's datastore holds (embedding, label) pairs, but the node's data "
@@ -95,20 +102,39 @@ def stored_proba(node: Node, store: Datastore, embeddings: np.ndarray, k: int) -
     return knn_proba(*store.search(embeddings, k), node.cfg.num_classes, node.cfg.settings.sigma)
 
 
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """The mixture's and the global model's test-split probabilities, the (λ, k) chosen and the
+    size of the store the test split was searched in."""
+
+    mixed: np.ndarray
+    p_global: np.ndarray
+    choice: Choice
+    datastore_size: int
+
+
+def personalize(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID) -> Scored:
+    """Choose λ and k on the validation split against `store` (the train split's), then score
+    the test split against a copy of it with the validation pairs added under the store's policy."""
+    d = node.data
+    emb_val = training.embed(model, d.x_val)  # once: searched for every k, then stored for the test split
+    by_k = {k: stored_proba(node, store, emb_val, k) for k in node.cfg.settings.k_grid}
+    choice = select(training.predict_proba(model, d.x_val), by_k, d.y_val, lambdas)
+    whole = store.joined(emb_val, d.y_val)
+    p_global = training.predict_proba(model, d.x_test)
+    mixed = mix(stored_proba(node, whole, training.embed(model, d.x_test), choice.k), p_global, choice.lam)
+    return Scored(mixed, p_global, choice, len(whole))
+
+
 def evaluate(node: Node, request: Request) -> RecordDict:
-    """Build (or reuse) the datastore for the received global model, choose λ and k on the
-    validation split, and score the mixture on the test split beside the global model (λ = 0)."""
+    """Build (or reuse) the datastore for the received global model and score the mixture on the
+    test split beside the global model (λ = 0)."""
     model = node.received_model(request)
     store = datastore_for(node, model, request.content.array_records[protocol.ARRAYS].object_id)
-    d = node.data
-    emb_val = training.embed(model, d.x_val)  # once, searched for every k of the grid
-    by_k = {k: stored_proba(node, store, emb_val, k) for k in node.cfg.settings.k_grid}
-    choice = select(training.predict_proba(model, d.x_val), by_k, d.y_val)
-    p_global = training.predict_proba(model, d.x_test)
-    mixed = mix(stored_proba(node, store, training.embed(model, d.x_test), choice.k), p_global, choice.lam)
-    extra = {"global-accuracy": float((p_global.argmax(1) == d.y_test).mean()), "lambda": choice.lam,
-             "k": choice.k, "datastore-size": len(store)}  # fmt: skip
-    return node.score_reply(mixed, **extra)
+    scored = personalize(node, model, store)
+    extra = {"global-accuracy": float((scored.p_global.argmax(1) == node.data.y_test).mean()),
+             "lambda": scored.choice.lam, "k": scored.choice.k, "datastore-size": scored.datastore_size}  # fmt: skip
+    return node.score_reply(scored.mixed, **extra)
 
 
 def add_samples(state: NodeState, data_dir: str, seed: int = 0) -> tuple[int, int]:

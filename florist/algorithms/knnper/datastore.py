@@ -5,6 +5,8 @@ model (`model_version`, a hash of its weights), the train split (`train_data`, a
 and y), the embedding dimension, index type, policy and capacity. A restarted node reuses it;
 one built for another model, other data (another partition, split or run) or other settings is
 detected and rebuilt, never silently used: it could hold the node's current test points.
+The saved store holds the train split and samples added later; the validation split, which λ
+and k are chosen on, only joins an unsaved copy (`joined`) that scores the test split.
 New local samples can be added without retraining the global model (the paper's
 distribution-shift experiment), under a capacity and an update policy:
 
@@ -15,6 +17,7 @@ distribution-shift experiment), under a capacity and an update policy:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -74,6 +77,14 @@ class Datastore:
             all_embeddings, all_labels = all_embeddings[-self.capacity :], all_labels[-self.capacity :]
         self.embeddings, self.labels = all_embeddings, all_labels
         self.index = self._build_index(self.embeddings)
+
+    def joined(self, embeddings: np.ndarray, labels: np.ndarray) -> Datastore:
+        """A copy with these pairs added under the policy, this store unchanged (`add` replaces
+        the arrays and the index, never writes into them)."""
+        other = copy.copy(self)
+        other.meta = dict(self.meta)
+        other.add(embeddings, labels)
+        return other
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Squared L2 distances and labels of the k nearest stored entries (k ≤ size)."""
