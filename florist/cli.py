@@ -150,11 +150,15 @@ def _node_configs(num_nodes: int, state_root: Path) -> list[dict[str, Any]]:
 
 def _deploy_local(args: argparse.Namespace) -> int:
     import subprocess
+    from contextlib import nullcontext
 
     from florist.deploy.federation import LocalFederation
+    from florist.deploy.netns import Network, check_usable
 
     from florist.server.simulation import Interrupted
 
+    if args.netns:
+        check_usable()  # before the run's own checks, which take seconds
     (cfg, num_nodes), console, start = _checked(args), _console(), time.monotonic()
     results_dir = Path(cfg.results_dir).expanduser().resolve()
     cfg = cfg.replace(results_dir=str(results_dir))
@@ -162,8 +166,12 @@ def _deploy_local(args: argparse.Namespace) -> int:
     results_file = results_dir / "results.json"
     _interrupt_on_signals()
     try:
-        with LocalFederation(workdir, _node_configs(num_nodes, workdir), tls=args.tls, auth=args.auth,
-                             executor=args.executor) as fed:  # fmt: skip
+        # The network is made first and removed last, with whatever still runs in it.
+        with (
+            Network.for_federation(num_nodes) if args.netns else nullcontext() as network,
+            LocalFederation(workdir, _node_configs(num_nodes, workdir), tls=args.tls, auth=args.auth,
+                            executor=args.executor, network=network) as fed,
+        ):  # fmt: skip
             print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe()}", flush=True)
             if not cfg.resume_from:
                 results_file.unlink(missing_ok=True)
@@ -365,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _run_options(dep)
     _federation_options(dep)
+    dep.add_argument("--netns", action="store_true",
+                     help="Linux, root: the SuperLink and each SuperNode in a network namespace of its own, with "
+                     "its own address on a private virtual network (no shared loopback), all removed on exit")  # fmt: skip
     dep.add_argument("--state-dir", help="federation folder: database, certificates, keys, logs, node state "
                      "(default: RESULTS_DIR/federation)")  # fmt: skip
     dep.set_defaults(func=_deploy_local)

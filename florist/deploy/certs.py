@@ -76,6 +76,16 @@ def make_ca_and_server(out: Path, hosts: list[str]) -> dict[str, Path]:
     }
 
 
+def covers(server_cert: Path, hosts: list[str]) -> bool:
+    """Whether the certificate at `server_cert` exists and names every one of `hosts` in its
+    SAN: one made for another address (a network since remade) must be made again."""
+    if not server_cert.exists():
+        return False
+    names = x509.load_pem_x509_certificate(server_cert.read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value  # fmt: skip
+    return all(_san(h) in names for h in hosts)
+
+
 def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
     """An ECDSA P-384 key pair in OpenSSH format (what `flwr supernode register` and
     `flower-supernode --auth-supernode-private-key` read): `name` and `name.pub`."""

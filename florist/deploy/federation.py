@@ -1,8 +1,10 @@
 """A real federation on one machine: one SuperLink and N SuperNodes as separate OS processes on
-127.0.0.1, talking over Flower's gRPC Fleet API, started and stopped by PID.
+127.0.0.1 (or, given a `netns.Network`, each in a network namespace of its own with its own
+address), talking over Flower's gRPC Fleet API, started and stopped by PID.
 
 Only the Fleet port is meant to face a network; the Control/Runtime HTTP port (run submission,
-no authentication in Flower 1.39) and each SuperNode's Runtime port always bind to 127.0.0.1.
+no authentication in Flower 1.39) and each SuperNode's Runtime port always bind to 127.0.0.1,
+the loopback of the process's own namespace.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +29,8 @@ from typing import Any
 from florist.common import flower_internals
 from florist.common.processes import terminate_marked
 from florist.common.storage import cache_dir
-from florist.deploy.certs import make_ca_and_server, make_node_key
+from florist.deploy import netns
+from florist.deploy.certs import covers, make_ca_and_server, make_node_key
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +157,9 @@ def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None, cw
 
 
 class LocalFederation:
-    """SuperLink + SuperNodes on loopback. Use as a context manager: everything it started is
-    stopped on exit (SuperNodes first), by PID."""
+    """SuperLink + SuperNodes on loopback, or on `network` (`netns.Network.for_federation`, made
+    and removed by the caller). Use as a context manager: everything it started is stopped on
+    exit (SuperNodes first), by PID."""
 
     def __init__(
         self,
@@ -167,12 +172,14 @@ class LocalFederation:
         executor: str = "warm",
         persistent: bool = False,
         preload: str | None = None,
+        network: netns.Network | None = None,
     ):
         if auth and not tls:
             raise ValueError("SuperNode authentication needs TLS: pass --tls with --auth")
         self.workdir = Path(workdir).expanduser().resolve()
         self.node_configs, self.tls, self.auth, self.max_wait_time = node_configs, tls, auth, max_wait_time
-        self.executor, self.persistent, self.preload = executor, persistent, preload
+        self.executor, self.persistent, self.preload, self.network = executor, persistent, preload, network
+        self.host = network.address(netns.SUPERLINK) if network else "127.0.0.1"  # where SuperNodes dial
         self.flwr_home = self.workdir / "flwr-home"
         self.certs, self.keys, self.logs = self.workdir / "certs", self.workdir / "keys", self.workdir / "logs"
         self.database = self.workdir / "superlink.db"  # with `persistent`; else the SuperLink keeps its state in memory
@@ -184,11 +191,19 @@ class LocalFederation:
 
     @property
     def fleet_address(self) -> str:
-        return f"127.0.0.1:{self.fleet_port}"
+        return f"{self.host}:{self.fleet_port}"
 
     @property
     def control_address(self) -> str:
+        """On the SuperLink's loopback: reached from its namespace only (`_at_superlink`)."""
         return f"127.0.0.1:{self.control_port}"
+
+    def _in(self, host: str, args: list[str]) -> list[str]:
+        return self.network.command(host, args) if self.network else args
+
+    def _at_superlink(self) -> AbstractContextManager:
+        """Sockets opened within are opened where the SuperLink runs."""
+        return self.network.inside(netns.SUPERLINK) if self.network else nullcontext()
 
     # --- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> LocalFederation:
@@ -207,8 +222,8 @@ class LocalFederation:
         `num_started` SuperNodes (all by default; the others can join later with `start_node`)."""
         for folder in (self.flwr_home, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
-        if self.tls and not (self.certs / "server.pem").exists():
-            make_ca_and_server(self.certs, ["localhost"])
+        if self.tls and not covers(self.certs / "server.pem", [self.host]):
+            make_ca_and_server(self.certs, ["localhost", self.host])
         self._write_connection()
         self.start_superlink()
         if self.auth:
@@ -235,8 +250,8 @@ class LocalFederation:
                 process.popen.wait()
         terminate_marked("FLWR_HOME", str(self.flwr_home), grace=2.0)
 
-    def _spawn(self, name: str, args: list[str]) -> Process:
-        return spawn(args, self.logs / f"{name}.log", env=self.env, cwd=self.workdir)
+    def _spawn(self, name: str, host: str, args: list[str]) -> Process:
+        return spawn(self._in(host, args), self.logs / f"{name}.log", env=self.env, cwd=self.workdir)
 
     def start_superlink(self, timeout: float = 60.0) -> Process:
         """(Re)start the SuperLink on the same ports (and, if `persistent`, the same database, so
@@ -248,9 +263,9 @@ class LocalFederation:
         args = [flower_bin("flower-superlink"), *security, *(["--enable-supernode-auth"] if self.auth else []),
                 "--fleet-api-address", self.fleet_address, "--host", "127.0.0.1", "--port", str(self.control_port),
                 "--disable-runtime-dependency-installation", *(["--database", str(self.database)] if self.persistent else [])]  # fmt: skip
-        self.superlink = self._spawn("superlink", args)
-        self._wait_for_port(self.control_port, self.superlink, timeout)
-        self._wait_for_port(self.fleet_port, self.superlink, timeout)
+        self.superlink = self._spawn("superlink", netns.SUPERLINK, args)
+        self._wait_for_port("127.0.0.1", self.control_port, self.superlink, timeout)
+        self._wait_for_port(self.host, self.fleet_port, self.superlink, timeout)
         return self.superlink
 
     def node_key(self, i: int) -> tuple[Path, Path]:
@@ -281,15 +296,14 @@ class LocalFederation:
                 args += ["--auth-supernode-private-key", str(private_key or self.node_key(i)[0])]
         else:
             args.append("--insecure")
-        self.nodes[i] = self._spawn(f"supernode-{i}", args)
+        self.nodes[i] = self._spawn(f"supernode-{i}", netns.node(i), args)
         return self.nodes[i]
 
     # --- queries ---------------------------------------------------------------------------
     def flwr(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
         """Run the `flwr` CLI against this federation's private FLWR_HOME."""
-        return subprocess.run(
-            [flower_bin("flwr"), *args], env=self.env, cwd=self.workdir, capture_output=True, text=True, timeout=timeout
-        )
+        return subprocess.run(self._in(netns.SUPERLINK, [flower_bin("flwr"), *args]), env=self.env, cwd=self.workdir,
+                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
     def online_nodes(self) -> list[int]:
         """IDs of the SuperNodes the SuperLink lists as online (empty while it cannot answer)."""
@@ -298,7 +312,8 @@ class LocalFederation:
         from florist.common.flower_internals import online_node_ids
 
         try:
-            return online_node_ids(self.control_address, str(self.certs / "ca.crt") if self.tls else None)
+            with self._at_superlink():
+                return online_node_ids(self.control_address, str(self.certs / "ca.crt") if self.tls else None)
         except httpx.HTTPError:  # not up yet, or restarting: the callers' loops are bounded
             return []
 
@@ -312,11 +327,11 @@ class LocalFederation:
                 raise TimeoutError(f"fewer than {count} SuperNodes connected within {timeout:.0f} s; logs in {self.logs}")
             time.sleep(0.5)
 
-    def _wait_for_port(self, port: int, process: Process, timeout: float) -> None:
+    def _wait_for_port(self, host: str, port: int, process: Process, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
+            with self._at_superlink(), socket.socket() as sock:
+                if sock.connect_ex((host, port)) == 0:
                     return
             if not process.alive():
                 raise RuntimeError(f"{process.name} exited (status {process.popen.returncode}):\n{process.tail()}")
@@ -334,20 +349,22 @@ class LocalFederation:
 
     def run_command(self, run_config: Mapping[str, Any]) -> list[str]:
         """`flwr run` of the florist app on this federation, streaming its log."""
-        return [flower_bin("flwr"), "run", str(app_dir()), CONNECTION, "--stream", "--run-config",
-                toml_node_config(dict(run_config))]  # fmt: skip
+        return self._in(netns.SUPERLINK, [flower_bin("flwr"), "run", str(app_dir()), CONNECTION, "--stream",
+                                          "--run-config", toml_node_config(dict(run_config))])  # fmt: skip
 
     def describe(self) -> str:
         """What a user needs to know: addresses, and how to submit a run."""
         nodes = "\n".join(f"  SuperNode {i}: pid {n.pid}, runtime 127.0.0.1:{self.node_ports[i]}, node config "
                           f"{toml_node_config(self.node_configs[i])}" for i, n in enumerate(self.nodes) if n)  # fmt: skip
+        where = f"ip netns exec {self.network.namespace(netns.SUPERLINK)} " if self.network else ""
         return (
             f"SuperLink: pid {self.superlink.pid if self.superlink else '-'}\n"
             f"  Fleet API (gRPC{', TLS' if self.tls else ''}{', node auth' if self.auth else ''}): {self.fleet_address}\n"
             f"  Control + Runtime API (HTTP, loopback only): {self.control_address}\n"
             f"  state: {self.database if self.persistent else 'in memory'}\n{nodes}\n"
-            f"Submit a run from the florist checkout:\n"
+            + (f"{self.network.describe()}\n" if self.network else "")
+            + f"Submit a run from the florist checkout:\n"
             f"  FLWR_HOME={self.flwr_home} FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 "
-            f"flwr run . {CONNECTION} --stream --run-config 'min-nodes={len(self.nodes)} ...'\n"
+            f"{where}flwr run . {CONNECTION} --stream --run-config 'min-nodes={len(self.nodes)} ...'\n"
             f"Logs: {self.logs}"
         )
