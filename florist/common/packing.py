@@ -14,6 +14,8 @@ Array per tensor, get what they always got.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
@@ -70,15 +72,19 @@ def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayReco
     keys, dtypes, shapes = (layout.get(field) for field in ("keys", "dtypes", "shapes"))
     if not all(isinstance(v, list) for v in (keys, dtypes, shapes)) or not len(keys) == len(dtypes) == len(shapes):
         raise PackingError(f"{where}: its layout needs lists keys, dtypes and shapes of equal length")
+    if len(set(map(str, keys))) < len(keys):
+        raise PackingError(f"{where}: its layout names a key twice")
     try:
         dims = [tuple(int(d) for d in str(shape).split(",") if d) for shape in shapes]
-    except ValueError as err:
-        raise PackingError(f"{where}: shapes must be comma-separated integers ({err})") from err
-    flat = {dtype: array.numpy() for dtype, array in record.items()}
+        flat = {dtype: array.numpy() for dtype, array in record.items()}
+    except Exception as err:  # noqa: BLE001 (a shape that is no integers, or whatever numpy raises on bytes that are no array)
+        raise PackingError(f"{where}: shapes must be comma-separated integers and arrays decodable ({err})") from err
+    if any(values.ndim != 1 for values in flat.values()):
+        raise PackingError(f"{where}: packed arrays must be flat")
     offsets = dict.fromkeys(flat, 0)
     arrays = {}
     for key, dtype, shape in zip(keys, dtypes, dims):
-        size = int(np.prod(shape, dtype=np.int64))
+        size = math.prod(shape)  # a Python int: a lying shape cannot overflow it
         if dtype not in flat or str(flat[dtype].dtype) != dtype or min(shape, default=0) < 0:
             raise PackingError(f"{where}: no {dtype} values for {key!r}")
         if offsets[dtype] + size > flat[dtype].size:

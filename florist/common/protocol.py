@@ -15,6 +15,13 @@ from flwr.common.serde import recorddict_to_proto
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 SIDE = "side"  # arrays sent beside the model (FedAttn: representation, bias gradient)
 TIMING = "timing"  # ConfigRecord of every florist reply: `handler-seconds`, the handler's own time
+COUNTS = ("num-examples", "num-train", "num-val", "num-test")  # metrics that count samples
+MAX_COUNT = 2**53  # the largest count a float holds exactly
+INFO_METRICS = ("num-train", "num-test", "seen")  # what a `query.info` reply must carry
+# No weight, gradient, descriptor or soft decision a node computes comes near it; a value beyond
+# it is a diverged or broken node, and it would overflow float32 where servers square and sum
+# what they receive (Adam's second moments, k-means distances).
+MAX_MAGNITUDE = 1e9
 
 # Message types are declared by the algorithms' specs (florist/algorithms/<name>/spec.py).
 
@@ -27,12 +34,21 @@ def to_record(model: torch.nn.Module) -> ArrayRecord:
     return ArrayRecord(model.state_dict())
 
 
+def tensors_of(record: ArrayRecord, source: str) -> dict[str, torch.Tensor]:
+    """The arrays of `record` as tensors; ProtocolError when one does not decode."""
+    try:
+        return record.to_torch_state_dict()
+    except Exception as err:  # noqa: BLE001 (whatever numpy or torch raise on bytes that are no array)
+        raise ProtocolError(f"{source}: an array does not decode ({type(err).__name__}: {err})") from err
+
+
 def state_of(record: ArrayRecord, reference: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """Tensors of `record`, checked against `reference` (same keys, shapes, finite values).
+    """Tensors of `record`, checked against `reference`: same keys, shapes and dtypes, finite
+    values within ±`MAX_MAGNITUDE`.
 
     `source` names where the record came from (a node, a file) for the error message.
     """
-    state = record.to_torch_state_dict()
+    state = tensors_of(record, source)
     missing, extra = set(reference) - set(state), set(state) - set(reference)
     if missing or extra:
         raise ProtocolError(
@@ -42,8 +58,12 @@ def state_of(record: ArrayRecord, reference: Mapping[str, torch.Tensor], source:
         got = state[key]
         if tuple(got.shape) != tuple(ref.shape):
             raise ProtocolError(f"{source}: array {key!r} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+        if got.dtype != ref.dtype:  # loaded into the reference's dtype, a float64 1e300 would become Inf
+            raise ProtocolError(f"{source}: array {key!r} has dtype {got.dtype}, expected {ref.dtype}")
         if got.is_floating_point() and not torch.isfinite(got).all():
             raise ProtocolError(f"{source}: array {key!r} contains NaN or Inf")
+        if got.is_floating_point() and (got.abs() > MAX_MAGNITUDE).any():
+            raise ProtocolError(f"{source}: array {key!r} has values beyond ±{MAX_MAGNITUDE:g}")
     return state
 
 
@@ -57,15 +77,31 @@ def arrays_of(
 
 
 def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> dict[str, float]:
-    """The `metrics` record of a reply, with `required` keys present and finite."""
+    """The `metrics` record of a reply: the `required` keys present, every value a finite
+    number, and the counts (`COUNTS`) whole numbers from 0 to `MAX_COUNT`."""
     if METRICS not in content.metric_records:
         raise ProtocolError(f"{source}: reply has no {METRICS!r} MetricRecord")
     metrics = dict(content.metric_records[METRICS])
-    for key in required:
+    for key in (*required, *(k for k in metrics if k not in required)):
         value = metrics.get(key)
         if not isinstance(value, (int, float)) or not np.isfinite(value):
-            raise ProtocolError(f"{source}: metric {key!r} is missing or not a finite number (got {value!r})")
+            what = "missing or not" if key in required else "not"
+            raise ProtocolError(f"{source}: metric {key!r} is {what} a finite number (got {value!r})")
+        if key in COUNTS and not (value == int(value) and 0 <= value <= MAX_COUNT):
+            raise ProtocolError(f"{source}: metric {key!r} counts samples, but is {value!r}")
     return metrics
+
+
+def info_of(content: RecordDict, source: str) -> tuple[str, tuple[int, ...], dict[str, float]]:
+    """(node key, input shape, metrics) of a `query.info` reply, checked."""
+    metrics = metrics_of(content, INFO_METRICS, source)
+    config = content.config_records.get(CONFIG, {})
+    key, shape = config.get("node-key"), config.get("input-shape")
+    if not isinstance(key, str) or not key:
+        raise ProtocolError(f"{source}: node-key must be a non-empty string (got {key!r})")
+    if not isinstance(shape, list) or not shape or not all(type(d) is int and d >= 1 for d in shape):
+        raise ProtocolError(f"{source}: input-shape must be a list of positive integers (got {shape!r})")
+    return key, tuple(shape), metrics
 
 
 def handler_seconds(reply: RecordDict) -> float:

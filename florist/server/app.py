@@ -38,12 +38,12 @@ def discover(federation: Federation, cfg: RunConfig, node_ids: list[int]) -> lis
     nodes = []
     for node_id, reply in replies.items():
         try:
-            metrics = protocol.metrics_of(reply, ("num-train", "num-test", "seen"), f"node {node_id}")
-            config = reply.config_records[protocol.CONFIG]
-            nodes.append(NodeInfo(node_id, str(config["node-key"]), bool(metrics["seen"]), int(metrics["num-train"]),
-                                  int(metrics["num-test"]), tuple(int(d) for d in config["input-shape"])))  # fmt: skip
-        except (protocol.ProtocolError, KeyError) as err:
+            key, shape, metrics = protocol.info_of(reply, f"node {node_id}")
+        except protocol.ProtocolError as err:
             federation.fail(node_id, INFO.message_type, 0, f"ill-formed info reply: {err}")
+            continue
+        nodes.append(NodeInfo(node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]),
+                              shape))  # fmt: skip
     federation.names.update({n.node_id: str(n) for n in nodes})
     return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
 

@@ -95,28 +95,37 @@ class Federation:
         # Reply ids are known only after sending; errors made by the SuperLink carry its id, not the node's.
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
         good: dict[int, RecordDict] = {}
-        errored: set[int] = set()
+        failed: dict[int, str] = {}  # the first reason each node failed for
         for reply in replies:
-            node = sent_to.get(reply.metadata.reply_to_message_id, reply.metadata.src_node_id)
+            node = sent_to.get(reply.metadata.reply_to_message_id)
             if reply.has_error():
-                errored.add(node)
+                node = reply.metadata.src_node_id if node is None else node
                 reason = f"error code {reply.error.code}: {reply.error.reason}"
                 if reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:  # its time-to-live, the timeout, ran out
                     reason = f"no reply within {self.timeout:.0f} s (the message expired)"
-                self.fail(node, message_type, server_round, reason)
-                continue
-            self.bytes_up += protocol.nbytes(reply.content)
-            try:
-                good[node] = packing.unpack(reply.content, self.name(node))
-            except packing.PackingError as err:
-                errored.add(node)
-                self.fail(node, message_type, server_round, str(err))
-        for node in sorted(set(requests) - set(good) - errored):
-            self.fail(node, message_type, server_round, f"no reply within {self.timeout:.0f} s")
+            elif node != reply.metadata.src_node_id:  # never taken for another node's reply, or a stale one
+                node = reply.metadata.src_node_id
+                reason = f"it replied to message {reply.metadata.reply_to_message_id!r}, not one this exchange sent it"
+            elif node in good:
+                reason = "more than one reply to its message"
+            else:
+                self.bytes_up += protocol.nbytes(reply.content)
+                try:
+                    good[node] = packing.unpack(reply.content, self.name(node))
+                    continue
+                except packing.PackingError as err:
+                    reason = str(err)
+            failed.setdefault(node, reason)
+        for node in sorted(set(requests) - set(good) - set(failed)):
+            failed[node] = f"no reply within {self.timeout:.0f} s"
+        for node, reason in failed.items():
+            good.pop(node, None)
+            self.fail(node, message_type, server_round, reason)
         handler_seconds = [protocol.handler_seconds(reply) for reply in good.values()]
         self.exchanges.append({"type": message_type, "seconds": round(seconds, 4), "nodes": len(requests),
                                "handler_seconds_max": round(max(handler_seconds, default=0.0), 4)})  # fmt: skip
-        return good
+        # In request order, not arrival order (which varies): float sums over replies then repeat exactly.
+        return {node: good[node] for node in requests if node in good}
 
     def _send_and_receive(self, messages: list[Message]) -> list[Message]:
         """Like `Grid.send_and_receive`, but polling with a `Backoff` instead of Flower's fixed

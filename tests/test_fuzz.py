@@ -1,0 +1,598 @@
+"""No malformed record crashes florist's server or a node.
+
+Server: for `query.info` and every message type of every algorithm in the registry, hypothesis
+draws replies made from a real reply of that type with one defect (a record or key missing or
+extra, an array of another shape or dtype, NaN, Inf or huge values, undecodable bytes, a
+broken packing layout, metrics of the wrong type, a reply to another message). Each goes
+through the real `Federation.exchange` and `Strategy.ask` (or `discover`) beside another
+node's good reply. Nothing may raise; a bad reply must be left out and recorded in
+`federation.failures` with its node's name and a reason, and a harmless change must change
+nothing. The strategy's aggregation only ever sees what `ask` returns, so the round is then
+run on the recorded replies with the accepted one in its place, or without the refused node:
+the server's state stays finite. (A real round per example, every node's reply re-sent and
+re-checked, would cost 50 times as much.)
+
+Node: requests of every message type, and of unknown ones, with the same defects and bad
+settings go to the ClientApp. Each is refused with an error reply (what Flower's runtimes make
+of an exception) or answered, the ones that cannot be right are refused, and the node answers
+the next good request with a reply the server accepts.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import functools
+import logging
+import math
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from florist.algorithms import SPECS
+from florist.algorithms.base import INFO, Exchange
+from florist.client.app import app as client_app
+from florist.common import packing, protocol
+from florist.common.config import RunConfig
+from florist.server.app import discover
+from florist.server.inprocess import InProcessGrid, server_identity
+from florist.server.strategy import Federation, Strategy
+
+REPLIES_PER_TYPE = int(__import__("os").environ.get("FUZZ_N", 1000))  # malformed replies generated per message type
+REQUESTS_PER_TYPE = 40  # malformed requests per message type (each followed by a good one, a handler run)
+SETTINGS = {  # small and quick: 3 nodes of 12 digits partitions, an MLP, one local step where there are steps
+    "model": "mlp", "min-nodes": 3, "num-server-rounds": 1, "partition": "iid", "seed": 3, "unseen-fraction": 0.0,
+    "batch-size": 32, "fedattn-warmup": 0, "hn-hidden": 4, "hn-local-steps": 1, "hn-batch": 8, "ckt-steps": 1,
+    "ckt-clusters": 2, "public-size": 20, "finetune-epochs": 1,
+}  # fmt: skip
+NODE_CONFIGS = [{"partition-id": i, "num-partitions": 12} for i in range(3)]
+FUZZ = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+COUNTED: collections.Counter[str] = collections.Counter()  # examples run, by side and message type
+
+
+# -- a federation that records, then replays ---------------------------------------------------
+
+
+class FuzzGrid(InProcessGrid):
+    """The in-process grid, which also keeps each (phase, node, message type)'s request and reply
+    as they travelled; with `answer` set, the replies come from it instead of the ClientApp."""
+
+    def __init__(self):
+        super().__init__(client_app, [c | {"state-dir": tempfile.mkdtemp()} for c in NODE_CONFIGS], run_id=7)
+        self.phase = ""
+        self.wire: dict[tuple[str, int, str], tuple[RecordDict, RecordDict]] = {}
+        self.answer: Callable[[Message], list[Message]] | None = None
+        self.late: list[Message] = []  # replies beyond the first to a message
+        self.first_id = ""
+
+    def _answer(self, msg: Message) -> Message:
+        self.first_id = self.first_id or msg.metadata.message_id
+        if self.answer is not None:
+            first, *more = self.answer(msg)
+            self.late += more
+            return first
+        reply = super()._answer(msg)
+        if self.phase:
+            self.wire[self.phase, msg.metadata.dst_node_id, msg.metadata.message_type] = (msg.content, reply.content)
+        return reply
+
+    def pull_messages(self, message_ids):
+        late, self.late = self.late, []
+        return super().pull_messages(message_ids) + late
+
+
+@dataclasses.dataclass
+class Call:
+    """One `Strategy.ask` of a recorded phase: its arguments and what it returned."""
+
+    exchange: Exchange
+    server_round: int
+    required: tuple[str, ...]
+    reference: Any
+    side: Any
+    replies: dict
+
+
+@dataclasses.dataclass(eq=False)
+class Federated:
+    """One algorithm's server half with three in-process nodes, and a recording of its phases
+    (`info`, a training round, an evaluation): the state before each, and every ask of each."""
+
+    cfg: RunConfig
+    grid: FuzzGrid
+    strategy: Strategy
+    nodes: list
+    before: dict[str, Any] = dataclasses.field(default_factory=dict)
+    calls: dict[tuple[str, str], Call] = dataclasses.field(default_factory=dict)
+    without: set = dataclasses.field(default_factory=set)  # (phase, type, node) already run without the node
+
+    def run(self, phase: str):
+        """Run `phase` from its recorded state; return what it returned."""
+        self.strategy.load_state(copy.deepcopy(self.before[phase]))
+        if phase == "train":
+            return self.strategy.train_round(1, self.nodes[:2])
+        return self.strategy.evaluate(1, self.nodes)
+
+    def recipients(self, phase: str, message_type: str) -> list[int]:
+        return sorted(node for p, node, t in self.grid.wire if (p, t) == (phase, message_type))
+
+    def accepted(self, phase: str, message_type: str) -> dict[int, Any]:
+        """What the server made of each node's recorded reply: its NodeInfo, or its `Reply`."""
+        if phase == "info":
+            return {n.node_id: n for n in self.nodes}
+        return self.calls[phase, message_type].replies
+
+    @functools.cache  # noqa: B019 (one per algorithm, kept for the session)
+    def unpacked(self, phase: str, node: int, message_type: str, request: bool) -> RecordDict:
+        return packing.unpack(self.grid.wire[phase, node, message_type][0 if request else 1], "recorded")
+
+    def aggregate(self, phase: str, message_type: str, target: int, reply) -> tuple[Any, Any]:
+        """(result, state) of `phase` on the recorded replies, the target's `message_type`
+        reply replaced by `reply` (None: the target failed)."""
+
+        def ask(exchange, requests, *args):
+            replies = self.calls[phase, exchange.message_type].replies
+            if exchange.message_type == message_type:
+                replies = {**replies, target: reply}
+            return {n: r for n, r in replies.items() if n in requests and r is not None}
+
+        self.strategy.ask = ask
+        try:
+            return self.run(phase), self.strategy.state()
+        finally:
+            del self.strategy.ask
+
+
+@functools.cache
+def federated(spec: str) -> Federated:
+    cfg = RunConfig.from_mapping(SETTINGS | {"strategy": spec, "results-dir": tempfile.mkdtemp()})
+    grid = FuzzGrid()
+    with server_identity(grid.run_id):
+        federation = Federation(grid, cfg.round_timeout, grid.run_id)
+        grid.phase = "info"
+        nodes = discover(federation, cfg, grid.get_node_ids())
+        strategy = SPECS[spec].load_server()(cfg, federation, nodes[0].input_shape, len(nodes))
+        fed, real_ask = Federated(cfg, grid, strategy, nodes), strategy.ask
+
+        def recording_ask(exchange, requests, server_round, required, reference=None, side=None):
+            replies = real_ask(exchange, requests, server_round, required, reference, side)
+            fed.calls[grid.phase, exchange.message_type] = Call(exchange, server_round, required, reference, side,
+                                                                replies)  # fmt: skip
+            return replies
+
+        strategy.ask = recording_ask
+        for phase in ("train", "evaluate"):
+            fed.before[phase] = copy.deepcopy(strategy.state())
+            grid.phase = phase
+            fed.run(phase)
+        grid.phase = ""
+        del strategy.ask
+    assert not federation.failures, federation.failures
+    return fed
+
+
+def phases_of(message_type: str) -> list[tuple[str, str]]:
+    """(algorithm, phase) pairs whose recording sends `message_type`."""
+    specs = [s.name for s in SPECS.values() if any(e.message_type == message_type for e in s.exchanges)]
+    if message_type == INFO.message_type:
+        return [(spec, "info") for spec in SPECS]
+    return [(spec, phase) for spec in specs for phase in ("train", "evaluate") if (phase, message_type) in federated(spec).calls]
+
+
+MESSAGE_TYPES = [INFO.message_type] + sorted({e.message_type for s in SPECS.values() for e in s.exchanges})
+PLACEHOLDER = protocol.content(config={})  # a request the replaying nodes answer without reading it
+
+
+# -- defects --------------------------------------------------------------------------------
+# Each defect names itself by a label; what a label must lead to is the side's business (below).
+
+
+@dataclasses.dataclass
+class Draft:
+    """A content being spoiled: its records by name, and the defect's label."""
+
+    records: dict[str, Any]
+    required: tuple[str, ...]
+    label: str = "unchanged"
+    packed: bool = True
+
+    def arrays(self) -> list[str]:
+        return [n for n, r in self.records.items() if isinstance(r, ArrayRecord) and len(r)]
+
+    def content(self) -> RecordDict:
+        content = RecordDict(self.records)
+        return packing.pack(content) if self.packed else content
+
+
+FLOAT32_HUGE = (1e30, -1e30, 3e38, -3e38, 1e20, 2e9)
+WRONG_DTYPES = ("float64", "float16", "int32", "int64", "uint8", "bool", "complex64", ">f4", "<U2")
+
+
+def _array_defect(data, draft: Draft) -> None:
+    name = data.draw(st.sampled_from(draft.arrays()))
+    record = dict(draft.records[name])
+    key = data.draw(st.sampled_from(sorted(record)))
+    values = record[key].numpy()
+    how = data.draw(st.sampled_from(["missing", "extra", "shape", "dtype", "nonfinite", "huge", "scale", "corrupt",
+                                     "drop-record", "retype-record"]))  # fmt: skip
+    if how == "missing":
+        del record[key]
+    elif how == "extra":
+        record[key + ".extra"] = Array(np.zeros(3, np.float32))
+    elif how == "shape":
+        shapes = {"flat+1": np.zeros(values.size + 1, values.dtype), "empty": np.zeros((0,), values.dtype),
+                  "extra-dim": values[None], "oversized": np.zeros(1 << 20, values.dtype)}  # fmt: skip
+        record[key] = Array(shapes[data.draw(st.sampled_from(sorted(shapes)))])
+    elif how == "dtype":
+        record[key] = Array(values.astype(data.draw(st.sampled_from([d for d in WRONG_DTYPES if np.dtype(d) != values.dtype]))))
+    elif how in ("nonfinite", "huge"):
+        spoiled = values.copy().reshape(-1)
+        pick = [math.nan, math.inf, -math.inf] if how == "nonfinite" else FLOAT32_HUGE
+        spoiled[data.draw(st.integers(0, spoiled.size - 1))] = data.draw(st.sampled_from(pick))
+        record[key] = Array(spoiled.reshape(values.shape))
+    elif how == "scale":
+        record[key] = Array(values * np.asarray(10.0 ** data.draw(st.integers(1, 6)), values.dtype))
+    elif how == "corrupt":  # travels unpacked: packing would decode it
+        blobs = {"empty": b"", "garbage": b"\x93NUMPY junk", "truncated": record[key].data[: len(record[key].data) // 2]}
+        blob, stype = data.draw(st.sampled_from(sorted(blobs))), data.draw(st.sampled_from(["numpy.ndarray", "torch"]))
+        record[key] = Array(dtype=str(values.dtype), shape=tuple(values.shape), stype=stype, data=blobs[blob])
+        draft.packed = False
+    elif how == "drop-record":
+        del draft.records[name]
+    else:
+        draft.records[name] = ConfigRecord({"x": 1}) if data.draw(st.booleans()) else MetricRecord({key: 1.0})
+    if how not in ("drop-record", "retype-record"):
+        draft.records[name] = ArrayRecord(record)
+    draft.label = f"array {how}"
+
+
+def _metric_defect(data, draft: Draft) -> None:
+    metrics = dict(draft.records[protocol.METRICS])
+    counts = [k for k in protocol.COUNTS if k in metrics]
+    how = data.draw(st.sampled_from(["drop", "nonfinite", "list", "extra-bad", "extra-ok", "huge", "drop-record",
+                                     "retype-record", *["count", "count-edge"] * bool(counts)]))  # fmt: skip
+    if how == "drop":
+        del metrics[data.draw(st.sampled_from(draft.required))]
+    elif how in ("nonfinite", "list", "huge"):
+        values = {"nonfinite": [math.nan, math.inf, -math.inf], "list": [[1.0, 2.0], [3]], "huge": [1e300, -1e300]}
+        metrics[data.draw(st.sampled_from(sorted(metrics)))] = data.draw(st.sampled_from(values[how]))
+    elif how == "count":
+        metrics[data.draw(st.sampled_from(counts))] = data.draw(st.sampled_from([-1, 2.5, -(2**63), 2**63, 1e300]))
+    elif how == "count-edge":
+        metrics[data.draw(st.sampled_from(counts))] = data.draw(st.sampled_from([0, 1, 10**6]))
+    elif how in ("extra-bad", "extra-ok"):
+        metrics["extra"] = data.draw(st.sampled_from([math.nan, -math.inf, [1, 2]] if how == "extra-bad" else [0, 1e6]))
+    elif how == "drop-record":
+        del draft.records[protocol.METRICS]
+    else:
+        draft.records[protocol.METRICS] = ConfigRecord({k: str(v) for k, v in metrics.items()})
+    if how not in ("drop-record", "retype-record"):
+        draft.records[protocol.METRICS] = MetricRecord(metrics)
+    draft.label = f"metric {how}"
+
+
+INFO_CONFIG = {
+    "node-key": [5, b"partition-0", "", ["partition-0"], True],
+    "input-shape": ["1,8,8", 8, [], [0, 8, 8], [1, -8, 8], [1.5, 8.0, 8.0], ["1", "8", "8"], [True, True, True]],
+}
+
+
+def _info_defect(data, draft: Draft) -> None:
+    config = dict(draft.records[protocol.CONFIG])
+    key = data.draw(st.sampled_from(sorted(INFO_CONFIG)))
+    if data.draw(st.booleans()):
+        del config[key]
+    else:
+        config[key] = data.draw(st.sampled_from(INFO_CONFIG[key]))
+    draft.records[protocol.CONFIG] = ConfigRecord(config)
+    draft.label = f"info {key}"
+
+
+WRONG_TYPES = {bool: [1, "true", [True]], int: ["1", b"1", True, 1.5, [1]], float: ["0.5", b"", True, [0.5]],
+               str: [1, 1.5, True, b"x", ["x"]]}  # fmt: skip
+ODD_VALUES = {bool: [], int: [-1], float: [math.nan, math.inf, -math.inf, -1.0, 0.0], str: ["", "?"]}
+
+
+def _config_defect(data, draft: Draft) -> None:
+    """A request's settings: one missing, unknown, of another type, or of an odd value."""
+    config = dict(draft.records[protocol.CONFIG])
+    key = data.draw(st.sampled_from(sorted(config)))
+    how = data.draw(st.sampled_from(["drop", "extra", "type", *["value"] * bool(ODD_VALUES[type(config[key])])]))
+    if how == "drop":
+        del config[key]
+        how += "-strategy" if key == "strategy" else ""
+    elif how == "extra":
+        config["not-a-setting"] = 1
+    else:
+        config[key] = data.draw(st.sampled_from((WRONG_TYPES if how == "type" else ODD_VALUES)[type(config[key])]))
+    draft.records[protocol.CONFIG] = ConfigRecord(config)
+    draft.label = f"config {how}"
+
+
+def _harmless(data, draft: Draft) -> None:
+    """What a content may carry without consequence: an unknown record, a mangled timing
+    record, no packing."""
+    how = data.draw(st.sampled_from(["record", "timing", "unpacked"]))
+    if how == "record":
+        junk = {"config": ConfigRecord({"x": "y"}), "metrics": MetricRecord({"accuracy": math.nan}),
+                "arrays": ArrayRecord({"a": Array(np.full(3, np.nan, np.float32)), "b": Array(np.ones(2))})}  # fmt: skip
+        draft.records["junk"] = junk[data.draw(st.sampled_from(sorted(junk)))]
+    elif how == "timing":
+        draft.records[protocol.TIMING] = ConfigRecord({"handler-seconds": data.draw(st.sampled_from([math.nan, -1.0, "x"]))})
+    else:
+        draft.packed = False
+    draft.label = f"harmless {how}"
+
+
+def _layout_defect(data, packed: RecordDict) -> tuple[RecordDict, str]:
+    """A packed record whose layout lies about its arrays, or whose arrays do not decode."""
+    names = [n[: -len(packing.LAYOUT)] for n in packed.config_records if n.endswith(packing.LAYOUT)]
+    name = data.draw(st.sampled_from(names))
+    records = dict(packed.items())
+    layout = {k: list(v) for k, v in records[name + packing.LAYOUT].items()}
+    flat = dict(records[name])
+    how = data.draw(st.sampled_from(["short", "duplicate", "dtype", "shape", "field", "no-layout", "no-record",
+                                     "truncated", "longer", "2d", "bytes"]))  # fmt: skip
+    i = data.draw(st.integers(0, len(layout["keys"]) - 1))
+    if how == "short":
+        layout[data.draw(st.sampled_from(["keys", "dtypes", "shapes"]))].pop(i)
+    elif how == "duplicate":
+        layout["keys"][i] = layout["keys"][i - 1]
+    elif how == "dtype":
+        layout["dtypes"][i] = data.draw(st.sampled_from(["float64", "int8", "nonsense", ""]))
+    elif how == "shape":
+        layout["shapes"][i] = data.draw(st.sampled_from(["-1", "a", "1.5", "7,0", "99999999999,99999999999,99999999999",
+                                                         "4294967296,4294967296,1"]))  # fmt: skip
+    elif how == "field":
+        layout[data.draw(st.sampled_from(["keys", "dtypes", "shapes"]))] = data.draw(st.sampled_from([5, "x", [1, 2]]))
+    elif how == "no-layout":
+        del records[name + packing.LAYOUT]
+    elif how == "no-record":
+        del records[name]
+    else:
+        dtype = data.draw(st.sampled_from(sorted(flat)))
+        values = flat[dtype].numpy()
+        if how == "bytes":
+            flat[dtype] = Array(dtype=dtype, shape=values.shape, stype="numpy.ndarray", data=flat[dtype].data[:-4])
+        else:
+            flat[dtype] = Array({"truncated": values[:-1], "longer": np.concatenate([values, values[:1]]),
+                                 "2d": values[: values.size // 2 * 2].reshape(2, -1)}[how])  # fmt: skip
+        records[name] = ArrayRecord(flat)
+    if how not in ("no-layout", "no-record"):
+        records[name + packing.LAYOUT] = ConfigRecord(layout)
+    return RecordDict(records), f"layout {how}"
+
+
+def spoiled(data, content: RecordDict, required: tuple[str, ...], defects: list[Callable]) -> tuple[str, RecordDict]:
+    """(label, content) for a real `content` (unpacked) with one of `defects` that applies, or a
+    broken packing, or nothing at all; packed as florist packs what it sends."""
+    draft = Draft(dict(content.items()), required)
+    applicable = [_harmless] + [d for d in defects if {_array_defect: draft.arrays(), _metric_defect: protocol.METRICS
+                                                       in draft.records}.get(d, True)]  # fmt: skip
+    packs = any(isinstance(r, ArrayRecord) and len(r) > 1 for r in content.values())
+    choice = data.draw(st.integers(0, 15))
+    if choice == 0:
+        return "empty", RecordDict()
+    if choice <= 2 and packs:
+        return _layout_defect(data, packing.pack(content))[::-1]
+    data.draw(st.sampled_from(applicable))(data, draft)
+    return draft.label, draft.content()
+
+
+def kind_of(label: str, kinds: dict[str, str], default: str) -> str:
+    return next((kind for start, kind in kinds.items() if label.startswith(start)), default)
+
+
+# -- checks -----------------------------------------------------------------------------------
+
+
+def leaves(value: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """(path, value) of everything a state, reply or NodeInfo holds, in a fixed order."""
+    if isinstance(value, dict):
+        for key in sorted(value, key=str):
+            yield from leaves(value[key], (*path, key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from leaves(item, (*path, i))
+    elif dataclasses.is_dataclass(value):
+        yield from leaves(dataclasses.asdict(value), path)
+    else:
+        yield path, value
+
+
+def same(a: Any, b: Any) -> bool:
+    left, right = list(leaves(a)), list(leaves(b))
+    return [p for p, _ in left] == [p for p, _ in right] and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for (_, x), (_, y) in zip(left, right)
+    )
+
+
+def all_finite(value: Any) -> bool:
+    return all(
+        bool(torch.isfinite(leaf).all()) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+        else not isinstance(leaf, float) or math.isfinite(leaf)
+        for _, leaf in leaves(value)
+    )  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def quiet_failures():
+    """Thousands of refused replies would each log a warning."""
+    logger = logging.getLogger("flwr")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_counts():
+    yield
+    print("\nfuzzed examples:", dict(sorted(COUNTED.items())))
+
+
+Answer = Callable[[Message, dict[int, str]], list[Message]]  # the target's replies to a message, given the ids sent
+
+
+def sending(content: RecordDict | Error) -> Answer:
+    return lambda msg, sent: [Message(content, reply_to=msg)]
+
+
+def check_reply(fed: Federated, phase: str, message_type: str, target: int, answer: Answer, others: list[int]):
+    """Send `message_type` to `others` and `target` through the real exchange and checks, the
+    target answering with `answer`, the others as recorded; return what the checks let
+    through (by node) and the failures recorded."""
+    federation, sent = fed.strategy.federation, {}
+    federation.failures.clear()
+    federation.take_exchanges()
+
+    def answered(msg: Message) -> list[Message]:
+        node = msg.metadata.dst_node_id
+        sent[node] = msg.metadata.message_id
+        if node == target:
+            return answer(msg, sent)
+        return [Message(fed.grid.wire[phase, node, message_type][1], reply_to=msg)]
+
+    fed.grid.answer = answered
+    try:
+        if phase == "info":
+            got = {n.node_id: n for n in discover(federation, fed.cfg, [*others, target])}
+        else:
+            call = fed.calls[phase, message_type]
+            got = type(fed.strategy).ask(fed.strategy, call.exchange, dict.fromkeys([*others, target], PLACEHOLDER),
+                                         call.server_round, call.required, call.reference, call.side)  # fmt: skip
+    finally:
+        fed.grid.answer = None
+    return got, list(federation.failures)
+
+
+def draw_node(data, message_type: str) -> tuple[Federated, str, int]:
+    spec, phase = data.draw(st.sampled_from(phases_of(message_type)))
+    fed = federated(spec)
+    return fed, phase, data.draw(st.sampled_from(fed.recipients(phase, message_type)))
+
+
+# -- the server -------------------------------------------------------------------------------
+
+BAD, BENIGN, EXTREME = "bad", "benign", "extreme"  # must be refused / must change nothing / may pass
+REPLY_KINDS = {"harmless": BENIGN, "array scale": EXTREME, "metric extra-ok": EXTREME, "metric count-edge": EXTREME,
+               "metric huge": EXTREME}  # fmt: skip
+
+
+def misdirected(data, grid: FuzzGrid, content: RecordDict, to_other: bool) -> tuple[str, Answer]:
+    """The target's own, valid reply as a reply to another message: another node's, an earlier
+    one, none. Its own message then expires, and the SuperLink answers it with an error."""
+    which = data.draw(st.sampled_from(["earlier", "no", *["another node's"] * to_other]))
+
+    def answer(msg: Message, sent: dict[int, str]) -> list[Message]:
+        reply = Message(content, reply_to=msg)
+        other = next((i for n, i in sent.items() if n != msg.metadata.dst_node_id), "")
+        reply.metadata.__dict__["_reply_to_message_id"] = {"earlier": grid.first_id, "no": "",
+                                                           "another node's": other}[which]  # fmt: skip
+        return [Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, "expired"), reply_to=msg), reply]
+
+    return f"reply to {which} message", answer
+
+
+@pytest.mark.parametrize("message_type", MESSAGE_TYPES)
+def test_a_malformed_reply_is_refused_and_what_passes_the_checks_keeps_the_state_finite(message_type):
+    """Every malformed reply of `message_type` is refused and recorded as its node's failure,
+    naming the node and why; a harmless change is accepted as if it were not there; and the
+    round runs on whatever the checks let through, or without the refused node, to a finite
+    state."""
+    info = message_type == INFO.message_type
+    defects = [_info_defect, _metric_defect] if info else [_array_defect, _metric_defect]
+
+    @settings(FUZZ, max_examples=REPLIES_PER_TYPE)
+    @given(st.data())
+    def check(data):
+        fed, phase, target = draw_node(data, message_type)
+        accepted = fed.accepted(phase, message_type)
+        others = [n for n in fed.recipients(phase, message_type) if n != target][: data.draw(st.integers(0, 1))]
+        if data.draw(st.integers(0, 9)) == 0:
+            label, answer = misdirected(data, fed.grid, fed.grid.wire[phase, target, message_type][1], bool(others))
+        else:
+            required = protocol.INFO_METRICS if info else fed.calls[phase, message_type].required
+            label, content = spoiled(data, fed.unpacked(phase, target, message_type, False), required, defects)
+            answer = sending(content)
+        kind = kind_of(label, REPLY_KINDS, BAD)
+        event(f"{kind}: {label}")
+        COUNTED[f"reply {message_type}"] += 1
+        with server_identity(fed.grid.run_id):
+            got, failures = check_reply(fed, phase, message_type, target, answer, others)
+            assert all(f["node_id"] == target for f in failures) and all(same(got[n], accepted[n]) for n in others)
+            if target in got:
+                assert not failures and kind != BAD, f"{label}: accepted"
+                changed = not same(got[target], accepted[target])
+                assert not (changed and kind == BENIGN), f"{label}: not harmless"
+                if changed and not info:
+                    COUNTED[f"aggregated {message_type}"] += 1
+                    assert all_finite(fed.aggregate(phase, message_type, target, got[target])), label
+            else:
+                assert len(failures) == 1 and failures[0]["reason"], label
+                assert failures[0]["node"] == fed.strategy.federation.name(target)
+                assert failures[0]["message_type"] == message_type
+                if not info and (phase, message_type, target) not in fed.without:
+                    fed.without.add((phase, message_type, target))
+                    assert all_finite(fed.aggregate(phase, message_type, target, None))
+
+    check()
+    assert COUNTED[f"reply {message_type}"] >= REPLIES_PER_TYPE
+
+
+# -- the node ---------------------------------------------------------------------------------
+
+REFUSED, GOOD, ANY = "refused", "good", "any"  # an error reply / a reply the server accepts / either, or garbage
+REQUEST_KINDS = {"harmless": GOOD, "array scale": ANY, "config value": ANY, "config drop-strategy": ANY,
+                 "empty": ANY, "other type": ANY}  # fmt: skip
+UNKNOWN_TYPES = ("train.nope", "evaluate.nope", "query.nope")
+
+
+def answer_of(fed: Federated, node: int, message_type: str, content: RecordDict) -> Message:
+    """The node's reply to a message of `message_type` with `content`, as a runtime gives it."""
+    msg = Message(content, dst_node_id=node, message_type=message_type, group_id="1", ttl=fed.cfg.round_timeout)
+    return fed.grid.send_and_receive([msg])[0]
+
+
+def accepted_by_server(fed: Federated, phase: str, message_type: str, node: int, reply: Message) -> bool:
+    got, _ = check_reply(fed, phase, message_type, node, sending(reply.error if reply.has_error() else reply.content), [])
+    return node in got
+
+
+@pytest.mark.parametrize("message_type", MESSAGE_TYPES)
+def test_a_node_refuses_a_malformed_request_and_answers_the_next_good_one(message_type):
+    """Every malformed request of `message_type` (or sent as another type, or an unknown one)
+    is refused with an error reply, or answered; one that cannot be right is refused; and the
+    node's next good request gets a reply the server accepts."""
+
+    @settings(FUZZ, max_examples=REQUESTS_PER_TYPE)
+    @given(st.data())
+    def check(data):
+        fed, phase, node = draw_node(data, message_type)
+        label, content = spoiled(data, fed.unpacked(phase, node, message_type, True), (), [_array_defect, _config_defect])
+        sent_as = message_type
+        if data.draw(st.integers(0, 7)) == 0:
+            sent_as = data.draw(st.sampled_from([*UNKNOWN_TYPES, *(t for t in MESSAGE_TYPES if t != message_type)]))
+            label = "unknown type" if sent_as in UNKNOWN_TYPES else "other type"
+        kind = kind_of(label, REQUEST_KINDS, REFUSED)
+        event(f"{kind}: {label}")
+        COUNTED[f"request {message_type}"] += 1
+        with server_identity(fed.grid.run_id):
+            reply = answer_of(fed, node, sent_as, content)
+            if kind != ANY:
+                good = not reply.has_error() and accepted_by_server(fed, phase, message_type, node, reply)
+                assert good == (kind == GOOD), f"{label}: {reply.error if reply.has_error() else 'answered'}"
+            again = answer_of(fed, node, message_type, fed.grid.wire[phase, node, message_type][0])
+            assert accepted_by_server(fed, phase, message_type, node, again), f"after {label}: {again.error}"
+
+    check()
+    assert COUNTED[f"request {message_type}"] >= REQUESTS_PER_TYPE
