@@ -20,7 +20,7 @@ import numpy as np
 from flwr.app import Context, Message, RecordDict
 
 from florist.algorithms import spec_of
-from florist.algorithms.base import Exchange, Settings
+from florist.algorithms.base import Exchange, Settings, coerce
 from florist.client.state import NodeState
 from florist.common import data as data_lib
 from florist.common import protocol, scenarios, training
@@ -116,7 +116,7 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
         shared = {*RunConfig.keys(True), *spec.settings.keys(True)}
         cfg = RunConfig.from_mapping({k: v for k, v in config.items() if k in shared})
         request = exchange.request.from_mapping(config, strict=True)
-        server_round, run_id = int(config["server-round"]), int(config["run-id"])
+        server_round, run_id = (coerce(key, config[key], int) for key in ("server-round", "run-id"))
     else:  # one of Flower's strategies: the run config, and what it shares with the message
         run = dict(context.run_config) | {k: v for k, v in config.items() if k in RunConfig.keys()}
         cfg = RunConfig.from_mapping({k: v for k, v in run.items() if k != "server-round"})
