@@ -92,7 +92,7 @@ def test_personalized_strategies_score_every_client(tmp_path, strategy):
         assert all("global_accuracy" in c for c in results["clients"])
     if strategy == "knnper":
         assert all(c["lambda"] in knn.LAMBDA_GRID and c["k"] in (5, 10) for c in results["clients"])
-        assert all(c["datastore_size"] == c["num_train"] for c in results["clients"])
+        assert all(c["datastore_size"] > c["num_train"] for c in results["clients"])  # train split and validation pairs
         mean = lambda key: np.mean([c[key] for c in results["clients"]])  # noqa: E731
         assert mean("accuracy") >= mean("global_accuracy")  # λ is tuned on validation, so it rarely hurts
         assert (Path(results["config"]["results-dir"]) / "lambda_vs_size.png").exists()

@@ -1,16 +1,21 @@
 """Helpers of the real-process tests: node configs, run submission, bounded waits."""
 
+import contextlib
 import json
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from florist.deploy.federation import LocalFederation
+from florist.deploy.federation import CONNECTION, LocalFederation
 
 RUN = {"strategy": "fedavg", "partition": "iid", "local-epochs": 2, "unseen-fraction": 0.0, "round-timeout": 120.0}
+# The round-timeout of a run that waits one out for a dead or hung node, once per exchange with
+# it: healthy exchanges took up to 5 s on 2 cores at load 13, so twice that still holds.
+EXPIRY = 10.0
 
 
 def node_configs(n: int, root: Path) -> list[dict]:
@@ -41,6 +46,31 @@ def submit(fed: LocalFederation, results: Path, **overrides) -> dict:
     done = subprocess.run(fed.run_command(config), env=fed.env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((results / "results.json").read_text())
+
+
+@contextlib.contextmanager
+def streaming_run(fed: LocalFederation, config: dict) -> Iterator[subprocess.Popen]:
+    """`flwr run` of `config` on `fed`, its output piped. A block that fails stops the run on the
+    SuperLink too: on a federation that tests share, its ServerApp would reach into the next test."""
+    run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)  # fmt: skip
+    try:
+        yield run
+    except BaseException:
+        stop_runs(fed)
+        raise
+    finally:
+        if run.poll() is None:
+            run.kill()
+        run.communicate(timeout=30)
+
+
+def stop_runs(fed: LocalFederation) -> None:
+    """`flwr stop` every run the federation's SuperLink has not finished."""
+    listed = fed.flwr("ls", CONNECTION, "--format", "json")
+    for run in json.loads(listed.stdout or "{}").get("runs", []):
+        if not run["status"].startswith("finished"):
+            fed.flwr("stop", run["run-id"], CONNECTION)
 
 
 def wait_for_rounds(run: subprocess.Popen, progress: Path, rounds: int, timeout: float) -> None:

@@ -13,6 +13,7 @@ import pytest
 from florist.deploy.executor import PreloadedApp
 from florist.common.processes import marked
 from florist.deploy.federation import LocalFederation, app_dir, checkout
+from processes import EXPIRY
 
 APPS = Path(__file__).parent / "apps"
 
@@ -71,11 +72,11 @@ def submit(fed: LocalFederation, app: Path, run_config: str) -> subprocess.Compl
 
 
 def test_an_app_that_is_not_florist_runs_in_flowers_own_process(tmp_path):
-    configs = [{"partition-id": i, "num-partitions": 2} for i in range(2)]
-    with LocalFederation(tmp_path, configs) as fed:  # warm executors, preloading florist
+    with LocalFederation(tmp_path, [{"partition-id": 0, "num-partitions": 1}]) as fed:  # warm, preloading florist
+        # Round 1 installs the bundle (stock, as any new bundle's first message); round 2's is judged by its contents.
         done = submit(fed, APPS / "tinyapp", "rounds=2")
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert done.stdout.count("tinyapp: 2 of 2 nodes replied") == 2
+        assert done.stdout.count("tinyapp: 1 of 1 nodes replied") == 2
         log = (fed.logs / "supernode-0.log").read_text()
     assert "not the preloaded app: its ClientApp is 'tinyapp.apps:client'" in log
     assert log.count(": stock process") == 2 and ": warm process" not in log
@@ -88,7 +89,7 @@ def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(t
     fed.env["PYTHONPATH"] = os.pathsep.join([str(APPS / "faultyapp"), fed.env.get("PYTHONPATH", "")])
     with fed:
         node_pids = [node.pid for node in fed.nodes]
-        done = submit(fed, APPS / "faultyapp", f'round-timeout=15.0 results-dir="{tmp_path / "out"}"')
+        done = submit(fed, APPS / "faultyapp", f'round-timeout={EXPIRY} results-dir="{tmp_path / "out"}"')
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert [node.pid for node in fed.nodes] == node_pids and all(node.alive() for node in fed.nodes)
         logs = [(fed.logs / f"supernode-{i}.log").read_text() for i in (1, 2)]
@@ -98,7 +99,7 @@ def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(t
     assert sorted(failures) == ["partition-1", "partition-2"]  # round 2's train, on the faulty nodes only
     assert all(f["round"] == 2 and f["message_type"] == "train" for f in failures.values())
     assert "injected fault" in failures["partition-1"]["reason"]
-    assert "no reply within 15 s" in failures["partition-2"]["reason"]
+    assert f"no reply within {EXPIRY:.0f} s" in failures["partition-2"]["reason"]
     assert len(results["rounds"]) == 3 and all(c["accuracy"] is not None for c in results["clients"])
     for log, fault in zip(logs, ("injected fault", "DeadlineExceeded")):
         assert fault in log and "warm process" in log.split(fault)[-1]  # served warm afterwards

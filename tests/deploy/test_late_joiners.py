@@ -1,11 +1,11 @@
 """Real processes: one federation of three SuperNodes that every test here shares, and a
-fourth node each test starts after training (the serve phase), or a node killed mid-run."""
+fourth node each test starts after training (the serve phase), or a node killed mid-run (the
+last test: the others need all three)."""
 
 import json
 import math
 import os
 import signal
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +15,7 @@ from florist.algorithms.knnper.client import LAMBDA_GRID
 from florist.common.data import load_digits
 from florist.common.models import build_model
 from florist.deploy.federation import LocalFederation
-from processes import RUN, node_configs, wait_for_rounds
+from processes import EXPIRY, RUN, node_configs, streaming_run, wait_for_rounds
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +31,27 @@ def federation(tmp_path_factory):
         fed.stop()
 
 
+@pytest.fixture(autouse=True)
+def three_nodes_alive(federation):
+    """A test that finds a node of the three dead says so, rather than failing for a reason of its own."""
+    dead = [node.name for node in federation.nodes[:3] if not node.alive()]
+    assert not dead, f"{dead} died in an earlier test (logs in {federation.logs})"
+
+
 def run_with_late_joiner(fed: LocalFederation, tmp_path: Path, late: dict | None = None, **overrides) -> dict:
     """Train with the federation's three SuperNodes, then start a fourth one (node config `late`,
     else partition 3); the server serves it before finishing. The fourth one is stopped again."""
     fed.node_configs[3] = late or node_configs(4, fed.workdir)[3]
     config = RUN | {"min-nodes": 3, "serve-seconds": 240.0, "serve-count": 1, "results-dir": str(tmp_path / "out")}
     config |= overrides
-    run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    progress = tmp_path / "out" / "results.json"
     try:
-        progress = tmp_path / "out" / "results.json"
-        wait_for_rounds(run, progress, config["num-server-rounds"], timeout=400)  # training done
-        fed.start_node(3)  # the late joiner
-        output, _ = run.communicate(timeout=600)
-        assert run.returncode == 0, output[-3000:]
+        with streaming_run(fed, config) as run:
+            wait_for_rounds(run, progress, config["num-server-rounds"], timeout=400)  # training done
+            fed.start_node(3)  # the late joiner
+            output, _ = run.communicate(timeout=600)
+            assert run.returncode == 0, output[-3000:]
     finally:
-        if run.poll() is None:
-            run.kill()
         if fed.nodes[3]:
             fed.nodes[3].stop()
             fed.nodes[3] = None
@@ -62,8 +67,10 @@ def test_knnper_personalizes_a_node_that_joins_after_training(federation, tmp_pa
                                    **{"num-server-rounds": 1})  # fmt: skip
     [late] = [c for c in results["clients"] if c["client"] == "partition-3"]
     assert results["summary"]["unseen"]["num_clients"] == 1  # scored
-    assert late["datastore_size"] == late["num_train"] and late["lambda"] in LAMBDA_GRID
-    assert (federation.workdir / "state" / "partition-3" / "knnper" / "datastore.npz").exists()  # in its state folder
+    kept = federation.workdir / "state" / "partition-3" / "knnper"  # in its state folder: its train split
+    assert (kept / "datastore.npz").exists()
+    assert json.loads((kept / "datastore.json").read_text())["size"] == late["num_train"]
+    assert late["datastore_size"] > late["num_train"] and late["lambda"] in LAMBDA_GRID  # scored with validation too
 
 
 def test_odpfl_serves_a_late_node_that_has_no_labels(federation, tmp_path):
@@ -89,14 +96,14 @@ def test_odpfl_serves_a_late_node_that_has_no_labels(federation, tmp_path):
 def test_perfed_ckt_nodes_with_three_architectures_share_only_soft_decisions(federation, tmp_path):
     late = node_configs(4, federation.workdir)[3] | {"model": "mlp"}  # node config wins over client-models
     results = run_with_late_joiner(federation, tmp_path, late, strategy="perfed-ckt", **{
-        "num-server-rounds": 2, "eval-every": 0, "client-models": "cnn,mlp,cnn-wide"})  # fmt: skip
+        "num-server-rounds": 2, "eval-every": 0, "client-models": "cnn,mlp,cnn-wide", "ckt-steps": 10})  # fmt: skip
     clients = {c["client"]: c for c in results["clients"]}
     assert not results["failures"] and all(c["accuracy"] is not None for c in clients.values())
     assert len({clients[f"partition-{i}"]["num_params"] for i in range(3)}) == 3
     assert clients["partition-3"]["num_params"] == clients["partition-1"]["num_params"]  # both mlp
     assert clients["partition-3"]["rounds_trained"] == 0 and clients["partition-3"]["cluster"] >= 0
-    for i in range(4):  # every node keeps its own model in its state folder
-        assert (federation.workdir / "state" / f"partition-{i}" / "perfed-ckt" / "model.npz").exists()
+    for i in range(4):  # every node keeps its own model in its state folder (by run and round)
+        assert list((federation.workdir / "state" / f"partition-{i}" / "perfed-ckt").glob("model-*.npz"))
     assert all(r["fedavg_bytes_up"] > 5 * r["train_bytes_up"] for r in results["rounds"])
 
 
@@ -111,13 +118,13 @@ def test_fedattn_personalizes_a_late_joiner_from_its_nearest_clients(federation,
 
 def test_a_supernode_killed_mid_run_is_left_out(federation, tmp_path):
     fed = federation
-    config = RUN | {"min-nodes": 3, "num-server-rounds": 2, "round-timeout": 15.0, "eval-every": 0,
+    config = RUN | {"min-nodes": 3, "num-server-rounds": 2, "round-timeout": EXPIRY, "eval-every": 0,
                     "results-dir": str(tmp_path / "out")}  # each exchange with the dead node waits out the timeout
-    run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     progress = tmp_path / "out" / "results.json"
-    wait_for_rounds(run, progress, 1, timeout=300)
-    os.kill(fed.nodes[2].pid, signal.SIGKILL)
-    output, _ = run.communicate(timeout=600)
+    with streaming_run(fed, config) as run:
+        wait_for_rounds(run, progress, 1, timeout=300)
+        os.kill(fed.nodes[2].pid, signal.SIGKILL)
+        output, _ = run.communicate(timeout=600)
     assert run.returncode == 0, output[-3000:]
     results = json.loads(progress.read_text())
     assert results["complete"] and len(results["rounds"]) == 2
