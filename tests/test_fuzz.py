@@ -10,7 +10,7 @@ node's good reply. Nothing may raise; a bad reply must be left out and recorded 
 nothing. The strategy's aggregation only ever sees what `ask` returns, so the round is then
 run on the recorded replies with the accepted one in its place, or without the refused node:
 the server's state stays finite. (A real round per example, every node's reply re-sent and
-re-checked, would cost 50 times as much.)
+re-checked, would cost tens of times as much.)
 
 Node: requests of every message type, and of unknown ones, with the same defects and bad
 settings go to the ClientApp. Each is refused with an error reply (what Flower's runtimes make
@@ -26,8 +26,8 @@ import dataclasses
 import functools
 import logging
 import math
-import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from florist.algorithms import SPECS
@@ -47,8 +47,9 @@ from florist.server.app import discover
 from florist.server.inprocess import InProcessGrid, server_identity
 from florist.server.strategy import Federation, Strategy
 
-REPLIES_PER_TYPE = int(__import__("os").environ.get("FUZZ_N", 1000))  # malformed replies generated per message type
-REQUESTS_PER_TYPE = 40  # malformed requests per message type (each followed by a good one, a handler run)
+REPLIES_PER_TYPE = 1000  # malformed replies generated per message type, at least
+REQUESTS_PER_TYPE = 40  # malformed requests per message type, at least (each followed by a good one: a handler run)
+HARMLESS = 0.1  # room for the harmless changes drawn beside the malformed ones (about 1 in 20)
 SETTINGS = {  # small and quick: 3 nodes of 12 digits partitions, an MLP, one local step where there are steps
     "model": "mlp", "min-nodes": 3, "num-server-rounds": 1, "partition": "iid", "seed": 3, "unseen-fraction": 0.0,
     "batch-size": 32, "fedattn-warmup": 0, "hn-hidden": 4, "hn-local-steps": 1, "hn-batch": 8, "ckt-steps": 1,
@@ -56,7 +57,7 @@ SETTINGS = {  # small and quick: 3 nodes of 12 digits partitions, an MLP, one lo
 }  # fmt: skip
 NODE_CONFIGS = [{"partition-id": i, "num-partitions": 12} for i in range(3)]
 FUZZ = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-COUNTED: collections.Counter[str] = collections.Counter()  # examples run, by side and message type
+COUNTED: collections.Counter[str] = collections.Counter()  # examples run: malformed by message type, all by kind
 
 
 # -- a federation that records, then replays ---------------------------------------------------
@@ -66,8 +67,8 @@ class FuzzGrid(InProcessGrid):
     """The in-process grid, which also keeps each (phase, node, message type)'s request and reply
     as they travelled; with `answer` set, the replies come from it instead of the ClientApp."""
 
-    def __init__(self):
-        super().__init__(client_app, [c | {"state-dir": tempfile.mkdtemp()} for c in NODE_CONFIGS], run_id=7)
+    def __init__(self, folder: Path):
+        super().__init__(client_app, [c | {"state-dir": str(folder)} for c in NODE_CONFIGS], run_id=7)
         self.phase = ""
         self.wire: dict[tuple[str, int, str], tuple[RecordDict, RecordDict]] = {}
         self.answer: Callable[[Message], list[Message]] | None = None
@@ -132,8 +133,10 @@ class Federated:
         return self.calls[phase, message_type].replies
 
     @functools.cache  # noqa: B019 (one per algorithm, kept for the session)
-    def unpacked(self, phase: str, node: int, message_type: str, request: bool) -> RecordDict:
-        return packing.unpack(self.grid.wire[phase, node, message_type][0 if request else 1], "recorded")
+    def travelled(self, phase: str, node: int, message_type: str, reply: bool) -> tuple[RecordDict, RecordDict]:
+        """The recorded request or reply as it travelled, and unpacked."""
+        wire = self.grid.wire[phase, node, message_type][reply]
+        return wire, packing.unpack(wire, "recorded")
 
     def aggregate(self, phase: str, message_type: str, target: int, reply) -> tuple[Any, Any]:
         """(result, state) of `phase` on the recorded replies, the target's `message_type`
@@ -152,10 +155,10 @@ class Federated:
             del self.strategy.ask
 
 
-@functools.cache
-def federated(spec: str) -> Federated:
-    cfg = RunConfig.from_mapping(SETTINGS | {"strategy": spec, "results-dir": tempfile.mkdtemp()})
-    grid = FuzzGrid()
+def record(spec: str, folder: Path) -> Federated:
+    """`spec`'s server half and nodes (their state in `folder`), with its phases recorded."""
+    cfg = RunConfig.from_mapping(SETTINGS | {"strategy": spec, "results-dir": str(folder / "results")})
+    grid = FuzzGrid(folder / "nodes")
     with server_identity(grid.run_id):
         federation = Federation(grid, cfg.round_timeout, grid.run_id)
         grid.phase = "info"
@@ -180,12 +183,38 @@ def federated(spec: str) -> Federated:
     return fed
 
 
-def phases_of(message_type: str) -> list[tuple[str, str]]:
-    """(algorithm, phase) pairs whose recording sends `message_type`."""
-    specs = [s.name for s in SPECS.values() if any(e.message_type == message_type for e in s.exchanges)]
-    if message_type == INFO.message_type:
-        return [(spec, "info") for spec in SPECS]
-    return [(spec, phase) for spec in specs for phase in ("train", "evaluate") if (phase, message_type) in federated(spec).calls]
+class Federations(dict):
+    """Each algorithm's recorded federation, made on first use."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, spec: str) -> Federated:
+        self[spec] = record(spec, self.folder / spec)
+        return self[spec]
+
+    @functools.cache  # noqa: B019 (one instance, kept for the module)
+    def phases(self, message_type: str) -> list[tuple[str, str]]:
+        """(algorithm, phase) pairs whose recording sends `message_type`."""
+        if message_type == INFO.message_type:
+            return [(spec, "info") for spec in SPECS]
+        specs = [s.name for s in SPECS.values() if any(e.message_type == message_type for e in s.exchanges)]
+        return [(spec, phase) for spec in specs for phase in ("train", "evaluate")
+                if (phase, message_type) in self[spec].calls]  # fmt: skip
+
+    def draw(self, data, message_type: str) -> tuple[Federated, str, int]:
+        """A federation, phase and node that the recording sent `message_type` to."""
+        spec, phase = data.draw(st.sampled_from(self.phases(message_type)))
+        fed = self[spec]
+        return fed, phase, data.draw(st.sampled_from(fed.recipients(phase, message_type)))
+
+    __hash__ = object.__hash__
+
+
+@pytest.fixture(scope="module")
+def federations(tmp_path_factory) -> Federations:
+    return Federations(tmp_path_factory.mktemp("federations"))
 
 
 MESSAGE_TYPES = [INFO.message_type] + sorted({e.message_type for s in SPECS.values() for e in s.exchanges})
@@ -233,7 +262,8 @@ def _array_defect(data, draft: Draft) -> None:
                   "extra-dim": values[None], "oversized": np.zeros(1 << 20, values.dtype)}  # fmt: skip
         record[key] = Array(shapes[data.draw(st.sampled_from(sorted(shapes)))])
     elif how == "dtype":
-        record[key] = Array(values.astype(data.draw(st.sampled_from([d for d in WRONG_DTYPES if np.dtype(d) != values.dtype]))))
+        dtype = data.draw(st.sampled_from([d for d in WRONG_DTYPES if np.dtype(d) != values.dtype]))
+        record[key] = Array(values.astype(dtype))
     elif how in ("nonfinite", "huge"):
         spoiled = values.copy().reshape(-1)
         pick = [math.nan, math.inf, -math.inf] if how == "nonfinite" else FLOAT32_HUGE
@@ -242,7 +272,8 @@ def _array_defect(data, draft: Draft) -> None:
     elif how == "scale":
         record[key] = Array(values * np.asarray(10.0 ** data.draw(st.integers(1, 6)), values.dtype))
     elif how == "corrupt":  # travels unpacked: packing would decode it
-        blobs = {"empty": b"", "garbage": b"\x93NUMPY junk", "truncated": record[key].data[: len(record[key].data) // 2]}
+        data_bytes = record[key].data
+        blobs = {"empty": b"", "garbage": b"\x93NUMPY junk", "truncated": data_bytes[: len(data_bytes) // 2]}
         blob, stype = data.draw(st.sampled_from(sorted(blobs))), data.draw(st.sampled_from(["numpy.ndarray", "torch"]))
         record[key] = Array(dtype=str(values.dtype), shape=tuple(values.shape), stype=stype, data=blobs[blob])
         draft.packed = False
@@ -324,10 +355,12 @@ def _harmless(data, draft: Draft) -> None:
     how = data.draw(st.sampled_from(["record", "timing", "unpacked"]))
     if how == "record":
         junk = {"config": ConfigRecord({"x": "y"}), "metrics": MetricRecord({"accuracy": math.nan}),
-                "arrays": ArrayRecord({"a": Array(np.full(3, np.nan, np.float32)), "b": Array(np.ones(2))})}  # fmt: skip
+                "arrays": ArrayRecord({"a": Array(np.full(3, np.nan, np.float32)), "b": Array(np.ones(2))}),
+                }  # fmt: skip
         draft.records["junk"] = junk[data.draw(st.sampled_from(sorted(junk)))]
     elif how == "timing":
-        draft.records[protocol.TIMING] = ConfigRecord({"handler-seconds": data.draw(st.sampled_from([math.nan, -1.0, "x"]))})
+        seconds = data.draw(st.sampled_from([math.nan, -1.0, "x"]))
+        draft.records[protocol.TIMING] = ConfigRecord({"handler-seconds": seconds})
     else:
         draft.packed = False
     draft.label = f"harmless {how}"
@@ -372,19 +405,21 @@ def _layout_defect(data, packed: RecordDict) -> tuple[RecordDict, str]:
     return RecordDict(records), f"layout {how}"
 
 
-def spoiled(data, content: RecordDict, required: tuple[str, ...], defects: list[Callable]) -> tuple[str, RecordDict]:
-    """(label, content) for a real `content` (unpacked) with one of `defects` that applies, or a
-    broken packing, or nothing at all; packed as florist packs what it sends."""
-    draft = Draft(dict(content.items()), required)
-    applicable = [_harmless] + [d for d in defects if {_array_defect: draft.arrays(), _metric_defect: protocol.METRICS
-                                                       in draft.records}.get(d, True)]  # fmt: skip
-    packs = any(isinstance(r, ArrayRecord) and len(r) > 1 for r in content.values())
-    choice = data.draw(st.integers(0, 15))
+def spoiled(data, wire: RecordDict, content: RecordDict, required: tuple[str, ...], defects: list[Callable]
+            ) -> tuple[str, RecordDict]:  # fmt: skip
+    """(label, content) for a real content, as it travelled (`wire`) and unpacked, with one of
+    `defects` that applies, a broken packing, no records at all, or (1 in 20) a harmless
+    change; packed or not, as florist's replies and requests may be."""
+    draft = Draft(dict(content.items()), required, packed=data.draw(st.booleans()))
+    applicable = [d for d in defects if {_array_defect: draft.arrays(), _metric_defect: protocol.METRICS
+                                         in draft.records}.get(d, True)]  # fmt: skip
+    choice = data.draw(st.integers(0, 19))
     if choice == 0:
         return "empty", RecordDict()
-    if choice <= 2 and packs:
-        return _layout_defect(data, packing.pack(content))[::-1]
-    data.draw(st.sampled_from(applicable))(data, draft)
+    if choice <= 3 and packing.is_packed(wire):
+        return _layout_defect(data, wire)[::-1]
+    defect = _harmless if choice == 4 else data.draw(st.sampled_from(applicable))
+    defect(data, draft)
     return draft.label, draft.content()
 
 
@@ -475,12 +510,6 @@ def check_reply(fed: Federated, phase: str, message_type: str, target: int, answ
     return got, list(federation.failures)
 
 
-def draw_node(data, message_type: str) -> tuple[Federated, str, int]:
-    spec, phase = data.draw(st.sampled_from(phases_of(message_type)))
-    fed = federated(spec)
-    return fed, phase, data.draw(st.sampled_from(fed.recipients(phase, message_type)))
-
-
 # -- the server -------------------------------------------------------------------------------
 
 BAD, BENIGN, EXTREME = "bad", "benign", "extreme"  # must be refused / must change nothing / may pass
@@ -504,7 +533,7 @@ def misdirected(data, grid: FuzzGrid, content: RecordDict, to_other: bool) -> tu
 
 
 @pytest.mark.parametrize("message_type", MESSAGE_TYPES)
-def test_a_malformed_reply_is_refused_and_what_passes_the_checks_keeps_the_state_finite(message_type):
+def test_a_malformed_reply_is_refused_and_what_passes_the_checks_keeps_the_state_finite(federations, message_type):
     """Every malformed reply of `message_type` is refused and recorded as its node's failure,
     naming the node and why; a harmless change is accepted as if it were not there; and the
     round runs on whatever the checks let through, or without the refused node, to a finite
@@ -512,21 +541,20 @@ def test_a_malformed_reply_is_refused_and_what_passes_the_checks_keeps_the_state
     info = message_type == INFO.message_type
     defects = [_info_defect, _metric_defect] if info else [_array_defect, _metric_defect]
 
-    @settings(FUZZ, max_examples=REPLIES_PER_TYPE)
+    @settings(FUZZ, max_examples=int(REPLIES_PER_TYPE * (1 + HARMLESS)))
     @given(st.data())
     def check(data):
-        fed, phase, target = draw_node(data, message_type)
+        fed, phase, target = federations.draw(data, message_type)
         accepted = fed.accepted(phase, message_type)
         others = [n for n in fed.recipients(phase, message_type) if n != target][: data.draw(st.integers(0, 1))]
         if data.draw(st.integers(0, 9)) == 0:
             label, answer = misdirected(data, fed.grid, fed.grid.wire[phase, target, message_type][1], bool(others))
         else:
             required = protocol.INFO_METRICS if info else fed.calls[phase, message_type].required
-            label, content = spoiled(data, fed.unpacked(phase, target, message_type, False), required, defects)
+            label, content = spoiled(data, *fed.travelled(phase, target, message_type, reply=True), required, defects)
             answer = sending(content)
         kind = kind_of(label, REPLY_KINDS, BAD)
-        event(f"{kind}: {label}")
-        COUNTED[f"reply {message_type}"] += 1
+        COUNTED.update([f"reply {kind}", *[f"malformed reply {message_type}"] * (kind != BENIGN)])
         with server_identity(fed.grid.run_id):
             got, failures = check_reply(fed, phase, message_type, target, answer, others)
             assert all(f["node_id"] == target for f in failures) and all(same(got[n], accepted[n]) for n in others)
@@ -546,7 +574,7 @@ def test_a_malformed_reply_is_refused_and_what_passes_the_checks_keeps_the_state
                     assert all_finite(fed.aggregate(phase, message_type, target, None))
 
     check()
-    assert COUNTED[f"reply {message_type}"] >= REPLIES_PER_TYPE
+    assert COUNTED[f"malformed reply {message_type}"] >= REPLIES_PER_TYPE
 
 
 # -- the node ---------------------------------------------------------------------------------
@@ -564,28 +592,29 @@ def answer_of(fed: Federated, node: int, message_type: str, content: RecordDict)
 
 
 def accepted_by_server(fed: Federated, phase: str, message_type: str, node: int, reply: Message) -> bool:
-    got, _ = check_reply(fed, phase, message_type, node, sending(reply.error if reply.has_error() else reply.content), [])
+    answer = sending(reply.error if reply.has_error() else reply.content)
+    got, _ = check_reply(fed, phase, message_type, node, answer, [])
     return node in got
 
 
 @pytest.mark.parametrize("message_type", MESSAGE_TYPES)
-def test_a_node_refuses_a_malformed_request_and_answers_the_next_good_one(message_type):
+def test_a_node_refuses_a_malformed_request_and_answers_the_next_good_one(federations, message_type):
     """Every malformed request of `message_type` (or sent as another type, or an unknown one)
     is refused with an error reply, or answered; one that cannot be right is refused; and the
     node's next good request gets a reply the server accepts."""
 
-    @settings(FUZZ, max_examples=REQUESTS_PER_TYPE)
+    @settings(FUZZ, max_examples=int(REQUESTS_PER_TYPE * (1 + HARMLESS)) + 5)
     @given(st.data())
     def check(data):
-        fed, phase, node = draw_node(data, message_type)
-        label, content = spoiled(data, fed.unpacked(phase, node, message_type, True), (), [_array_defect, _config_defect])
+        fed, phase, node = federations.draw(data, message_type)
+        label, content = spoiled(data, *fed.travelled(phase, node, message_type, reply=False), (),
+                                 [_array_defect, _config_defect])  # fmt: skip
         sent_as = message_type
         if data.draw(st.integers(0, 7)) == 0:
             sent_as = data.draw(st.sampled_from([*UNKNOWN_TYPES, *(t for t in MESSAGE_TYPES if t != message_type)]))
             label = "unknown type" if sent_as in UNKNOWN_TYPES else "other type"
         kind = kind_of(label, REQUEST_KINDS, REFUSED)
-        event(f"{kind}: {label}")
-        COUNTED[f"request {message_type}"] += 1
+        COUNTED.update([f"request {kind}", *[f"malformed request {message_type}"] * (kind != GOOD)])
         with server_identity(fed.grid.run_id):
             reply = answer_of(fed, node, sent_as, content)
             if kind != ANY:
@@ -595,4 +624,4 @@ def test_a_node_refuses_a_malformed_request_and_answers_the_next_good_one(messag
             assert accepted_by_server(fed, phase, message_type, node, again), f"after {label}: {again.error}"
 
     check()
-    assert COUNTED[f"request {message_type}"] >= REQUESTS_PER_TYPE
+    assert COUNTED[f"malformed request {message_type}"] >= REQUESTS_PER_TYPE

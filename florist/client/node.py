@@ -59,10 +59,12 @@ class Node:
         return seeded_model(name or self.cfg.model, self.data.input_shape, self.cfg.num_classes, self.cfg.seed)
 
     def received_model(self, request: Request) -> Net:
-        """The model sent under `arrays`, checked against this run's architecture."""
+        """The model sent under `arrays`, checked against this run's architecture (converted to
+        its dtypes when one of Flower's strategies sent it)."""
         model = self.new_model()
-        reference = model.state_dict()
-        model.load_state_dict(protocol.arrays_of(request.content, reference, f"node {self.key}: the server's message"))
+        source = f"node {self.key}: the server's message"
+        sent = protocol.arrays_of(request.content, model.state_dict(), source, convert=request.from_flower)
+        model.load_state_dict(sent)
         return model
 
     def fit(self, model: Net, epochs: int, lr: float | None = None, salt: int = 0, **options) -> float:

@@ -77,7 +77,7 @@ def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayReco
     try:
         dims = [tuple(int(d) for d in str(shape).split(",") if d) for shape in shapes]
         flat = {dtype: array.numpy() for dtype, array in record.items()}
-    except Exception as err:  # noqa: BLE001 (a shape that is no integers, or whatever numpy raises on bytes that are no array)
+    except Exception as err:  # noqa: BLE001 (int() on a shape, or whatever numpy raises on bytes that are no array)
         raise PackingError(f"{where}: shapes must be comma-separated integers and arrays decodable ({err})") from err
     if any(values.ndim != 1 for values in flat.values()):
         raise PackingError(f"{where}: packed arrays must be flat")

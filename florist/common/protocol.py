@@ -42,9 +42,13 @@ def tensors_of(record: ArrayRecord, source: str) -> dict[str, torch.Tensor]:
         raise ProtocolError(f"{source}: an array does not decode ({type(err).__name__}: {err})") from err
 
 
-def state_of(record: ArrayRecord, reference: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+def state_of(
+    record: ArrayRecord, reference: Mapping[str, torch.Tensor], source: str, convert: bool = False
+) -> dict[str, torch.Tensor]:
     """Tensors of `record`, checked against `reference`: same keys, shapes and dtypes, finite
-    values within ±`MAX_MAGNITUDE`.
+    values within ±`MAX_MAGNITUDE`. With `convert`, an array of another real dtype is first
+    converted to the reference's, as `load_state_dict` would (Flower's own strategies send
+    float64 after their arithmetic), and checked as converted.
 
     `source` names where the record came from (a node, a file) for the error message.
     """
@@ -58,22 +62,29 @@ def state_of(record: ArrayRecord, reference: Mapping[str, torch.Tensor], source:
         got = state[key]
         if tuple(got.shape) != tuple(ref.shape):
             raise ProtocolError(f"{source}: array {key!r} has shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
-        if got.dtype != ref.dtype:  # loaded into the reference's dtype, a float64 1e300 would become Inf
+        if got.dtype != ref.dtype and convert and not (got.is_complex() or got.dtype == torch.bool):
+            _check_values(got, key, source)  # before: NaN or 1e300 would not survive conversion to an integer
+            got = state[key] = got.to(ref.dtype)
+        if got.dtype != ref.dtype:
             raise ProtocolError(f"{source}: array {key!r} has dtype {got.dtype}, expected {ref.dtype}")
-        if got.is_floating_point() and not torch.isfinite(got).all():
-            raise ProtocolError(f"{source}: array {key!r} contains NaN or Inf")
-        if got.is_floating_point() and (got.abs() > MAX_MAGNITUDE).any():
-            raise ProtocolError(f"{source}: array {key!r} has values beyond ±{MAX_MAGNITUDE:g}")
+        _check_values(got, key, source)
     return state
 
 
+def _check_values(values: torch.Tensor, key: str, source: str) -> None:
+    if values.is_floating_point() and not torch.isfinite(values).all():
+        raise ProtocolError(f"{source}: array {key!r} contains NaN or Inf")
+    if values.is_floating_point() and (values.abs() > MAX_MAGNITUDE).any():
+        raise ProtocolError(f"{source}: array {key!r} has values beyond ±{MAX_MAGNITUDE:g}")
+
+
 def arrays_of(
-    content: RecordDict, reference: Mapping[str, torch.Tensor], source: str, key: str = ARRAYS
+    content: RecordDict, reference: Mapping[str, torch.Tensor], source: str, key: str = ARRAYS, convert: bool = False
 ) -> dict[str, torch.Tensor]:
     """The `key` ArrayRecord of a message, checked against `reference` as in `state_of`."""
     if key not in content.array_records:
         raise ProtocolError(f"{source}: message has no {key!r} ArrayRecord")
-    return state_of(content.array_records[key], reference, source)
+    return state_of(content.array_records[key], reference, source, convert)
 
 
 def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> dict[str, float]:

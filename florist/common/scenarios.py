@@ -38,7 +38,7 @@ def parse_dataset(spec: str) -> tuple[str, tuple[float, ...]]:
     kind, colon, arg = spec.partition(":")
     if kind == "digits" and not colon:
         return kind, ()
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) or Path(spec).expanduser().is_dir():
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) or (spec and Path(spec).expanduser().is_dir()):  # "": no folder, not "."
         return "hub", ()
     try:
         alpha, beta = (float(v) for v in arg.split(","))

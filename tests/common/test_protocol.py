@@ -31,6 +31,20 @@ def test_wrong_shape_and_nan_are_refused_with_the_source():
         protocol.state_of(protocol.ArrayRecord({"head.bias": reference["head.bias"]}), reference, "node 7")
 
 
+
+def test_other_dtypes_are_refused_unless_converting_for_flowers_strategies():
+    """Florist's servers send the model's own dtypes; Flower's FedAdam sends float64 after its
+    arithmetic, which a node converts, checking values before (1e300 would become Inf) and after."""
+    reference = build_model("cnn", (1, 8, 8), 10).state_dict()
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in reference.items()}
+    with pytest.raises(protocol.ProtocolError, match=r"dtype torch.float64, expected torch.float32"):
+        protocol.state_of(protocol.ArrayRecord(wide), reference, "node 2")
+    state = protocol.state_of(protocol.ArrayRecord(wide), reference, "node 2", convert=True)
+    assert all(state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in reference.items())
+    huge = dict(wide) | {"head.bias": torch.full((10,), 1e300, dtype=torch.float64)}
+    with pytest.raises(protocol.ProtocolError, match="'head.bias' has values beyond"):
+        protocol.state_of(protocol.ArrayRecord(huge), reference, "node 2", convert=True)
+
 def test_metrics_must_be_present_and_finite():
     reply = protocol.content(metrics={"accuracy": float("inf"), "num-examples": 3})
     with pytest.raises(protocol.ProtocolError, match="'accuracy' is missing or not a finite number"):
