@@ -242,7 +242,7 @@ def _join(args: argparse.Namespace) -> int:
 def _supernode(args: argparse.Namespace) -> int:
     from florist.deploy.supernode import run
 
-    run(args.executor, args.flower_args, args.preload)
+    run(args.executor, args.flower_args, args.preload, args.fork_server)
     return 0
 
 
@@ -435,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     _executor_option(node)
     node.add_argument("--preload", default="florist.client.app:app", metavar="MODULE:APP",
                       help="the ClientApp the warm executor preloads and serves warm (default: florist's)")
+    node.add_argument("--fork-server", metavar="SOCKET",
+                      help="have the warm executor forked by this fork server (`python -m florist.deploy.forkserver`), "
+                      "which preloaded the same ClientApp for every SuperNode on this machine")  # fmt: skip
     node.set_defaults(func=_supernode)
 
     cmp = sub.add_parser(

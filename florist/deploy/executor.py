@@ -43,6 +43,7 @@ import os
 import pkgutil
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -165,11 +166,14 @@ class WarmExecutor:
     """Acquires the SuperNode's tasks and runs each in a forked child or a stock process."""
 
     def __init__(self, address: str, app: PreloadedApp, root_certificates: str | None = None,
-                 parent_pid: int | None = None, wake_fd: int | None = None, done_fd: int | None = None):  # fmt: skip
+                 parent_pid: int | None = None, wake_fd: int | None = None, done_fd: int | None = None,
+                 lifeline: socket.socket | None = None):  # fmt: skip
         """`wake_fd`: readable when the SuperNode has pulled a message (else the executor only
-        polls); `done_fd`: where each child tells the SuperNode that its reply is there."""
+        polls); `done_fd`: where each child tells the SuperNode that its reply is there;
+        `lifeline`: a connection the SuperNode holds while it wants this executor (a forked
+        executor's, `forkserver.py`), else `parent_pid` is the SuperNode's PID."""
         self.address, self.app, self.root_certificates, self.parent_pid = address, app, root_certificates, parent_pid
-        self.wake_fd, self.done_fd = wake_fd, done_fd
+        self.wake_fd, self.done_fd, self.lifeline = wake_fd, done_fd, lifeline
         self.client = flower_internals.runtime_client(address, root_certificates)
         self.children: dict[int, Child] = {}
         self.verdicts: dict[str, str | None] = {}  # FAB hash -> why it is not the preloaded app (None: it is)
@@ -185,7 +189,7 @@ class WarmExecutor:
         """Until stopped, or until the process that started us is gone."""
         unreachable = False
         try:
-            while not self.stopping and (self.parent_pid is None or os.getppid() == self.parent_pid):
+            while not self.stopping and self.wanted():
                 self.reap()
                 try:
                     acquired = flower_internals.acquire_task(self.client)
@@ -201,11 +205,19 @@ class WarmExecutor:
         finally:
             self.close()
 
+    def wanted(self) -> bool:
+        """Whether the SuperNode still wants this executor: it holds the lifeline, or lives."""
+        if self.lifeline is not None:
+            return not closed(self.lifeline)
+        return self.parent_pid is None or os.getppid() == self.parent_pid
+
     def wait(self) -> None:
-        """Until the next poll is due, or the SuperNode says it has pulled a message."""
-        if self.wake_fd is None:
+        """Until the next poll is due, the SuperNode says it has pulled a message, or it lets go
+        of the lifeline."""
+        watched = [fd for fd in (self.wake_fd, self.lifeline) if fd is not None]
+        if not watched:
             self.backoff.sleep()
-        elif select.select([self.wake_fd], [], [], self.backoff.delay())[0]:
+        elif self.wake_fd in select.select(watched, [], [], self.backoff.delay())[0]:
             os.read(self.wake_fd, 4096)
 
     def why_not_warm(self, task) -> str | None:
@@ -252,6 +264,8 @@ class WarmExecutor:
         try:  # the child: never returns into the executor's loop
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_DFL)  # Flower's runtime installs its own
+            if self.lifeline is not None:  # a child holding it would keep its executor "alive"
+                self.lifeline.close()
             os.environ[DISPOSABLE] = "1"
             flower_internals.run_clientapp(self.address, token, self.root_certificates, parent_pid=os.getppid())
             code = 0
@@ -298,6 +312,16 @@ class WarmExecutor:
         log.info("executor stopped after %d warm and %d stock tasks", self.served["warm"], self.served["stock"])
 
 
+def closed(connection: socket.socket) -> bool:
+    """Whether the other end of `connection` has closed it (or shut down its writing)."""
+    if not select.select([connection], [], [], 0)[0]:
+        return False
+    try:
+        return connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
 def _notify(fd: int) -> None:
     try:
         os.write(fd, b"!")
@@ -316,23 +340,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
-    start = time.monotonic()
-    app = PreloadedApp.load(args.app)
+
+
+def preload(ref: str) -> PreloadedApp:
+    """Everything a process does once before it forks children that run `ref`'s messages."""
+    app = PreloadedApp.load(ref)
     flower_internals.quick_object_pulls()  # inherited by every child
     flower_internals.skip_installed_fabs()  # ditto: a warm child's app bundle is installed (that is how it was judged)
     gc.freeze()  # children never collect the preloaded objects, so they share their pages instead of copying them
+    return app
+
+
+def serve(args: argparse.Namespace, app: PreloadedApp, lifeline: socket.socket | None = None) -> int:
+    """Serve the SuperNode that `args` name, with `app` preloaded, until stopped."""
     executor = WarmExecutor(args.runtime_api_address, app, args.root_certificates, args.parent_pid, args.wake_fd,
-                            args.done_fd)  # fmt: skip
+                            args.done_fd, lifeline)  # fmt: skip
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, executor.stop)
-    log.info("warm executor for %s: %d files preloaded in %.1f s, %d thread(s), serving %s", args.app,
-             len(app.files), time.monotonic() - start, os_threads(), args.runtime_api_address)  # fmt: skip
+    log.info("warm executor for %s (process %d, %d thread(s)) serving %s%s", app.ref, os.getpid(), os_threads(),
+             args.runtime_api_address, ", forked by the fork server" if lifeline else "")  # fmt: skip
     executor.serve()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging()
+    start = time.monotonic()
+    app = preload(args.app)
+    log.info("%s: %d files preloaded in %.1f s", args.app, len(app.files), time.monotonic() - start)
+    return serve(args, app)
 
 
 if __name__ == "__main__":

@@ -56,11 +56,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def supernode_command(executor: str, preload: str | None = None) -> list[str]:
-    """`florist supernode --executor EXECUTOR [--preload APP]`, run by this Python (no
-    activated venv needed); `flower-supernode`'s options follow."""
+def supernode_command(executor: str, preload: str | None = None, fork_server: Path | None = None) -> list[str]:
+    """`florist supernode --executor EXECUTOR [--preload APP] [--fork-server SOCKET]`, run by
+    this Python (no activated venv needed); `flower-supernode`'s options follow."""
     command = [sys.executable, "-m", "florist", "supernode", "--executor", executor]
-    return command + (["--preload", preload] if preload else [])
+    return command + (["--preload", preload] if preload else []) + (["--fork-server", str(fork_server)] if fork_server else [])
 
 
 def flower_bin(name: str) -> str:
@@ -187,6 +187,8 @@ class LocalFederation:
         self.node_ports = [free_port() for _ in node_configs]
         self.superlink: Process | None = None
         self.nodes: list[Process | None] = [None] * len(node_configs)
+        self.fork_server: Process | None = None  # preloads once for every SuperNode's warm executor
+        self.fork_socket: Path | None = None
         self.env = flower_env(self.flwr_home)
 
     @property
@@ -225,6 +227,8 @@ class LocalFederation:
         if self.tls and not covers(self.certs / "server.pem", [self.host]):
             make_ca_and_server(self.certs, ["localhost", self.host])
         self._write_connection()
+        if self.executor == "warm" and self.network is None:  # in namespaces, executors must be in the node's
+            self.start_fork_server()
         self.start_superlink()
         if self.auth:
             for i in range(len(self.node_configs)):
@@ -238,7 +242,7 @@ class LocalFederation:
         """SIGTERM to the SuperLink and every SuperNode at once, SIGKILL to any still running
         after `grace` seconds; then whatever else carries this federation's FLWR_HOME (their
         executors and ClientApps) gets the same."""
-        running = [p for p in (*self.nodes, self.superlink) if p and p.alive()]
+        running = [p for p in (*self.nodes, self.superlink, self.fork_server) if p and p.alive()]
         for process in running:
             process.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -249,6 +253,8 @@ class LocalFederation:
                 process.popen.kill()
                 process.popen.wait()
         terminate_marked("FLWR_HOME", str(self.flwr_home), grace=2.0)
+        if self.fork_socket:
+            shutil.rmtree(self.fork_socket.parent, ignore_errors=True)
 
     def _spawn(self, name: str, host: str, args: list[str]) -> Process:
         return spawn(self._in(host, args), self.logs / f"{name}.log", env=self.env, cwd=self.workdir)
@@ -268,6 +274,20 @@ class LocalFederation:
         self._wait_for_port(self.host, self.fleet_port, self.superlink, timeout)
         return self.superlink
 
+    def start_fork_server(self) -> Process:
+        """The process that preloads the ClientApp once and forks every SuperNode's warm
+        executor (`forkserver.py`). Its socket lives in a private folder with a short path
+        (a Unix socket's path is limited to about 100 bytes)."""
+        import tempfile
+
+        from florist.deploy.executor import DEFAULT_APP, THREAD_ENV
+
+        self.fork_socket = Path(tempfile.mkdtemp(prefix="florist-")) / "fork-server"
+        args = [sys.executable, "-m", "florist.deploy.forkserver", "--socket", str(self.fork_socket),
+                "--app", self.preload or DEFAULT_APP, "--parent-pid", str(os.getpid())]  # fmt: skip
+        self.fork_server = spawn(args, self.logs / "fork-server.log", env=self.env | THREAD_ENV, cwd=self.workdir)
+        return self.fork_server
+
     def node_key(self, i: int) -> tuple[Path, Path]:
         """The key pair of node i, made on first use (kept across restarts)."""
         private = self.keys / f"node-{i}"
@@ -286,7 +306,7 @@ class LocalFederation:
 
     def start_node(self, i: int, *, private_key: Path | None = None, root_certificates: Path | None = None) -> Process:
         """Start SuperNode i (bounded reconnection, so it never retries forever)."""
-        args = [*supernode_command(self.executor, self.preload), "--superlink", self.fleet_address,
+        args = [*supernode_command(self.executor, self.preload, self.fork_socket), "--superlink", self.fleet_address,
                 "--port", str(self.node_ports[i]),
                 "--node-config", toml_node_config(self.node_configs[i]),
                 "--max-wait-time", str(self.max_wait_time)]  # fmt: skip

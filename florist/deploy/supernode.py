@@ -23,6 +23,7 @@ import threading
 
 from florist.common.pacing import Backoff
 from florist.common import flower_internals
+from florist.deploy import forkserver
 from florist.deploy.executor import DEFAULT_APP, STOP_GRACE, THREAD_ENV
 
 log = logging.getLogger("flwr").getChild(__name__)
@@ -50,17 +51,25 @@ class SupervisedExecutor:
     other when their reply has been handed over (`replied` ends the SuperNode's wait for it).
     """
 
-    def __init__(self, command: list[str]):
+    def __init__(self, command: list[str], forkserver: str | None = None):
+        """`command` starts the executor; with `forkserver`, the fork server at that socket
+        forks it with the same options instead, if it can (`forkserver.py`)."""
         self.task_read, self.task_write = os.pipe()
         self.done_read, self.done_write = os.pipe()
         os.set_blocking(self.task_write, False)
+        self.forkserver, self.options = forkserver, command[3:]  # after `python -m florist.deploy.executor`
         self.command = command + ["--wake-fd", str(self.task_read), "--done-fd", str(self.done_write)]
         self.stopping, self.replied = threading.Event(), threading.Event()
         self.process = self._start()
         threading.Thread(target=self._watch, name="florist-executor-watch", daemon=True).start()
         threading.Thread(target=self._relay_replies, name="florist-executor-replies", daemon=True).start()
 
-    def _start(self) -> subprocess.Popen:
+    def _start(self) -> subprocess.Popen | forkserver.Forked:
+        if self.forkserver:
+            try:
+                return forkserver.request(self.forkserver, self.options, self.task_read, self.done_write)
+            except (OSError, ValueError) as err:
+                log.warning("no executor from the fork server at %s (%s): starting one of its own", self.forkserver, err)
         return subprocess.Popen(self.command, env=os.environ | THREAD_ENV, pass_fds=(self.task_read, self.done_write))
 
     def _watch(self) -> None:
@@ -107,15 +116,16 @@ def executor_command(flower_args: list[str], preload: str) -> tuple[list[str], l
     return command, flower_args + ([] if options.isolation else ["--isolation", "process"])
 
 
-def run(executor: str, flower_args: list[str], preload: str = DEFAULT_APP) -> None:
+def run(executor: str, flower_args: list[str], preload: str = DEFAULT_APP, fork_server: str | None = None) -> None:
     """Run the SuperNode in this process until it exits (Ctrl-C or SIGTERM stop it, and the
-    executor with it). `preload` is the ClientApp the warm executor serves warm."""
+    executor with it). `preload` is the ClientApp the warm executor serves warm; `fork_server`
+    the socket of a fork server that has it preloaded (`forkserver.py`)."""
     if executor not in EXECUTORS:
         raise ValueError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     backoff = Backoff(floor=0.05, cap=1.0, ratio=0.1)
     if executor == "warm":
         command, flower_args = executor_command(flower_args, preload)
-        supervised = SupervisedExecutor(command)
+        supervised = SupervisedExecutor(command, fork_server)
         atexit.register(supervised.stop)
         flower_internals.pace_supernode(backoff, wake=supervised.replied, on_message=supervised.message_arrived)
     else:  # Flower's SuperExec polls for tasks every second unless told otherwise

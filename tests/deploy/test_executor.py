@@ -4,8 +4,11 @@ own per-message process, and how it survives a handler that raises or hangs."""
 import hashlib
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,8 @@ import pytest
 from florist.deploy.executor import PreloadedApp
 from florist.common.processes import marked
 from florist.deploy.federation import LocalFederation, app_dir, checkout
-from processes import EXPIRY
+from processes import EXPIRY, node_configs
+from processes import submit as run_submit
 
 APPS = Path(__file__).parent / "apps"
 
@@ -105,3 +109,40 @@ def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(t
         assert fault in log and "warm process" in log.split(fault)[-1]  # served warm afterwards
         assert log.count("warm executor for faultyapp.apps:client") == 1  # by the same executor
     assert started and not marked("FLWR_HOME", str(fed.flwr_home))  # stopping the federation stopped them all
+
+
+def _forked(fed: LocalFederation) -> list[tuple[int, int]]:
+    """(executor PID, node) of each executor the fork server has forked, in order."""
+    log = (fed.logs / "fork-server.log").read_text()
+    return [(int(pid), fed.node_ports.index(int(port))) for pid, port in re.findall(r"executor (\d+) forked for [\d.]+:(\d+)", log)]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except FileNotFoundError:
+        return None
+
+
+def _until(condition, seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return condition()
+
+
+def test_one_fork_server_preloads_for_every_node_and_forks_an_executor_again_when_one_dies(tmp_path):
+    with LocalFederation(tmp_path, node_configs(2, tmp_path)) as fed:
+        assert _until(lambda: len(_forked(fed)) == 2)
+        executors = dict((node, pid) for pid, node in _forked(fed))
+        assert {_parent(pid) for pid in executors.values()} == {fed.fork_server.pid}  # no executor of their own
+        os.kill(executors[0], signal.SIGKILL)
+        assert _until(lambda: len(_forked(fed)) == 3), "the SuperNode did not get a new executor"
+        assert _forked(fed)[-1][1] == 0
+        results = run_submit(fed, tmp_path / "out", **{"num-server-rounds": 1, "local-epochs": 1})
+        assert not results["failures"] and results["summary"]["seen"]["num_clients"] == 2
+        fed.nodes[1].stop()  # its executor goes with it: the lifeline closed
+        assert _until(lambda: _parent(executors[1]) is None, 10.0)
+    log = (fed.logs / "supernode-0.log").read_text()
+    assert "the warm executor exited" in log and log.count("forked by the fork server") == 2
+    assert "preloaded in" not in log  # never preloaded florist itself
