@@ -4,6 +4,8 @@ the run started (summed RSS, and summed PSS, which counts pages shared between t
 executors and their forked children once), and whether anything was left running.
 
     python benchmarks/deploy_scale.py [--nodes 20] [--fedavg-rounds 3] [--pefll-rounds 2] [--executor warm]
+
+(0 rounds leaves a strategy out.)
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ def main() -> None:
     print(f"florist deploy-local, {args.nodes} SuperNodes, executor {args.executor}, default run config")
     print(f"{'strategy':<9}{'rounds':>7}{'s/round':>9}{'wall s':>8}{'scored':>8}{'peak RSS MB':>13}{'peak PSS MB':>13}{'left':>6}")
     for strategy, rounds in (("fedavg", args.fedavg_rounds), ("pefll", args.pefll_rounds)):
+        if rounds < 1:  # --pefll-rounds 0: FedAvg only
+            continue
         r = run(work / strategy, strategy, rounds, args.nodes, args.executor)
         print(f"{strategy:<9}{rounds:>7}{r['round']:9.1f}{r['wall']:8.0f}{r['scored']:>8}{r['rss']:13,.0f}{r['pss']:13,.0f}"
               f"{r['left']:>6}")  # fmt: skip
