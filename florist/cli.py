@@ -186,6 +186,13 @@ def _deploy_local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ignore_signals() -> None:
+    import signal
+
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, signal.SIG_IGN)
+
+
 def _interrupt_on_signals() -> None:
     """Ctrl-C and SIGTERM both raise KeyboardInterrupt, so the processes we started are stopped
     either way (and Ctrl-C works even where the shell started us with SIGINT ignored)."""
@@ -504,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt as stop:  # runs raise `Interrupted`, which says what was kept
+        _ignore_signals()  # everything started is stopped: a late second signal must not cut the exit short
         print(f"florist: {stop or 'interrupted'}", file=sys.stderr)
         return 130
     except Exception as err:

@@ -28,13 +28,13 @@ def marked(variable: str, value: str) -> list[int]:
 
 def terminate(pids: list[int], grace: float = 3.0) -> None:
     """SIGTERM to each of `pids`, SIGKILL to those still there after `grace` seconds, then
-    wait (at most a second) until they are gone."""
+    wait (at most 3 s) until they are gone."""
     for pid in pids:
         send(pid, signal.SIGTERM)
     _wait_until_gone(pids, grace)
     for pid in pids:
         send(pid, signal.SIGKILL)
-    _wait_until_gone(pids, 1.0)
+    _wait_until_gone(pids, 3.0)  # a killed process that held much memory can take a while to go, under load
 
 
 def terminate_marked(variable: str, value: str, pids: list[int] = (), grace: float = 3.0) -> None:

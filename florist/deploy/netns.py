@@ -75,11 +75,12 @@ class Network:
         """The calling thread in `host`'s namespace: sockets it opens meanwhile are that host's
         (they stay there afterwards)."""
         with open("/proc/thread-self/ns/net") as home, open(NETNS_DIR / self.namespace(host)) as there:
-            _setns(there.fileno())
             try:
+                _setns(there.fileno())
                 yield
             finally:
-                _setns(home.fileno())
+                with _signals_held():  # a Ctrl-C here must not leave this thread in the namespace
+                    _setns(home.fileno())
 
     def set_link(self, host: str, up: bool) -> None:
         """Plug `host`'s link into the switch, or pull it out: its end sees the carrier go, its

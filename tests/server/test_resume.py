@@ -56,8 +56,8 @@ def _accuracies(results):
 def _rows(results):
     """The round rows without timings, and without byte counts (each message carries the run
     id, and a random id's protobuf varint may be a byte shorter or longer)."""
-    ignored = ("seconds", "exchanges", "bytes_up", "bytes_down")
-    return [{k: v for k, v in row.items() if k not in ignored} for row in results["rounds"]]
+    ignored = ("seconds", "exchanges", "bytes_up", "bytes_down")  # and each exchange's own `<type>_bytes_*`
+    return [{k: v for k, v in row.items() if not k.endswith(ignored)} for row in results["rounds"]]
 
 
 def _crash(cfg: RunConfig, at: int) -> None:
