@@ -51,13 +51,13 @@ class SupervisedExecutor:
     other when their reply has been handed over (`replied` ends the SuperNode's wait for it).
     """
 
-    def __init__(self, command: list[str], forkserver: str | None = None):
-        """`command` starts the executor; with `forkserver`, the fork server at that socket
+    def __init__(self, command: list[str], fork_server: str | None = None):
+        """`command` starts the executor; with `fork_server` (a socket), the fork server there
         forks it with the same options instead, if it can (`forkserver.py`)."""
         self.task_read, self.task_write = os.pipe()
         self.done_read, self.done_write = os.pipe()
         os.set_blocking(self.task_write, False)
-        self.forkserver, self.options = forkserver, command[3:]  # after `python -m florist.deploy.executor`
+        self.fork_server, self.options = fork_server, command[3:]  # after `python -m florist.deploy.executor`
         self.command = command + ["--wake-fd", str(self.task_read), "--done-fd", str(self.done_write)]
         self.stopping, self.replied = threading.Event(), threading.Event()
         self.process = self._start()
@@ -65,11 +65,11 @@ class SupervisedExecutor:
         threading.Thread(target=self._relay_replies, name="florist-executor-replies", daemon=True).start()
 
     def _start(self) -> subprocess.Popen | forkserver.Forked:
-        if self.forkserver:
+        if self.fork_server:
             try:
-                return forkserver.request(self.forkserver, self.options, self.task_read, self.done_write)
+                return forkserver.request(self.fork_server, self.options, self.task_read, self.done_write)
             except (OSError, ValueError) as err:
-                log.warning("no executor from the fork server at %s (%s): starting one of its own", self.forkserver, err)
+                log.warning("no executor from the fork server at %s (%s): starting one of its own", self.fork_server, err)
         return subprocess.Popen(self.command, env=os.environ | THREAD_ENV, pass_fds=(self.task_read, self.done_write))
 
     def _watch(self) -> None:
