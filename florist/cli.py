@@ -193,6 +193,13 @@ def _ignore_signals() -> None:
         signal.signal(number, signal.SIG_IGN)
 
 
+def _forget_interrupt() -> None:
+    """CPython (3.11) records a KeyboardInterrupt that escapes code run by `exec` (imports run
+    such code: dataclasses, typing, pydantic) even when it is caught later, and then ends the
+    process by SIGINT instead of with our exit status. A successful `exec` clears the record."""
+    exec("")  # noqa: S102
+
+
 def _interrupt_on_signals() -> None:
     """Ctrl-C and SIGTERM both raise KeyboardInterrupt, so the processes we started are stopped
     either way (and Ctrl-C works even where the shell started us with SIGINT ignored)."""
@@ -512,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt as stop:  # runs raise `Interrupted`, which says what was kept
         _ignore_signals()  # everything started is stopped: a late second signal must not cut the exit short
-        print(f"florist: {stop or 'interrupted'}", file=sys.stderr)
+        _forget_interrupt()
+        print(f"florist: {str(stop) or 'interrupted'}", file=sys.stderr)
         return 130
     except Exception as err:
         if debug:

@@ -81,6 +81,18 @@ def test_a_real_process_prints_one_line_and_no_traceback(tmp_path):
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "partition must be" in done.stderr
 
 
+def test_a_ctrl_c_that_lands_in_exec_run_code_still_exits_130(tmp_path):
+    """An interrupt during an import can land in code that `exec` runs; CPython then ended
+    `python -m florist` by SIGINT although `main` had caught it (-2, not 130; seen under load)."""
+    (tmp_path / "interrupted.py").write_text(
+        "import sys\nfrom florist import cli\n"
+        "cli._certs = lambda args: exec('raise KeyboardInterrupt')\n"
+        f"sys.exit(cli.main(['certs', '--out', {str(tmp_path)!r}, '--hosts', 'localhost']))\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "interrupted"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 130 and done.stderr == "florist: interrupted\n", done.stderr
+
+
 def test_version_and_help_promise_only_what_exists(capsys):
     with pytest.raises(SystemExit):
         main(["--version"])
