@@ -12,8 +12,9 @@ florist's deployment fast path needs what Flower 1.39 offers no setting for:
   by Flower's 2 h limit on the whole pull, not by 500 tries);
 - a ClientApp process unpacks and re-verifies its app bundle for every message, even when that
   bundle is installed already (`flwr/cli/install.py`): `skip_installed_fabs` skips that;
-- the warm executor drives the Runtime API's task loop and Flower's ClientApp runtime itself
-  (`runtime_client`, `acquire_task`, `stock_command`, `run_clientapp`);
+- the warm executor drives the Runtime API's task loop and Flower's ClientApp and ServerApp
+  runtimes itself (`runtime_client`, `acquire_task`, `stock_command`, `run_clientapp`,
+  `run_serverapp`, as `flwr-clientapp` and `flwr-serverapp` call them);
 - it reads the app bundles a SuperNode's ClientApps installed (`installed_fab`).
 
 `verify()` checks that the installed Flower still has what these rely on; its test fails,
@@ -59,6 +60,15 @@ def verify() -> None:
     expected = ["runtime_api_address", "token", "insecure", "certificates", "parent_pid", "runtime_dependency_install"]
     if list(inspect.signature(flower_run_clientapp).parameters) != expected:
         problems.append("run_clientapp's parameters changed")
+    from flwr.superlink.cli import flwr_serverapp
+    from flwr.superlink.runtime import run_serverapp as flower_run_serverapp
+
+    expected = ["runtime_api_address", "log_queue", "token", "insecure", "certificates", "parent_pid",
+                "runtime_dependency_install"]  # fmt: skip
+    if list(inspect.signature(flower_run_serverapp).parameters) != expected:
+        problems.append("run_serverapp's parameters changed")
+    if "mirror_output_to_queue(log_queue)" not in inspect.getsource(flwr_serverapp):
+        problems.append("flwr-serverapp no longer mirrors its output with mirror_output_to_queue")
     if problems:
         raise RuntimeError(f"florist's deployment fast path was written for Flower {PINNED}; the installed Flower "
                            f"{flwr.__version__} differs: {'; '.join(problems)}")  # fmt: skip
@@ -163,10 +173,12 @@ def acquire_task(client) -> tuple[str, Any] | None:
     return (response.token, response.task) if response.HasField("task") and response.token else None
 
 
-def is_client_app(task) -> bool:
+def app_component(task) -> str | None:
+    """"clientapp" or "serverapp" (its key in [tool.flwr.app.components]) for a task that runs
+    one, None for any other (a simulation)."""
     from flwr.supercore.constant import TaskType
 
-    return task.type == TaskType.CLIENT_APP
+    return {TaskType.CLIENT_APP: "clientapp", TaskType.SERVER_APP: "serverapp"}.get(task.type)
 
 
 def stock_command(task, address: str, token: str, root_certificates: str | None, parent_pid: int) -> list[str]:
@@ -188,6 +200,29 @@ def run_clientapp(address: str, token: str, root_certificates: str | None, paren
     certificates = Path(root_certificates).read_bytes() if root_certificates else None
     flower_run_clientapp(runtime_api_address=address, token=token, insecure=certificates is None,
                          certificates=certificates, parent_pid=parent_pid, runtime_dependency_install=False)  # fmt: skip
+
+
+def run_serverapp(address: str, token: str, root_certificates: str | None, parent_pid: int) -> None:
+    """Flower's ServerApp runtime for one run, as `flwr-serverapp` calls it: its output is
+    mirrored to the SuperLink (what `flwr run --stream` and `flwr log` show), the run's
+    ServerApp runs, the process ends when `parent_pid` does."""
+    import logging
+    from queue import Queue
+
+    from flwr.supercore.logger import mirror_output_to_queue, restore_output
+
+    logging.getLogger().handlers.clear()  # the executor's handler would write each of Flower's lines twice
+    from flwr.superlink.runtime import run_serverapp as flower_run_serverapp
+
+    log_queue: Queue[str | None] = Queue()
+    mirror_output_to_queue(log_queue)
+    certificates = Path(root_certificates).read_bytes() if root_certificates else None
+    try:
+        flower_run_serverapp(runtime_api_address=address, log_queue=log_queue, token=token,
+                             insecure=certificates is None, certificates=certificates, parent_pid=parent_pid,
+                             runtime_dependency_install=False)  # fmt: skip
+    finally:
+        restore_output()
 
 
 def installed_fab(fab_hash: str) -> Path | None:

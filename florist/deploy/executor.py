@@ -1,16 +1,18 @@
-"""The warm executor: a SuperNode's ClientApps without a new Python interpreter per message.
+"""The warm executor: a SuperNode's ClientApps (or a SuperLink's ServerApps) without a new
+Python interpreter per message (or per run).
 
 Flower's SuperExec starts a fresh `flwr-clientapp` process for every message, which imports
 torch, flwr and florist again (3-4 s on a 2-core machine) before the handler's own work
-(0.1-1 s). This executor imports them once, then forks one child per message. Each message
-still runs in its own process through Flower's own ClientApp runtime (task token, heartbeats,
-message pull, reply push), so whatever a handler does to its process (raise, leak, hang until
-its deadline, get killed) ends with that child; the executor goes on with the next message.
+(0.1-1 s), and a fresh `flwr-serverapp` process for every run. This executor imports them once,
+then forks one child per task. Each task still runs in its own process through Flower's own
+ClientApp or ServerApp runtime (task token, heartbeats, message pull, reply push), so whatever a
+handler does to its process (raise, leak, hang until its deadline, get killed) ends with that
+child; the executor goes on with the next task.
 
 It runs only what it preloaded. A run's app bundle (FAB) is served warm when it holds exactly
-the preloaded app: the installed package's project name and version, the same ClientApp
-reference, and byte for byte the Python files of the package as they were when this process
-imported them. Any other app runs in Flower's stock per-message process, and so does the
+the preloaded app: the installed package's project name and version, a ClientApp (ServerApp)
+reference inside the preloaded package, and byte for byte the Python files of the package as
+they were when this process imported them (all of its modules). Any other app runs in Flower's stock per-message process, and so does the
 first message of a FAB this machine has not installed yet (installing it is how the executor
 gets to read it), unless its hash is that of the bundle `flwr run` builds from the checkout the
 preloaded app was imported from (checked at start-up to hold exactly the preloaded files).
@@ -24,7 +26,8 @@ jemalloc (pyarrow, imported by scikit-learn) do start threads on import unless t
 which `THREAD_ENV` does before anything is imported. Before every fork the executor counts its
 OS threads and, should there ever be more than one, uses Flower's stock process instead.
 
-Run it beside a SuperNode started with `--isolation process` (`florist supernode` does both):
+Run it beside a SuperNode (or SuperLink) started with `--isolation process` (`florist supernode`
+does both for a SuperNode, `LocalFederation` for its SuperLink):
 
     python -m florist.deploy.executor --runtime-api-address 127.0.0.1:9094 [--parent-pid PID]
 """
@@ -79,7 +82,7 @@ def _digest(path: Path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PreloadedApp:
-    """The ClientApp this process imported, and what identifies its code."""
+    """The app this process imported (its whole package), and what identifies its code."""
 
     ref: str  # "module:attribute", as in [tool.flwr.app.components] clientapp
     package: str  # the top-level package the app lives in
@@ -118,18 +121,20 @@ class PreloadedApp:
         fab = flower_internals.fab_bytes(checkout)
         with tempfile.TemporaryDirectory() as unpacked:
             zipfile.ZipFile(io.BytesIO(fab)).extractall(unpacked)
-            return hashlib.sha256(fab).hexdigest() if self.mismatch(Path(unpacked)) is None else None
+            ours = all(self.mismatch(Path(unpacked), component) is None for component in ("clientapp", "serverapp"))
+            return hashlib.sha256(fab).hexdigest() if ours else None
 
-    def mismatch(self, fab_dir: Path) -> str | None:
-        """Why the app bundle installed in `fab_dir` is not this app; None when it is."""
+    def mismatch(self, fab_dir: Path, component: str = "clientapp") -> str | None:
+        """Why the `component` ("clientapp" or "serverapp") of the app bundle installed in
+        `fab_dir` is not preloaded here; None when it is."""
         try:
             config = tomllib.loads((fab_dir / "pyproject.toml").read_text())
-            ref = config["tool"]["flwr"]["app"]["components"]["clientapp"]
+            ref = config["tool"]["flwr"]["app"]["components"][component]
             project = (config["project"]["name"], str(config["project"]["version"]))
         except (OSError, KeyError, tomllib.TOMLDecodeError) as err:
             return f"its pyproject.toml is unreadable ({err!r})"
-        if ref != self.ref:
-            return f"its ClientApp is {ref!r}, not {self.ref!r}"
+        if not ref.startswith(f"{self.package}."):  # every module of the package was imported
+            return f"its {component} {ref!r} is not in the preloaded package {self.package}"
         if self.distribution and (_normal(project[0]), project[1]) != (_normal(self.distribution[0]), self.distribution[1]):
             return f"it is {project[0]} {project[1]}, the installed package is {' '.join(self.distribution)}"
         theirs = {p.relative_to(fab_dir).as_posix(): _digest(p) for p in (fab_dir / self.package).rglob("*.py")}
@@ -176,7 +181,7 @@ class WarmExecutor:
         self.wake_fd, self.done_fd, self.lifeline = wake_fd, done_fd, lifeline
         self.client = flower_internals.runtime_client(address, root_certificates)
         self.children: dict[int, Child] = {}
-        self.verdicts: dict[str, str | None] = {}  # FAB hash -> why it is not the preloaded app (None: it is)
+        self.verdicts: dict[tuple[str, str], str | None] = {}  # (FAB hash, component) -> why not the preloaded app
         # Polling is the safety net when a wake-up is missed (or there is no wake pipe).
         self.backoff = Backoff(floor=0.01, cap=0.25 if wake_fd is None else 1.0, ratio=0.05)
         self.stopping = False
@@ -222,19 +227,20 @@ class WarmExecutor:
 
     def why_not_warm(self, task) -> str | None:
         """None if `task` may run in a forked child, else the reason it may not."""
-        if not flower_internals.is_client_app(task):
+        if (component := flower_internals.app_component(task)) is None:
             return f"a {task.type} task"
-        if task.fab_hash not in self.verdicts and task.fab_hash == self.app.bundle_hash:
-            self.verdicts[task.fab_hash] = None
+        key = (task.fab_hash, component)
+        if key not in self.verdicts and task.fab_hash == self.app.bundle_hash:
+            self.verdicts[key] = None
             log.info("app bundle %s: built from the preloaded app's checkout, served warm", task.fab_hash[:8])
-        if task.fab_hash not in self.verdicts:
+        if key not in self.verdicts:
             fab = flower_internals.installed_fab(task.fab_hash)
             if fab is None:
                 return "its app bundle is not installed here yet"
-            verdict = self.verdicts[task.fab_hash] = self.app.mismatch(fab)
+            verdict = self.verdicts[key] = self.app.mismatch(fab, component)
             log.info("app bundle %s (%s): %s", task.fab_hash[:8], fab.name,
                      "the preloaded app, served warm" if verdict is None else f"not the preloaded app: {verdict}")
-        if self.verdicts[task.fab_hash]:
+        if self.verdicts[key]:
             return "not the preloaded app"
         if (threads := os_threads()) > 1:
             return f"this process runs {threads} threads, so forking it is not safe"
@@ -243,9 +249,10 @@ class WarmExecutor:
     def launch(self, token: str, task) -> None:
         reason = self.why_not_warm(task)
         if reason is None:
-            pid, child = self.fork(token), Child(task.task_id, "warm")
+            pid, child = self.fork(token, task), Child(task.task_id, "warm")
         else:
-            command = flower_internals.stock_command(task, self.address, token, self.root_certificates, os.getpid())
+            command = flower_internals.stock_command(task, self.address, token, self.root_certificates,
+                                                     self.watched(task, os.getpid()))  # fmt: skip
             popen = subprocess.Popen(command, env=os.environ | {DISPOSABLE: "1"})
             pid, child = popen.pid, Child(task.task_id, "stock", popen)
         self.children[pid] = child
@@ -253,8 +260,8 @@ class WarmExecutor:
         log.info("task %d of run %d: %s process %d%s", task.task_id, task.run_id, child.kind, pid,
                  f" ({reason})" if reason else "")  # fmt: skip
 
-    def fork(self, token: str) -> int:
-        """A child that runs the task through Flower's ClientApp runtime and exits."""
+    def fork(self, token: str, task) -> int:
+        """A child that runs the task through Flower's ClientApp or ServerApp runtime and exits."""
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -266,8 +273,11 @@ class WarmExecutor:
                 signal.signal(sig, signal.SIG_DFL)  # Flower's runtime installs its own
             if self.lifeline is not None:  # a child holding it would keep its executor "alive"
                 self.lifeline.close()
-            os.environ[DISPOSABLE] = "1"
-            flower_internals.run_clientapp(self.address, token, self.root_certificates, parent_pid=os.getppid())
+            if flower_internals.app_component(task) == "serverapp":
+                flower_internals.run_serverapp(self.address, token, self.root_certificates, self.watched(task, os.getppid()))
+            else:
+                os.environ[DISPOSABLE] = "1"
+                flower_internals.run_clientapp(self.address, token, self.root_certificates, parent_pid=os.getppid())
             code = 0
         except SystemExit as exit_:  # how Flower's runtime ends, with or without a reply
             code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
@@ -279,6 +289,13 @@ class WarmExecutor:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+
+    def watched(self, task, executor_pid: int) -> int:
+        """The process whose end ends `task`'s process: a ServerApp's run ends with the SuperLink
+        (`parent_pid`, when given), as with Flower's own executor; a ClientApp's with this executor."""
+        if flower_internals.app_component(task) == "serverapp" and self.parent_pid is not None:
+            return self.parent_pid
+        return executor_pid
 
     def reap(self) -> None:
         """Collect finished children; say how any of them ended badly."""
@@ -331,9 +348,10 @@ def _notify(fd: int) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m florist.deploy.executor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runtime-api-address", required=True, help="the SuperNode's Runtime API, HOST:PORT")
+    parser.add_argument("--runtime-api-address", required=True, help="the SuperNode's (SuperLink's) Runtime API, HOST:PORT")
     parser.add_argument("--root-certificates", help="CA of the Runtime API's TLS certificate (default: plain HTTP)")
-    parser.add_argument("--parent-pid", type=int, help="exit when this process (the SuperNode) is gone")
+    parser.add_argument("--parent-pid", type=int, help="the SuperNode or SuperLink: without a lifeline the executor "
+                        "exits when it is gone; a ServerApp's run always ends with it")  # fmt: skip
     parser.add_argument("--wake-fd", type=int, help="pipe that becomes readable when the SuperNode pulled a message")
     parser.add_argument("--done-fd", type=int, help="pipe to tell the SuperNode a reply is ready")
     parser.add_argument("--app", default=DEFAULT_APP, help=f"the ClientApp to preload, module:attribute (default: {DEFAULT_APP})")

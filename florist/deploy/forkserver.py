@@ -6,11 +6,12 @@ N SuperNodes on one machine (`florist deploy-local`) would pay that N times; the
 pays it once and forks each SuperNode's executor from its preloaded state, whose memory pages
 the executors then share.
 
-A SuperNode asks for its executor with `request` over a Unix socket: it sends the executor's
-arguments, its two pipes and its log (SCM_RIGHTS), and gets the executor's PID back. The
-connection stays open as the executor's lifeline: the executor stops when the SuperNode shuts
-it down or dies, and the SuperNode sees its executor gone when the connection reads EOF. Like
-the executor, this process starts no thread, so forking it is safe.
+A SuperNode (or, for the SuperLink's ServerApps, `LocalFederation`) asks for its executor
+with `request` over a Unix socket: it sends the executor's arguments, its log and a SuperNode's
+two pipes (SCM_RIGHTS), and gets the executor's PID back. The connection stays open as the
+executor's lifeline: the executor stops when the asker shuts it down or dies, and the asker
+sees its executor gone when the connection reads EOF. Like the executor, this process starts
+no thread, so forking it is safe.
 
     python -m florist.deploy.forkserver --socket PATH [--app MODULE:APP] [--parent-pid PID]
 """
@@ -37,16 +38,42 @@ MAX_REQUEST = 1 << 16  # bytes of one request's arguments (a few hundred in prac
 
 
 class Forked:
-    """An executor that the fork server started for this SuperNode: not our child, so watched
-    through its lifeline. Quacks like the `subprocess.Popen` that `SupervisedExecutor` keeps."""
+    """An executor that the fork server started for us: not our child, so watched through its
+    lifeline. Quacks like the `subprocess.Popen` that `SupervisedExecutor` keeps. Its PID comes
+    when the fork server has preloaded (`answer` waits for it)."""
 
-    def __init__(self, connection: socket.socket, pid: int):
-        self.connection, self.pid, self.returncode = connection, pid, None
+    def __init__(self, connection: socket.socket):
+        self.connection, self.returncode, self._pid = connection, None, None
+
+    @property
+    def pid(self) -> int:
+        return self.answer()
+
+    def answer(self, timeout: float = 120.0) -> int:
+        """The executor's PID, once the fork server has forked it (`timeout` covers its own
+        preloading when it has only just started); ConnectionError if it refused."""
+        if self._pid is None:
+            self.connection.settimeout(timeout)
+            answer = b""
+            while not answer.endswith(b"\n"):
+                if not (chunk := self.connection.recv(64)):
+                    raise ConnectionError("the fork server closed the connection")
+                answer += chunk
+            self.connection.settimeout(None)
+            self._pid = int(answer)
+        return self._pid
 
     def poll(self) -> int | None:
-        if self.returncode is None and executor.closed(self.connection):
-            self.returncode = 0  # its status is its parent's, the fork server's, to collect
-            self.connection.close()
+        if self.returncode is None:
+            try:
+                if self._pid is None and select.select([self.connection], [], [], 0)[0]:
+                    self.answer()
+                gone = self._pid is not None and executor.closed(self.connection)
+            except (OSError, ValueError):  # refused, or broken before it answered
+                gone = True
+            if gone:
+                self.returncode = 0  # its status is its parent's, the fork server's, to collect
+                self.connection.close()
         return self.returncode
 
     def terminate(self) -> None:
@@ -59,31 +86,25 @@ class Forked:
         while self.poll() is None:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise subprocess.TimeoutExpired(f"executor {self.pid}", timeout)
+                raise subprocess.TimeoutExpired(f"executor {self._pid}", timeout)
             select.select([self.connection], [], [], left)
         return self.returncode
 
     def kill(self) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
+        if self.poll() is None and self._pid is not None:
+            os.kill(self._pid, signal.SIGKILL)
 
 
-def request(path: str, argv: list[str], wake_fd: int, done_fd: int, timeout: float = 120.0) -> Forked:
-    """A warm executor forked for this SuperNode with `argv` (executor.py's options, less the
-    pipes), its output going where this process's stderr goes. `timeout` covers the fork
-    server's own preloading when it has only just started."""
+def request(path: str, argv: list[str], log_fd: int, pipes: tuple[int, int] | None = None) -> Forked:
+    """Ask the fork server at `path` for a warm executor with `argv` (executor.py's options,
+    less the pipes), its output going to `log_fd`; `pipes` are a SuperNode's wake and done
+    pipes. Returns at once: `Forked.answer` waits for the fork."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        connection.settimeout(timeout)
+        connection.settimeout(10.0)  # the fork server listens before it preloads
         connection.connect(path)
-        socket.send_fds(connection, [json.dumps(argv).encode()], [wake_fd, done_fd, sys.stderr.fileno()])
-        answer = b""
-        while not answer.endswith(b"\n"):
-            if not (chunk := connection.recv(64)):
-                raise ConnectionError(f"the fork server at {path} closed the connection")
-            answer += chunk
-        connection.settimeout(None)
-        return Forked(connection, int(answer))
+        socket.send_fds(connection, [json.dumps(argv).encode()], [log_fd, *(pipes or ())])
+        return Forked(connection)
     except BaseException:
         connection.close()
         raise
@@ -113,16 +134,17 @@ class ForkServer:
     def fork(self, listener: socket.socket, connection: socket.socket) -> None:
         message, fds, _, _ = socket.recv_fds(connection, MAX_REQUEST, 3)
         try:
-            if len(fds) != 3:
-                raise ValueError(f"expected 3 file descriptors (wake, done, log), got {len(fds)}")
-            argv = [str(a) for a in json.loads(message)] + ["--wake-fd", str(fds[0]), "--done-fd", str(fds[1])]
+            if len(fds) not in (1, 3):
+                raise ValueError(f"expected 1 or 3 file descriptors (log, and wake and done), got {len(fds)}")
+            argv = [str(a) for a in json.loads(message)]
+            argv += ["--wake-fd", str(fds[1]), "--done-fd", str(fds[2])] if len(fds) == 3 else []
             args = executor.parse_args(argv)
             if args.app != self.app.ref:
                 raise ValueError(f"a request for {args.app}: this fork server preloaded {self.app.ref}")
             pid = os.fork()
             if pid == 0:
                 listener.close()
-                self._become_executor(args, connection, fds[2])
+                self._become_executor(args, connection, fds[0])
             connection.sendall(f"{pid}\n".encode())
             log.info("executor %d forked for %s", pid, args.runtime_api_address)
         finally:  # the child has its own copies

@@ -67,7 +67,10 @@ class SupervisedExecutor:
     def _start(self) -> subprocess.Popen | forkserver.Forked:
         if self.fork_server:
             try:
-                return forkserver.request(self.fork_server, self.options, self.task_read, self.done_write)
+                forked = forkserver.request(self.fork_server, self.options, sys.stderr.fileno(),
+                                            (self.task_read, self.done_write))  # fmt: skip
+                forked.answer()  # a refusal shows here, not as an executor that keeps exiting
+                return forked
             except (OSError, ValueError) as err:
                 log.warning("no executor from the fork server at %s (%s): starting one of its own", self.fork_server, err)
         return subprocess.Popen(self.command, env=os.environ | THREAD_ENV, pass_fds=(self.task_read, self.done_write))

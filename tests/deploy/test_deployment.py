@@ -42,6 +42,8 @@ def test_deploy_local_runs_fedavg_over_grpc(tmp_path, executor):
     node_log = (logs / "supernode-0.log").read_text()
     if executor == "warm":  # the bundle flwr run built from this checkout is recognised: warm from the first message
         assert node_log.count(": warm process") >= 4 and ": stock process" not in node_log
+        served = (logs / "server-executor.log").read_text()  # and the run's ServerApp, forked as warm
+        assert served.count(": warm process") == 1 and ": stock process" not in served
     else:
         assert "florist.executor" not in node_log and "Start `flwr-clientapp` process" in node_log
     assert not marked("FLWR_HOME", str(tmp_path / "out" / "federation" / "flwr-home"))  # every process it started is gone
@@ -60,9 +62,9 @@ def test_join_checks_the_data_folder_before_connecting(tmp_path):
 
 
 def test_a_run_whose_superlink_is_killed_resumes_from_its_checkpoint_exactly(tmp_path):
-    """SIGKILL to the SuperLink's process group (the SuperLink and the run's ServerApp) after
-    round 1 of 3; the SuperLink restarts with its database, keeps its nodes, and the run goes
-    on from its checkpoint with `resume-from` to the accuracies of an uninterrupted run."""
+    """SIGKILL to the SuperLink's process group after round 1 of 3 (the run's ServerApp, forked
+    warm, ends with it); the SuperLink restarts with its database, keeps its nodes, and the run
+    goes on from its checkpoint with `resume-from` to the accuracies of an uninterrupted run."""
     out = tmp_path / "out"
     config = RUN | {"num-server-rounds": 3, "partition": "dirichlet:0.5", "min-nodes": 3, "results-dir": str(out)}
     with LocalFederation(tmp_path, node_configs(3, tmp_path), persistent=True) as fed:

@@ -50,7 +50,8 @@ def test_the_bundle_flwr_run_builds_from_the_checkout_is_known_before_it_is_inst
 
 
 def test_only_a_bundle_with_exactly_the_preloaded_code_is_served_warm(florist_app, tmp_path):
-    assert florist_app.mismatch(bundle(tmp_path / "same")) is None
+    same = bundle(tmp_path / "same")
+    assert florist_app.mismatch(same) is None and florist_app.mismatch(same, "serverapp") is None  # SuperLink's too
 
     def edit(fab):
         (fab / "florist" / "common" / "metrics.py").write_text("# changed\n")
@@ -61,7 +62,8 @@ def test_only_a_bundle_with_exactly_the_preloaded_code_is_served_warm(florist_ap
         text = (fab / "pyproject.toml").read_text()
         (fab / "pyproject.toml").write_text(text.replace('clientapp = "florist.client.app:app"', 'clientapp = "x:app"'))
 
-    assert "its ClientApp is 'x:app'" in florist_app.mismatch(bundle(tmp_path / "other", other_app))
+    assert "its clientapp 'x:app' is not in the preloaded package florist" in florist_app.mismatch(
+        bundle(tmp_path / "other", other_app))
 
     def other_version(fab):
         text = (fab / "pyproject.toml").read_text()
@@ -82,7 +84,7 @@ def test_an_app_that_is_not_florist_runs_in_flowers_own_process(tmp_path):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert done.stdout.count("tinyapp: 1 of 1 nodes replied") == 2
         log = (fed.logs / "supernode-0.log").read_text()
-    assert "not the preloaded app: its ClientApp is 'tinyapp.apps:client'" in log
+    assert "not the preloaded app: its clientapp 'tinyapp.apps:client' is not in the preloaded package florist" in log
     assert log.count(": stock process") == 2 and ": warm process" not in log
 
 
@@ -112,9 +114,10 @@ def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(t
 
 
 def _forked(fed: LocalFederation) -> list[tuple[int, int]]:
-    """(executor PID, node) of each executor the fork server has forked, in order."""
+    """(executor PID, node) of each SuperNode's executor the fork server has forked, in order."""
     log = (fed.logs / "fork-server.log").read_text()
-    return [(int(pid), fed.node_ports.index(int(port))) for pid, port in re.findall(r"executor (\d+) forked for [\d.]+:(\d+)", log)]
+    return [(int(pid), fed.node_ports.index(int(port))) for pid, port in re.findall(r"executor (\d+) forked for [\d.]+:(\d+)", log)
+            if int(port) in fed.node_ports]  # fmt: skip
 
 
 def _parent(pid: int) -> int | None:
@@ -136,6 +139,7 @@ def test_one_fork_server_preloads_for_every_node_and_forks_an_executor_again_whe
         assert _until(lambda: len(_forked(fed)) == 2)
         executors = dict((node, pid) for pid, node in _forked(fed))
         assert {_parent(pid) for pid in executors.values()} == {fed.fork_server.pid}  # no executor of their own
+        assert _parent(fed.server_executor.pid) == fed.fork_server.pid  # nor has the SuperLink
         os.kill(executors[0], signal.SIGKILL)
         assert _until(lambda: len(_forked(fed)) == 3), "the SuperNode did not get a new executor"
         assert _forked(fed)[-1][1] == 0
@@ -146,3 +150,6 @@ def test_one_fork_server_preloads_for_every_node_and_forks_an_executor_again_whe
     log = (fed.logs / "supernode-0.log").read_text()
     assert "the warm executor exited" in log and log.count("forked by the fork server") == 2
     assert "preloaded in" not in log  # never preloaded florist itself
+    served = (fed.logs / "server-executor.log").read_text()  # the run's ServerApp: forked, not a new process
+    assert served.count(": warm process") == 1 and "stock process" not in served
+    assert "Start `flwr-serverapp` process" not in served and "seen accuracy" in served  # the run's log is there
