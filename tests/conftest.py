@@ -1,6 +1,7 @@
 """Test-wide environment: a private Flower home and cache, no telemetry, quiet Ray."""
 
 import os
+import shutil
 import tempfile
 
 _home = tempfile.mkdtemp(prefix="florist-tests-")
@@ -16,6 +17,10 @@ os.environ.update(
 import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_home, ignore_errors=True)  # every process the tests started has been stopped by now
 
 
 @pytest.fixture
