@@ -243,7 +243,8 @@ class LocalFederation:
         """SIGTERM to the SuperLink and every SuperNode at once, SIGKILL to any still running
         after `grace` seconds; then whatever else carries this federation's FLWR_HOME (their
         executors and ClientApps) gets the same."""
-        self._stop_server_executor()
+        if self.server_executor is not None:
+            self.server_executor.terminate()  # lets go of its lifeline: it stops its ServerApps and exits
         running = [p for p in (*self.nodes, self.superlink, self.fork_server) if p and p.alive()]
         for process in running:
             process.popen.send_signal(signal.SIGTERM)
@@ -254,6 +255,7 @@ class LocalFederation:
             except subprocess.TimeoutExpired:
                 process.popen.kill()
                 process.popen.wait()
+        self._stop_server_executor(max(0.0, deadline - time.monotonic()))
         terminate_marked("FLWR_HOME", str(self.flwr_home), grace=2.0)
         if self.fork_socket:
             shutil.rmtree(self.fork_socket.parent, ignore_errors=True)
@@ -299,11 +301,11 @@ class LocalFederation:
         with open(self.logs / "server-executor.log", "ab") as log_file:
             self.server_executor = forkserver.request(str(self.fork_socket), argv, log_file.fileno())
 
-    def _stop_server_executor(self) -> None:
+    def _stop_server_executor(self, grace: float = 10.0) -> None:
         if self.server_executor is not None:
             self.server_executor.terminate()
             try:
-                self.server_executor.wait(10.0)
+                self.server_executor.wait(grace)
             except subprocess.TimeoutExpired:
                 self.server_executor.kill()
             self.server_executor = None
