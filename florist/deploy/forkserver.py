@@ -44,6 +44,7 @@ class Forked:
 
     def __init__(self, connection: socket.socket):
         self.connection, self.returncode, self._pid = connection, None, None
+        self.refused = False  # the fork server closed the connection without forking
 
     @property
     def pid(self) -> int:
@@ -70,7 +71,7 @@ class Forked:
                     self.answer()
                 gone = self._pid is not None and executor.closed(self.connection)
             except (OSError, ValueError):  # refused, or broken before it answered
-                gone = True
+                gone = self.refused = True
             if gone:
                 self.returncode = 0  # its status is its parent's, the fork server's, to collect
                 self.connection.close()

@@ -64,22 +64,25 @@ class SupervisedExecutor:
         threading.Thread(target=self._watch, name="florist-executor-watch", daemon=True).start()
         threading.Thread(target=self._relay_replies, name="florist-executor-replies", daemon=True).start()
 
-    def _start(self) -> subprocess.Popen | forkserver.Forked:
-        if self.fork_server:
+    def _start(self, fork: bool = True) -> subprocess.Popen | forkserver.Forked:
+        """The executor, forked by the fork server if there is one (asked without waiting for
+        its answer, so that the SuperNode connects while the fork server preloads)."""
+        if self.fork_server and fork:
             try:
-                forked = forkserver.request(self.fork_server, self.options, sys.stderr.fileno(),
-                                            (self.task_read, self.done_write))  # fmt: skip
-                forked.answer()  # a refusal shows here, not as an executor that keeps exiting
-                return forked
-            except (OSError, ValueError) as err:
+                return forkserver.request(self.fork_server, self.options, sys.stderr.fileno(),
+                                          (self.task_read, self.done_write))  # fmt: skip
+            except OSError as err:
                 log.warning("no executor from the fork server at %s (%s): starting one of its own", self.fork_server, err)
         return subprocess.Popen(self.command, env=os.environ | THREAD_ENV, pass_fds=(self.task_read, self.done_write))
 
     def _watch(self) -> None:
         while not self.stopping.wait(1.0):
             if self.process.poll() is not None and not self.stopping.is_set():
-                log.warning("the warm executor exited (status %s); starting it again", self.process.returncode)
-                self.process = self._start()
+                if refused := isinstance(self.process, forkserver.Forked) and self.process.refused:
+                    log.warning("the fork server at %s forked no executor: starting one of its own", self.fork_server)
+                else:
+                    log.warning("the warm executor exited (status %s); starting it again", self.process.returncode)
+                self.process = self._start(fork=not refused)
 
     def _relay_replies(self) -> None:
         while os.read(self.done_read, 4096):

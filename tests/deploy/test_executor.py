@@ -7,12 +7,15 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from florist.deploy import forkserver
 from florist.deploy.executor import PreloadedApp
 from florist.common.processes import marked
 from florist.deploy.federation import LocalFederation, app_dir, checkout
@@ -118,6 +121,24 @@ def _forked(fed: LocalFederation) -> list[tuple[int, int]]:
     log = (fed.logs / "fork-server.log").read_text()
     return [(int(pid), fed.node_ports.index(int(port))) for pid, port in re.findall(r"executor (\d+) forked for [\d.]+:(\d+)", log)
             if int(port) in fed.node_ports]  # fmt: skip
+
+
+def test_a_forked_executor_is_known_refused_when_the_fork_server_closes_without_forking(tmp_path):
+    """A SuperNode asks without waiting for the answer (it connects meanwhile); a refusal is what
+    sends it to start an executor of its own."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "s"))
+    listener.listen(2)
+    with listener:
+        refused = forkserver.request(str(tmp_path / "s"), ["--runtime-api-address", "127.0.0.1:1"], sys.stderr.fileno())
+        listener.accept()[0].close()  # what the fork server does with a request it cannot serve
+        served = forkserver.request(str(tmp_path / "s"), ["--runtime-api-address", "127.0.0.1:1"], sys.stderr.fileno())
+        connection = listener.accept()[0]
+        connection.sendall(b"4242\n")
+        assert served.poll() is None and served.pid == 4242  # answered, its lifeline held
+        connection.close()
+    assert refused.wait(5) == 0 and refused.refused
+    assert served.wait(5) == 0 and not served.refused
 
 
 def _parent(pid: int) -> int | None:
