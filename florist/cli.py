@@ -227,6 +227,7 @@ def _local_federation(args: argparse.Namespace) -> int:
         print("Running; Ctrl-C stops the SuperLink and SuperNodes started here.", flush=True)
         try:
             while fed.superlink.alive():
+                fed.ensure_runs_served()
                 time.sleep(1)
             print(f"the SuperLink exited:\n{fed.superlink.tail()}", file=sys.stderr)
             return 1
@@ -519,7 +520,6 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt as stop:  # runs raise `Interrupted`, which says what was kept
         _ignore_signals()  # everything started is stopped: a late second signal must not cut the exit short
-        _forget_interrupt()
         print(f"florist: {str(stop) or 'interrupted'}", file=sys.stderr)
         return 130
     except Exception as err:
@@ -530,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"florist: internal error: {type(err).__name__}: {err} (FLORIST_DEBUG=1 shows where)", file=sys.stderr)
         return 1
+    finally:
+        _forget_interrupt()  # also where a command caught the interrupt itself (local-federation, join)
 
 
 if __name__ == "__main__":

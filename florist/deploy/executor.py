@@ -201,7 +201,7 @@ class WarmExecutor:
                     unreachable = False
                 except Exception as err:  # the SuperNode restarting or gone: keep trying, say so once
                     if not unreachable:
-                        log.warning("SuperNode Runtime API at %s unreachable (%s); retrying", self.address, err)
+                        log.warning("Runtime API at %s unreachable (%s); retrying", self.address, err)
                     unreachable, acquired = True, None
                 if acquired:
                     self.launch(*acquired)
@@ -350,8 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m florist.deploy.executor", description=__doc__.split("\n\n")[0])
     parser.add_argument("--runtime-api-address", required=True, help="the SuperNode's (SuperLink's) Runtime API, HOST:PORT")
     parser.add_argument("--root-certificates", help="CA of the Runtime API's TLS certificate (default: plain HTTP)")
-    parser.add_argument("--parent-pid", type=int, help="the SuperNode or SuperLink: without a lifeline the executor "
-                        "exits when it is gone; a ServerApp's run always ends with it")  # fmt: skip
+    parser.add_argument("--parent-pid", type=int, help="the SuperNode or SuperLink: a ServerApp's run ends with it; "
+                        "without a lifeline it must be our parent, and we exit when it is gone")  # fmt: skip
     parser.add_argument("--wake-fd", type=int, help="pipe that becomes readable when the SuperNode pulled a message")
     parser.add_argument("--done-fd", type=int, help="pipe to tell the SuperNode a reply is ready")
     parser.add_argument("--app", default=DEFAULT_APP, help=f"the ClientApp to preload, module:attribute (default: {DEFAULT_APP})")

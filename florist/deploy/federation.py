@@ -190,6 +190,7 @@ class LocalFederation:
         self.fork_server: Process | None = None  # preloads once for every warm executor here
         self.fork_socket: Path | None = None
         self.server_executor: forkserver.Forked | None = None  # runs the SuperLink's ServerApps, warm
+        self.superexec: Process | None = None  # Flower's, for them, should the fork server fail us
         self.env = flower_env(self.flwr_home)
 
     @property
@@ -245,7 +246,7 @@ class LocalFederation:
         executors and ClientApps) gets the same."""
         if self.server_executor is not None:
             self.server_executor.terminate()  # lets go of its lifeline: it stops its ServerApps and exits
-        running = [p for p in (*self.nodes, self.superlink, self.fork_server) if p and p.alive()]
+        running = [p for p in (*self.nodes, self.superlink, self.superexec, self.fork_server) if p and p.alive()]
         for process in running:
             process.popen.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -268,6 +269,9 @@ class LocalFederation:
         node identities survive). In memory, its exchanges cost 2-3 times less than with SQLite.
         With a fork server, its ServerApps run warm (`--isolation process`, `_serve_runs`)."""
         self._stop_server_executor()  # an earlier SuperLink's: it must not take this one's runs
+        if self.superexec is not None:
+            self.superexec.stop(grace=5.0)
+            self.superexec = None
         security = (
             ["--ssl-ca-certfile", str(self.certs / "ca.crt"), "--ssl-certfile", str(self.certs / "server.pem"),
              "--ssl-keyfile", str(self.certs / "server.key")] if self.tls else ["--insecure"]
@@ -296,10 +300,29 @@ class LocalFederation:
                 raise RuntimeError(f"the fork server did not start:\n{self.fork_server.tail()}")
             time.sleep(0.1)
         argv = ["--runtime-api-address", self.control_address, "--parent-pid", str(self.superlink.pid),
-                "--app", self.preload or DEFAULT_APP,
-                *(["--root-certificates", str(self.certs / "ca.crt")] if self.tls else [])]  # fmt: skip
-        with open(self.logs / "server-executor.log", "ab") as log_file:
-            self.server_executor = forkserver.request(str(self.fork_socket), argv, log_file.fileno())
+                "--app", self.preload or DEFAULT_APP, *self._runtime_tls()]  # fmt: skip
+        try:
+            with open(self.logs / "server-executor.log", "ab") as log_file:
+                self.server_executor = forkserver.request(str(self.fork_socket), argv, log_file.fileno())
+        except OSError as err:
+            self._serve_runs_stock(f"the fork server is unreachable ({err})")
+
+    def ensure_runs_served(self) -> None:
+        """If the fork server refused the ServerApp executor, or it died, runs would wait forever
+        on a SuperLink with `--isolation process`: start Flower's own SuperExec for it instead."""
+        if self.server_executor is not None and self.server_executor.poll() is not None:
+            why = "refused it" if self.server_executor.refused else "it exited"
+            self.server_executor = None
+            self._serve_runs_stock(f"no warm ServerApp executor ({why})")
+
+    def _serve_runs_stock(self, why: str) -> None:
+        log.warning("%s: the SuperLink's runs go to Flower's own SuperExec", why)
+        args = [flower_bin("flower-superexec"), *(self._runtime_tls() or ["--insecure"]), "--runtime-api-address",
+                self.control_address, "--parent-pid", str(self.superlink.pid)]  # fmt: skip
+        self.superexec = self._spawn("superexec", netns.SUPERLINK, args)
+
+    def _runtime_tls(self) -> list[str]:
+        return ["--root-certificates", str(self.certs / "ca.crt")] if self.tls else []
 
     def _stop_server_executor(self, grace: float = 10.0) -> None:
         if self.server_executor is not None:
@@ -382,6 +405,7 @@ class LocalFederation:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"fewer than {count} SuperNodes connected within {timeout:.0f} s; logs in {self.logs}")
             time.sleep(0.5)
+        self.ensure_runs_served()
 
     def _wait_for_port(self, host: str, port: int, process: Process, timeout: float) -> None:
         deadline = time.monotonic() + timeout

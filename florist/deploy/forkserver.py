@@ -188,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     executor.configure_logging()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(args.socket)  # before preloading: SuperNodes that connect meanwhile wait in the backlog
+    listener.bind(f"{args.socket}.new")  # before preloading: SuperNodes that connect meanwhile wait in the backlog
     listener.listen(64)
+    os.rename(f"{args.socket}.new", args.socket)  # only a listening socket has the name: no refused connection
     try:
         start = time.monotonic()
         server = ForkServer(executor.preload(args.app), args.parent_pid)

@@ -68,6 +68,14 @@ def test_only_a_bundle_with_exactly_the_preloaded_code_is_served_warm(florist_ap
     assert "its clientapp 'x:app' is not in the preloaded package florist" in florist_app.mismatch(
         bundle(tmp_path / "other", other_app))
 
+    def other_server(fab):
+        text = (fab / "pyproject.toml").read_text()
+        (fab / "pyproject.toml").write_text(text.replace('serverapp = "florist.server.app:app"', 'serverapp = "y:app"'))
+
+    other = bundle(tmp_path / "other-server", other_server)
+    assert florist_app.mismatch(other) is None  # its ClientApp is ours: a SuperNode serves it warm, a SuperLink not
+    assert "its serverapp 'y:app' is not in the preloaded package florist" in florist_app.mismatch(other, "serverapp")
+
     def other_version(fab):
         text = (fab / "pyproject.toml").read_text()
         (fab / "pyproject.toml").write_text(text.replace('version = "0.1.0"', 'version = "9.0.0"'))
@@ -166,6 +174,11 @@ def test_one_fork_server_preloads_for_every_node_and_forks_an_executor_again_whe
         assert _forked(fed)[-1][1] == 0
         results = run_submit(fed, tmp_path / "out", **{"num-server-rounds": 1, "local-epochs": 1})
         assert not results["failures"] and results["summary"]["seen"]["num_clients"] == 2
+        os.kill(fed.server_executor.pid, signal.SIGKILL)  # runs must not then wait forever: Flower's SuperExec takes over
+        assert _until(lambda: fed.ensure_runs_served() or fed.superexec is not None, 10.0)
+        again = run_submit(fed, tmp_path / "again", **{"num-server-rounds": 1, "local-epochs": 1})
+        assert not again["failures"] and again["summary"]["seen"]["num_clients"] == 2
+        assert "Starting Flower SuperExec" in (fed.logs / "superexec.log").read_text()  # it served the second run
         fed.nodes[1].stop()  # its executor goes with it: the lifeline closed
         assert _until(lambda: _parent(executors[1]) is None, 10.0)
     log = (fed.logs / "supernode-0.log").read_text()
