@@ -10,7 +10,6 @@ the loopback of the process's own namespace.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -26,10 +25,9 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
-from florist.common import flower_internals
 from florist.common.processes import terminate_marked
-from florist.common.storage import cache_dir
 from florist.deploy import forkserver, netns
+from florist.deploy.bundle import app_dir
 from florist.deploy.certs import covers, make_ca_and_server, make_node_key
 
 log = logging.getLogger(__name__)
@@ -67,39 +65,6 @@ def flower_bin(name: str) -> str:
     """A Flower executable from this Python's environment (works without an activated venv)."""
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else name
-
-
-def checkout() -> Path:
-    """The florist source checkout this package runs from."""
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "pyproject.toml").exists():
-        raise FileNotFoundError(
-            f"no pyproject.toml in {root}: runs are submitted from a florist source checkout "
-            "(git clone, then pip install -e .)"
-        )
-    return root
-
-
-def app_dir() -> Path:
-    """The folder `flwr run` is given: the checkout's publishable files, staged in the cache
-    under a hash of their contents. The bundle Flower builds from it is byte for byte the one
-    it would build from the checkout, without walking the checkout's .venv first."""
-    files = flower_internals.publishable_files(checkout())
-    digest = hashlib.sha256()
-    for name, path in sorted(files.items()):
-        digest.update(f"{name}\0{path.stat().st_size}\0".encode() + path.read_bytes())
-    stage = cache_dir() / "app" / digest.hexdigest()[:16]
-    if not stage.exists():
-        scratch = stage.with_name(f"{stage.name}.{os.getpid()}.partial")
-        shutil.rmtree(scratch, ignore_errors=True)
-        for name, path in files.items():
-            (scratch / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, scratch / name)
-        try:
-            scratch.rename(stage)
-        except OSError:  # another process staged the same files first
-            shutil.rmtree(scratch, ignore_errors=True)
-    return stage
 
 
 def toml_node_config(values: dict[str, Any]) -> str:

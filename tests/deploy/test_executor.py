@@ -18,7 +18,8 @@ import pytest
 from florist.deploy import forkserver
 from florist.deploy.executor import PreloadedApp
 from florist.common.processes import marked
-from florist.deploy.federation import LocalFederation, app_dir, checkout
+from florist.deploy.bundle import app_dir, checkout
+from florist.deploy.federation import LocalFederation
 from processes import EXPIRY, node_configs
 from processes import submit as run_submit
 

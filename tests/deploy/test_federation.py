@@ -33,7 +33,7 @@ def test_the_staged_app_bundles_byte_for_byte_what_flwr_run_bundles_from_the_che
     from flwr.cli.build import build_fab_from_disk
 
     from florist.common.flower_internals import fab_bytes
-    from florist.deploy.federation import app_dir, checkout
+    from florist.deploy.bundle import app_dir, checkout
 
     flowers = hashlib.sha256(build_fab_from_disk(checkout())).hexdigest()  # walks everything, .venv included
     assert hashlib.sha256(fab_bytes(checkout())).hexdigest() == flowers
