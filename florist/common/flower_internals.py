@@ -210,10 +210,9 @@ def run_serverapp(address: str, token: str, root_certificates: str | None, paren
     from queue import Queue
 
     from flwr.supercore.logger import mirror_output_to_queue, restore_output
-
-    logging.getLogger().handlers.clear()  # the executor's handler would write each of Flower's lines twice
     from flwr.superlink.runtime import run_serverapp as flower_run_serverapp
 
+    logging.getLogger().handlers.clear()  # the executor's handler would write each of Flower's lines twice
     log_queue: Queue[str | None] = Queue()
     mirror_output_to_queue(log_queue)
     certificates = Path(root_certificates).read_bytes() if root_certificates else None

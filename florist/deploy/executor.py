@@ -12,14 +12,15 @@ child; the executor goes on with the next task.
 It runs only what it preloaded. A run's app bundle (FAB) is served warm when it holds exactly
 the preloaded app: the installed package's project name and version, a ClientApp (ServerApp)
 reference inside the preloaded package, and byte for byte the Python files of the package as
-they were when this process imported them (all of its modules). Any other app runs in Flower's stock per-message process, and so does the
-first message of a FAB this machine has not installed yet (installing it is how the executor
-gets to read it), unless its hash is that of the bundle `flwr run` builds from the checkout the
-preloaded app was imported from (checked at start-up to hold exactly the preloaded files).
+they were when this process imported them (all of its modules). Any other app runs in Flower's
+stock per-task process, and so does the first task of a FAB this machine has not installed yet
+(installing it is how the executor gets to read it), unless its hash is that of the bundle
+`flwr run` builds from the checkout the preloaded app was imported from (checked at start-up to
+hold exactly the preloaded files).
 
 Fork safety: a forked child has only the thread that forked, so a lock that another thread
 held at that moment stays locked in the child forever. This process therefore starts no
-thread: it talks to its SuperNode over HTTP with httpx's synchronous client (no gRPC channel,
+thread: it talks to its SuperNode (SuperLink) over HTTP with httpx's synchronous client (no gRPC channel,
 which would start threads), never runs Ray, and never computes with torch or faiss (their
 thread pools start at the first parallel operation, not on import). OpenBLAS (numpy) and
 jemalloc (pyarrow, imported by scikit-learn) do start threads on import unless told not to,

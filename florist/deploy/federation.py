@@ -260,7 +260,7 @@ class LocalFederation:
         from florist.deploy.executor import DEFAULT_APP
 
         deadline = time.monotonic() + timeout
-        while not self.fork_socket.exists():  # the fork server binds it first thing
+        while not self.fork_socket.exists():  # named once the fork server listens (before it preloads)
             if not self.fork_server.alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the fork server did not start:\n{self.fork_server.tail()}")
             time.sleep(0.1)
