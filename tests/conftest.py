@@ -19,6 +19,27 @@ import dataclasses  # noqa: E402
 import pytest  # noqa: E402
 
 
+# The files that take longest (real processes, Ray, the fuzzer), longest first as measured with
+# two workers. pytest-xdist hands out whole files in this order (pyproject.toml's addopts), so the
+# workers end together rather than one waiting out a long file alone; each file keeps its order.
+LONGEST = [
+    "tests/test_fuzz.py",
+    "tests/deploy/test_late_joiners.py",
+    "tests/deploy/test_executor.py",
+    "tests/deploy/test_interrupt.py",
+    "tests/deploy/test_netns.py",
+    "tests/deploy/test_deployment.py",
+    "tests/test_simulation.py",
+    "tests/deploy/test_superlink_crash.py",
+    "tests/deploy/test_secure.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(LONGEST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(LONGEST)))
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(_home, ignore_errors=True)  # every process the tests started has been stopped by now
 
