@@ -6,6 +6,7 @@ client mod) the test proves the clients do it. The Ray run of Flower's FedAvg st
 
 import dataclasses
 import gc
+import json
 import re
 from pathlib import Path
 from collections.abc import Callable
@@ -161,7 +162,9 @@ def test_flowers_strategy_drives_florist_clients(name):
     assert len(grid.trained) == ROUNDS * NODES  # no error replies
     final = result.arrays.to_numpy_ndarrays()  # float64 from the adaptive optimizers
     assert any(not np.allclose(f, v.numpy()) for f, v in zip(final, initial.values(), strict=True))
-    assert np.isfinite(result.evaluate_metrics_clientapp[ROUNDS]["accuracy"])
+    metrics = dict(result.evaluate_metrics_clientapp[ROUNDS]) | dict(result.train_metrics_clientapp[ROUNDS])
+    assert np.isfinite(metrics["accuracy"]) and np.isfinite(metrics["train-loss"])
+    json.dumps(metrics)  # plain numbers, as Flower's strategies aggregate and log them
     if case.check:
         case.check(grid.trained)
 
