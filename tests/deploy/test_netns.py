@@ -59,7 +59,7 @@ def trained(federation, tmp_path_factory):
 
 def test_a_tls_auth_run_across_namespaces_matches_the_same_run_on_loopback(trained, tmp_path):
     """The reference is the in-process federation, which gives the same accuracies as a loopback
-    deployment to the last digit (tests/deploy/test_deployment.py), at a fraction of the cost."""
+    deployment to the last digit (tests/deploy/test_superlink_crash.py), at a fraction of the cost."""
     assert trained["complete"] and not trained["failures"] and len(trained["rounds"]) == 2
     config = RUN | {"min-nodes": NODES, "num-server-rounds": 2, "results-dir": str(tmp_path / "out")}
     reference = run_in_process(RunConfig.from_mapping(config), NODES)
