@@ -96,8 +96,11 @@ submit() {  # submit NAME RUN-CONFIG...: flwr run in the background, its output 
 results() {  # results NAME: copy results.json out of the volume to $WORK/NAME.json
     compose cp "superexec-serverapp:/app/results/$1/results.json" "$WORK/$1.json" >/dev/null 2>&1
 }
-check() {  # check NAME PYTHON-ASSERTIONS (on r, the results)
-    "$PY" -c "import json, sys; r = json.load(open('$WORK/$1.json')); $2" || fail "$1: results.json: $2"
+check() {  # check NAME PYTHON-ASSERTIONS (on r, the results); on failure the run's and the ServerApp's logs
+    "$PY" -c "import json, sys; r = json.load(open('$WORK/$1.json')); $2" && return
+    tail -30 "$WORK/$1.log" >&2
+    compose logs --no-color --tail 40 superexec-serverapp superlink >&2 || true
+    fail "$1: results.json: $2"
 }
 submit three-rounds "num-server-rounds=3"
 wait "$!" || { tail -20 "$WORK/three-rounds.log" >&2; fail "the 3-round run"; }
@@ -117,7 +120,7 @@ wait_until 600 "round 1 of the cut-off run" has_a_round cut-off
 docker network disconnect "$network" "$node" || fail "disconnecting supernode-2"
 cut_at=$SECONDS
 wait "$run" || { tail -20 "$WORK/cut-off.log" >&2; fail "the run with a node cut off"; }
-results cut-off
+results cut-off || fail "no results.json for the cut-off run"
 check cut-off "assert r['complete'] and len(r['rounds']) == 3, r['rounds']
 assert r['failures'] and all('partition-2' in f['node'] for f in r['failures']), r['failures']
 assert [c['accuracy'] is None for c in sorted(r['clients'], key=lambda c: c['client'])] == [False, False, True]"
@@ -126,7 +129,7 @@ docker network connect "$network" "$node" || fail "reconnecting supernode-2"
 wait_until 300 "supernode-2 back online" online 3
 submit reconnected "num-server-rounds=1"
 wait "$!" || { tail -20 "$WORK/reconnected.log" >&2; fail "the run after reconnecting"; }
-results reconnected
+results reconnected || fail "no results.json for the reconnected run"
 check reconnected "assert r['complete'] and not r['failures'] and all(c['accuracy'] is not None for c in r['clients'])
 assert len(r['clients']) == 3"
 done_step "a node cut off mid-run, reconnected, back in the next run"

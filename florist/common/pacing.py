@@ -30,4 +30,5 @@ class Backoff:
         return min(self.cap, max(self.floor, self.ratio * (time.monotonic() - self.since)))
 
     def sleep(self, at_most: float = math.inf) -> None:
-        time.sleep(min(at_most, self.delay()))
+        """Sleep `delay()`, but no longer than `at_most` (a deadline already passed: not at all)."""
+        time.sleep(max(0.0, min(at_most, self.delay())))
