@@ -37,16 +37,18 @@ def terminate(pids: list[int], grace: float = 3.0) -> None:
     _wait_until_gone(pids, 3.0)  # a killed process that held much memory can take a while to go, under load
 
 
-def terminate_marked(variable: str, value: str, pids: list[int] = (), grace: float = 3.0) -> None:
+def terminate_marked(variable: str, value: str, pids: list[int] = (), grace: float = 3.0, quiet: float = 0.2) -> None:
     """`terminate` `pids` and every process marked `variable=value`, again until none is left
     (a process may start another while the first ones are stopping; at most five passes). None
-    is left only when two looks 0.2 s apart find none: a process in the middle of `exec` hides
-    its environment, and Ray's workers fork new ones while they are being stopped."""
+    is left only when looks every 0.1 s for `quiet` seconds find none: a process in the middle
+    of `exec` hides its environment, and Ray's workers fork new ones while they are being stopped."""
     for _ in range(5):
-        if not (found := [*pids, *marked(variable, value)]):
-            time.sleep(0.2)
-            if not (found := marked(variable, value)):
-                return
+        found, calm_until = [*pids, *marked(variable, value)], time.monotonic() + quiet
+        while not found and time.monotonic() < calm_until:
+            time.sleep(0.1)
+            found = marked(variable, value)
+        if not found:
+            return
         terminate(found, grace)
         pids = []
 

@@ -105,7 +105,7 @@ def simulate_in_child(
             report_new_rounds()
         report_new_rounds()  # the rounds saved between the last look and the end
     except KeyboardInterrupt:
-        terminate_marked(MARKER, token, [child.pid], grace=2.0)
+        terminate_marked(MARKER, token, [child.pid], grace=2.0, quiet=1.0)  # Ray forks while it stops
         raise Interrupted(_read(results_file), folder) from None
     if child.returncode != 0:
         lines = log_path.read_text(errors="replace").splitlines()

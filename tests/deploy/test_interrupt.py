@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
 import pytest
@@ -50,13 +49,7 @@ def test_ctrl_c_stops_the_run_and_keeps_the_finished_rounds(command, tmp_path):
     assert last.startswith("florist: interrupted after ") and str(out) in last and "Traceback" not in done.stdout
     results = json.loads((out / "results.json").read_text())
     assert results["complete"] is False and len(results["rounds"]) >= 1
-    # No process it started is left within seconds: Ray's, the federation's. (Under two test
-    # workers a Ray worker forked while the stop ran was seen for a moment after florist exited;
-    # it ends by itself once its raylet is gone.)
-    deadline = time.monotonic() + 5.0
-    while marked("FLORIST_TEST_TAG", tag) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not marked("FLORIST_TEST_TAG", tag)
+    assert not marked("FLORIST_TEST_TAG", tag)  # no process it started outlives it: Ray's, the federation's
     if command == "simulate":
         assert main(["simulate", "--resume", str(out)]) == 0  # its own config, from its folder
         resumed = json.loads((out / "results.json").read_text())
