@@ -170,6 +170,8 @@ def test_one_fork_server_preloads_for_every_node_and_forks_an_executor_again_whe
         executors = dict((node, pid) for pid, node in _forked(fed))
         assert {_parent(pid) for pid in executors.values()} == {fed.fork_server.pid}  # no executor of their own
         assert _parent(fed.server_executor.pid) == fed.fork_server.pid  # nor has the SuperLink
+        # Killed once it serves (has said so): killed just after the fork, it would leave no line to count below.
+        assert _until(lambda: "forked by the fork server" in (fed.logs / "supernode-0.log").read_text())
         os.kill(executors[0], signal.SIGKILL)
         assert _until(lambda: len(_forked(fed)) == 3), "the SuperNode did not get a new executor"
         assert _forked(fed)[-1][1] == 0
