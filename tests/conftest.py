@@ -24,11 +24,11 @@ import pytest  # noqa: E402
 # workers end together rather than one waiting out a long file alone; each file keeps its order.
 LONGEST = [
     "tests/test_fuzz.py",
-    "tests/deploy/test_late_joiners.py",
-    "tests/deploy/test_executor.py",
     "tests/deploy/test_interrupt.py",
-    "tests/deploy/test_netns.py",
+    "tests/deploy/test_executor.py",
+    "tests/deploy/test_late_joiners.py",
     "tests/deploy/test_deployment.py",
+    "tests/deploy/test_netns.py",
     "tests/test_simulation.py",
     "tests/deploy/test_superlink_crash.py",
     "tests/deploy/test_secure.py",
