@@ -82,8 +82,10 @@ printf '[superlink]\ndefault = "docker"\n\n[superlink.docker]\naddress = "127.0.
 for i in 0 1 2; do
     "$BIN/flwr" supernode register "$FLORIST_CERTS/keys/node-$i.pub" docker >/dev/null || fail "registering node-$i"
 done
-online() { "$BIN/flwr" supernode list docker --format json | "$PY" -c \
-    "import json, sys; sys.exit(sum(n['status'] == 'online' for n in json.load(sys.stdin)['nodes']) < $1)"; }
+online() {  # online N [exactly]: at least (exactly) N SuperNodes listed online
+    "$BIN/flwr" supernode list docker --format json | "$PY" -c "import json, sys
+count = sum(n['status'] == 'online' for n in json.load(sys.stdin)['nodes'])
+sys.exit(count != $1 if '${2:-}' else count < $1)"; }
 wait_until 300 "3 SuperNodes online" online 3
 done_step "stack up (healthy, 3 nodes registered and online)"
 
@@ -125,6 +127,10 @@ check cut-off "assert r['complete'] and len(r['rounds']) == 3, r['rounds']
 assert r['failures'] and all('partition-2' in f['node'] for f in r['failures']), r['failures']
 assert [c['accuracy'] is None for c in sorted(r['clients'], key=lambda c: c['client'])] == [False, False, True]"
 step "the rounds after the cut completed without supernode-2 in $((SECONDS - cut_at)) s"
+# Until its heartbeats have been missed (about a minute) the SuperLink still lists the cut node
+# online; reconnected before that, "online" would not mean that its connection works again.
+wait_until 300 "the SuperLink listing supernode-2 offline" online 2 exactly
+step "the SuperLink listed supernode-2 offline $((SECONDS - cut_at)) s after the cut"
 docker network connect "$network" "$node" || fail "reconnecting supernode-2"
 wait_until 300 "supernode-2 back online" online 3
 submit reconnected "num-server-rounds=1"

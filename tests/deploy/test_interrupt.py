@@ -1,7 +1,8 @@
 """Ctrl-C stops a run within seconds, keeps the rounds it finished, and leaves no process
 behind: Ray's workers in simulation, the SuperLink, SuperNodes and their ClientApps in
-deployment. `florist simulate --resume` then finishes the interrupted simulation in Ray's
-workers where the uninterrupted run ends."""
+deployment (whose messages, over the gRPC Fleet API, the warm executor serves). `florist
+simulate --resume` then finishes the interrupted simulation in Ray's workers where the
+uninterrupted run ends."""
 
 import json
 import os
@@ -50,6 +51,14 @@ def test_ctrl_c_stops_the_run_and_keeps_the_finished_rounds(command, tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["complete"] is False and len(results["rounds"]) >= 1
     assert not marked("FLORIST_TEST_TAG", tag)  # no process it started outlives it: Ray's, the federation's
+    if command == "deploy-local":  # over the gRPC Fleet API, every message served warm: forked, not a new process
+        logs = out / "federation" / "logs"
+        superlink_log = (logs / "superlink.log").read_text()
+        assert "Starting Fleet API (gRPC-rere)" in superlink_log and "[Fleet.ActivateNode]" in superlink_log
+        node_log = (logs / "supernode-0.log").read_text()  # flwr run's bundle of this checkout is recognised
+        assert node_log.count(": warm process") >= 3 and ": stock process" not in node_log  # info, train, evaluate
+        served = (logs / "server-executor.log").read_text()  # and the run's ServerApp, forked as warm
+        assert served.count(": warm process") == 1 and ": stock process" not in served
     if command == "simulate":
         assert main(["simulate", "--resume", str(out)]) == 0  # its own config, from its folder
         resumed = json.loads((out / "results.json").read_text())
