@@ -22,10 +22,11 @@ Fork safety: a forked child has only the thread that forked, so a lock that anot
 held at that moment stays locked in the child forever. This process therefore starts no
 thread: it talks to its SuperNode (SuperLink) over HTTP with httpx's synchronous client (no
 gRPC channel, which would start threads), never runs Ray, and never computes with torch or
-faiss (their thread pools start at the first parallel operation, not on import). OpenBLAS (numpy) and
-jemalloc (pyarrow, imported by scikit-learn) do start threads on import unless told not to,
-which `THREAD_ENV` does before anything is imported. Before every fork the executor counts its
-OS threads and, should there ever be more than one, uses Flower's stock process instead.
+faiss (their thread pools start at the first parallel operation, not on import). OpenBLAS
+(numpy) and jemalloc (pyarrow, imported by scikit-learn) do start threads on import unless
+told not to, which `THREAD_ENV` does before anything is imported. Before every fork the
+executor counts its OS threads and, should there ever be more than one, uses Flower's stock
+process instead.
 
 Run it beside a SuperNode (or SuperLink) started with `--isolation process` (`florist supernode`
 does both for a SuperNode, `LocalFederation` for its SuperLink):
