@@ -9,7 +9,9 @@ florist's deployment fast path needs what Flower 1.39 offers no setting for:
   ServerApp its replies) and finds one not pushed yet waits 1 s, then 2, 4, ... up to 10 s
   (`flwr/supercore/inflatable/inflatable_utils.py`); with fast polling that is the common
   case, so `quick_object_pulls` starts those waits at 10 ms, capped at 0.2 s (and bounds them
-  by Flower's 2 h limit on the whole pull, not by 500 tries);
+  by Flower's 2 h limit on the whole pull, not by 500 tries); a reply whose sender was cut
+  off mid-upload would hold the ServerApp that long, so `object_pulls_within` bounds one pull
+  by the time its round has left;
 - a ClientApp process unpacks and re-verifies its app bundle for every message, even when that
   bundle is installed already (`flwr/cli/install.py`): `skip_installed_fabs` skips that;
 - the warm executor drives the Runtime API's task loop and Flower's ClientApp and ServerApp
@@ -23,11 +25,12 @@ naming both Flower versions, when an upgrade changes any of it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +54,9 @@ def verify() -> None:
     from flwr.supercore.inflatable import inflatable_utils
 
     for pull in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
-        if not {"initial_backoff", "backoff_cap", "max_tries_per_object"} <= set(pull.__kwdefaults__ or {}):
-            problems.append(f"{pull.__name__} has no initial_backoff/backoff_cap/max_tries_per_object keywords")
+        keywords = ("initial_backoff", "backoff_cap", "max_tries_per_object", "max_time")
+        if not set(keywords) <= set(pull.__kwdefaults__ or {}):
+            problems.append(f"{pull.__name__} has no {'/'.join(keywords)} keywords")
     from flwr.supernode.runtime import run_clientapp as runtime
 
     if "install_from_fab(fab.content, skip_prompt=True)" not in inspect.getsource(runtime):
@@ -97,6 +101,23 @@ def quick_object_pulls() -> None:
 
     for pull in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
         pull.__kwdefaults__.update(initial_backoff=0.01, backoff_cap=0.2, max_tries_per_object=None)
+
+
+@contextlib.contextmanager
+def object_pulls_within(seconds: float) -> Iterator[None]:
+    """In this process and block, a message whose objects are not all pulled within `seconds`
+    becomes an error reply (Flower's `MESSAGE_UNAVAILABLE`) instead of being waited for."""
+    from flwr.supercore.inflatable import inflatable_utils
+
+    pulls = (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
+    saved = [pull.__kwdefaults__["max_time"] for pull in pulls]
+    for pull in pulls:
+        pull.__kwdefaults__["max_time"] = seconds
+    try:
+        yield
+    finally:
+        for pull, max_time in zip(pulls, saved, strict=True):
+            pull.__kwdefaults__["max_time"] = max_time
 
 
 def skip_installed_fabs() -> None:

@@ -23,7 +23,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from florist.algorithms.base import Exchange
-from florist.common import packing, protocol
+from florist.common import flower_internals, packing, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
 from florist.common.models import Net, seeded_model
@@ -31,6 +31,9 @@ from florist.common.pacing import Backoff
 
 # A child of Flower's logger, so messages reach `flwr run --stream` and the SuperLink log.
 log = logging.getLogger("flwr").getChild(__name__)
+# However late in its round, a reply that is in gets this long for its objects to be pulled.
+MIN_PULL_SECONDS = 2.0
+
 
 @dataclasses.dataclass(frozen=True)
 class NodeInfo:
@@ -103,6 +106,8 @@ class Federation:
                 reason = f"error code {reply.error.code}: {reply.error.reason}"
                 if reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:  # its time-to-live, the timeout, ran out
                     reason = f"no reply within {self.timeout:.0f} s (the message expired)"
+                    if reply.error.reason.startswith("Reply message objects are unavailable"):  # made by the Grid
+                        reason = f"its reply was not completely uploaded within {self.timeout:.0f} s"
             elif node != reply.metadata.src_node_id:  # never taken for another node's reply, or a stale one
                 node = reply.metadata.src_node_id
                 reason = f"it replied to message {reply.metadata.reply_to_message_id!r}, not one this exchange sent it"
@@ -133,10 +138,15 @@ class Federation:
         pending = set(self.grid.push_messages(messages))
         deadline, backoff = time.monotonic() + self.timeout, Backoff(floor=0.05, cap=0.5, ratio=0.1)
         replies: list[Message] = []
-        while pending and time.monotonic() < deadline:
-            pulled = list(self.grid.pull_messages(pending))
+        while pending:  # the last poll starts at or after the deadline: a reply in by then counts
+            started = time.monotonic()
+            # A reply whose sender was cut off mid-upload is given up on with the round, not after Flower's 2 h.
+            with flower_internals.object_pulls_within(max(deadline - started, MIN_PULL_SECONDS)):
+                pulled = list(self.grid.pull_messages(pending))
             replies += pulled
             pending -= {m.metadata.reply_to_message_id for m in pulled}
+            if started >= deadline:
+                break
             if pending:
                 backoff.sleep(at_most=deadline - time.monotonic())
         return replies

@@ -45,3 +45,15 @@ def test_pacing_replaces_the_supernode_sleeps_and_object_pulls_start_fast(monkey
     assert sci.time.monotonic() > 0  # the rest of the time module is untouched
     assert inflatable_utils.pull_objects.__kwdefaults__["initial_backoff"] == 0.01
     assert inflatable_utils.pull_and_inflate_object_from_tree.__kwdefaults__["backoff_cap"] == 0.2
+
+
+def test_object_pulls_within_bounds_a_pull_whose_object_never_arrives_and_restores_flowers_limit():
+    def never_there(object_id):
+        raise inflatable_utils.ObjectUnavailableError(object_id)
+
+    before = inflatable_utils.pull_objects.__kwdefaults__["max_time"]
+    start = time.monotonic()
+    with flower_internals.object_pulls_within(0.3), pytest.raises(inflatable_utils.ObjectPullError):
+        inflatable_utils.pull_objects(["a" * 64], never_there)
+    assert 0.3 <= time.monotonic() - start < 5  # Flower alone would retry for 2 h
+    assert inflatable_utils.pull_objects.__kwdefaults__["max_time"] == before
