@@ -11,7 +11,8 @@ florist's deployment fast path needs what Flower 1.39 offers no setting for:
   case, so `quick_object_pulls` starts those waits at 10 ms, capped at 0.2 s (and bounds them
   by Flower's 2 h limit on the whole pull, not by 500 tries); a reply whose sender was cut
   off mid-upload would hold the ServerApp that long, so `object_pulls_within` bounds one pull
-  by the time its round has left;
+  by the time its round has left (the Grid then answers with an error whose reason starts
+  with `HALF_UPLOADED`);
 - a ClientApp process unpacks and re-verifies its app bundle for every message, even when that
   bundle is installed already (`flwr/cli/install.py`): `skip_installed_fabs` skips that;
 - the warm executor drives the Runtime API's task loop and Flower's ClientApp and ServerApp
@@ -37,6 +38,9 @@ from typing import Any
 from florist.common.pacing import Backoff
 
 PINNED = "1.39.0"  # the Flower release everything below was read from
+# How the ServerApp's Grid (`flwr/superlink/grid/http_grid.py`) words the error reply it makes
+# for a reply whose objects could not all be pulled.
+HALF_UPLOADED = "Reply message objects are unavailable"
 
 
 def verify() -> None:
@@ -57,6 +61,10 @@ def verify() -> None:
         keywords = ("initial_backoff", "backoff_cap", "max_tries_per_object", "max_time")
         if not set(keywords) <= set(pull.__kwdefaults__ or {}):
             problems.append(f"{pull.__name__} has no {'/'.join(keywords)} keywords")
+    from flwr.superlink.grid import http_grid
+
+    if HALF_UPLOADED not in inspect.getsource(http_grid):
+        problems.append("the Grid no longer words a half-uploaded reply's error as florist reads it")
     from flwr.supernode.runtime import run_clientapp as runtime
 
     if "install_from_fab(fab.content, skip_prompt=True)" not in inspect.getsource(runtime):

@@ -106,7 +106,7 @@ class Federation:
                 reason = f"error code {reply.error.code}: {reply.error.reason}"
                 if reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:  # its time-to-live, the timeout, ran out
                     reason = f"no reply within {self.timeout:.0f} s (the message expired)"
-                    if reply.error.reason.startswith("Reply message objects are unavailable"):  # made by the Grid
+                    if reply.error.reason.startswith(flower_internals.HALF_UPLOADED):  # made by the Grid
                         reason = f"its reply was not completely uploaded within {self.timeout:.0f} s"
             elif node != reply.metadata.src_node_id:  # never taken for another node's reply, or a stale one
                 node = reply.metadata.src_node_id

@@ -17,6 +17,12 @@ def test_the_pinned_flower_has_everything_the_fast_path_relies_on():
     flower_internals.verify()
 
 
+def test_a_changed_half_upload_error_is_refused(monkeypatch):
+    monkeypatch.setattr(flower_internals, "HALF_UPLOADED", "Reply objects went missing")
+    with pytest.raises(RuntimeError, match="half-uploaded reply"):
+        flower_internals.verify()
+
+
 def test_another_flower_is_refused_naming_both_versions(monkeypatch):
     monkeypatch.setattr(flwr, "__version__", "9.9.9")
     with pytest.raises(RuntimeError, match=r"written for Flower 1\.39\.0; the installed Flower 9\.9\.9"):
@@ -53,7 +59,9 @@ def test_object_pulls_within_bounds_a_pull_whose_object_never_arrives_and_restor
 
     before = inflatable_utils.pull_objects.__kwdefaults__["max_time"]
     start = time.monotonic()
+    # Retries every 10 ms, at most 1,000: without the bound this gives up only after 10 s.
     with flower_internals.object_pulls_within(0.3), pytest.raises(inflatable_utils.ObjectPullError):
-        inflatable_utils.pull_objects(["a" * 64], never_there)
-    assert 0.3 <= time.monotonic() - start < 5  # Flower alone would retry for 2 h
+        inflatable_utils.pull_objects(["a" * 64], never_there, initial_backoff=0.01, backoff_cap=0.01,
+                                      max_tries_per_object=1000)  # fmt: skip
+    assert 0.3 <= time.monotonic() - start < 3
     assert inflatable_utils.pull_objects.__kwdefaults__["max_time"] == before

@@ -7,18 +7,23 @@ from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 
 from florist.client.app import app as client_app
+from florist.common import flower_internals
 from florist.server.inprocess import InProcessGrid, server_identity
 from florist.server.strategy import Federation
 
 SILENT, POLL = 101, 0.3
 
 
-class SlowGridWithASilentNode(InProcessGrid):
-    """Every node but `SILENT` replies at once with an empty content; every poll takes `POLL`
-    seconds, as pulls from a busy SuperLink over TLS can."""
+class EmptyReplies(InProcessGrid):
+    """Every node replies at once with an empty content (no handler runs)."""
 
     def _answer(self, msg: Message) -> Message:
         return Message(RecordDict(), reply_to=msg)
+
+
+class SlowGridWithASilentNode(EmptyReplies):
+    """Every node but `SILENT` replies; every poll takes `POLL` seconds, as pulls from a busy
+    SuperLink over TLS can."""
 
     def pull_messages(self, message_ids):
         time.sleep(POLL)
@@ -36,12 +41,9 @@ def test_a_node_that_never_replies_is_left_out_even_when_a_poll_outlasts_the_dea
     assert failure["node_id"] == SILENT and failure["reason"].startswith("no reply within")
 
 
-class GridWithALateReply(InProcessGrid):
-    """Node 100's (empty) reply is in 0.1 s after the push, but a poll takes longer than the
-    round's timeout, so only a poll that starts after the deadline can see it."""
-
-    def _answer(self, msg: Message) -> Message:
-        return Message(RecordDict(), reply_to=msg)
+class GridWithALateReply(EmptyReplies):
+    """Node 100's reply is in 0.1 s after the push, but a poll takes longer than the round's
+    timeout, so only a poll that starts after the deadline can see it."""
 
     def push_messages(self, messages):
         self.pushed = time.monotonic()
@@ -65,7 +67,7 @@ class GridWithAHalfUploadedReply(InProcessGrid):
     """The error reply Flower's Grid makes when a reply's objects never all arrive."""
 
     def _answer(self, msg: Message) -> Message:
-        reason = "Reply message objects are unavailable. The sender may not have completed the upload ..."
+        reason = f"{flower_internals.HALF_UPLOADED}. The sender may not have completed the upload ..."
         return Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, reason), reply_to=msg)
 
 

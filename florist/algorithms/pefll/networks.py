@@ -16,8 +16,8 @@ from florist.common.models import Net
 
 
 def _trunk(in_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
-    """Per-sample features for the encoders: a small conv net for images (pooled to 2×2, so
-    any image size works), flattening for vectors. Returns the module and its width."""
+    """Per-sample features for OD-PFL's set encoder: a small conv net for images (pooled to
+    2×2, so any image size works), flattening for vectors. Returns the module and its width."""
     if len(in_shape) == 3:
         convs = nn.Sequential(
             nn.Conv2d(in_shape[0], 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
