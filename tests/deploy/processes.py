@@ -3,6 +3,7 @@
 import contextlib
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -71,6 +72,12 @@ def stop_runs(fed: LocalFederation) -> None:
     for run in json.loads(listed.stdout or "{}").get("runs", []):
         if not run["status"].startswith("finished"):
             fed.flwr("stop", run["run-id"], CONNECTION)
+
+
+def started_tasks(executor_log: str) -> list[str]:
+    """How a warm executor started each task it served, in order: "warm" (forked) or "stock".
+    Only the start lines count: whether a task's end is logged too depends on timing."""
+    return re.findall(r"task \d+ of run \d+: (warm|stock) process", executor_log)
 
 
 def wait_for_rounds(run: subprocess.Popen, progress: Path, rounds: int, timeout: float) -> None:

@@ -18,7 +18,7 @@ from florist.common.config import RunConfig
 from florist.common.processes import marked
 from florist.server.inprocess import run_in_process
 
-from processes import wait_for_rounds
+from processes import started_tasks, wait_for_rounds
 
 
 def _interrupt(command: list[str], progress, tmp_path) -> tuple[subprocess.CompletedProcess, str]:
@@ -55,10 +55,10 @@ def test_ctrl_c_stops_the_run_and_keeps_the_finished_rounds(command, tmp_path):
         logs = out / "federation" / "logs"
         superlink_log = (logs / "superlink.log").read_text()
         assert "Starting Fleet API (gRPC-rere)" in superlink_log and "[Fleet.ActivateNode]" in superlink_log
-        node_log = (logs / "supernode-0.log").read_text()  # flwr run's bundle of this checkout is recognised
-        assert node_log.count(": warm process") >= 3 and ": stock process" not in node_log  # info, train, evaluate
-        served = (logs / "server-executor.log").read_text()  # and the run's ServerApp, forked as warm
-        assert served.count(": warm process") == 1 and ": stock process" not in served
+        node_started = started_tasks((logs / "supernode-0.log").read_text())  # flwr run's bundle of this checkout is recognised
+        assert len(node_started) >= 3 and set(node_started) == {"warm"}  # info, train, evaluate
+        # and the run's ServerApp, forked as warm (whether its kill by the Ctrl-C is logged too depends on timing)
+        assert started_tasks((logs / "server-executor.log").read_text()) == ["warm"]
     if command == "simulate":
         assert main(["simulate", "--resume", str(out)]) == 0  # its own config, from its folder
         resumed = json.loads((out / "results.json").read_text())
