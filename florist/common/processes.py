@@ -3,7 +3,8 @@
 Every process tree florist starts carries a marker in its environment (a private FLWR_HOME
 for a federation, FLORIST_RUN for a simulation), which children inherit: Ray's workers, a
 SuperNode's executor and its ClientApps. Stopping by marker reaches all of them, even those
-that left the process group they were started in.
+that left the process group they were started in; stopping their descendants too reaches the
+few started with an environment of their own.
 """
 
 from __future__ import annotations
@@ -26,6 +27,26 @@ def marked(variable: str, value: str) -> list[int]:
     return [pid for pid in pids if pid != os.getpid()]
 
 
+def descendants(pids: list[int]) -> list[int]:
+    """Every live process below `pids` in the process tree (Linux; empty elsewhere). Not all of
+    them carry the marker: Ray's raylet starts its dashboard and runtime-env agents with an
+    environment of its own, and once the raylet is gone nothing else leads to them."""
+    children: dict[int, list[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:  # "pid (command) state ppid ...": the command may hold spaces and parentheses
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(pid))
+    found, todo = [], list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.append(child)
+                todo.append(child)
+    return found
+
+
 def terminate(pids: list[int], grace: float = 3.0) -> None:
     """SIGTERM to each of `pids`, SIGKILL to those still there after `grace` seconds, then
     wait (at most 3 s) until they are gone."""
@@ -38,15 +59,20 @@ def terminate(pids: list[int], grace: float = 3.0) -> None:
 
 
 def terminate_marked(variable: str, value: str, pids: list[int] = (), grace: float = 3.0, quiet: float = 0.2) -> None:
-    """`terminate` `pids` and every process marked `variable=value`, again until none is left
-    (a process may start another while the first ones are stopping; at most five passes). None
+    """`terminate` `pids`, every process marked `variable=value` and all their descendants, again
+    until none is left (a process may start another while the first ones are stopping; at most
+    five passes). None
     is left only when looks every 0.1 s for `quiet` seconds find none: a process in the middle
     of `exec` hides its environment, and Ray's workers fork new ones while they are being stopped."""
+    def started() -> list[int]:
+        found = [*pids, *marked(variable, value)]
+        return found + [pid for pid in descendants(found) if pid not in found]
+
     for _ in range(5):
-        found, calm_until = [*pids, *marked(variable, value)], time.monotonic() + quiet
+        found, calm_until = started(), time.monotonic() + quiet
         while not found and time.monotonic() < calm_until:
             time.sleep(0.1)
-            found = marked(variable, value)
+            found = started()
         if not found:
             return
         terminate(found, grace)
@@ -55,11 +81,11 @@ def terminate_marked(variable: str, value: str, pids: list[int] = (), grace: flo
 
 def _wait_until_gone(pids: list[int], seconds: float) -> None:
     deadline = time.monotonic() + seconds
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
     except ChildProcessError:

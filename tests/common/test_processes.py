@@ -1,0 +1,34 @@
+"""Stopping what florist started reaches every process below a marked one, including those
+started with an environment of their own (as Ray's raylet starts its agents), and nothing else."""
+
+import os
+import subprocess
+import sys
+import uuid
+
+from florist.common.processes import alive, descendants, terminate_marked
+
+# A child that starts a grandchild without the marker (an empty environment), says its pid, and waits.
+PARENT = """import subprocess, sys, time
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={})
+print(grandchild.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_stopping_a_marked_process_stops_the_unmarked_processes_below_it():
+    tag = uuid.uuid4().hex
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # ours, but not marked
+    child = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
+                             env=os.environ | {"FLORIST_TEST_TAG": tag})  # fmt: skip
+    try:
+        grandchild = int(child.stdout.readline())
+        assert descendants([child.pid]) == [grandchild]
+        assert bystander.pid not in descendants([child.pid])
+        terminate_marked("FLORIST_TEST_TAG", tag, grace=2.0)
+        assert not alive(child.pid) and not alive(grandchild)
+        assert alive(bystander.pid)
+    finally:
+        for process in (child, bystander):
+            process.kill()
+            process.wait()
