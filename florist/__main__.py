@@ -1,7 +1,5 @@
 """`python -m florist`: the `florist` command, without relying on the script being on PATH."""
 
-import sys
+from florist.cli import run
 
-from florist.cli import main
-
-sys.exit(main())
+run()

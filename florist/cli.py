@@ -534,5 +534,17 @@ def main(argv: list[str] | None = None) -> int:
         _forget_interrupt()  # also where a command caught the interrupt itself (local-federation, join)
 
 
+def run() -> None:
+    """The `florist` command's entry point. After a Ctrl-C, everything florist started is stopped
+    and what was finished is saved, so the process ends at once: tearing down the interpreter
+    with torch, pandas and pyarrow loaded took another 2.5 s, half of the time a Ctrl-C took."""
+    code = main()
+    if code == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
