@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -150,7 +151,6 @@ def _node_configs(num_nodes: int, state_root: Path) -> list[dict[str, Any]]:
 
 def _deploy_local(args: argparse.Namespace) -> int:
     import subprocess
-    from contextlib import nullcontext
 
     from florist.deploy.federation import LocalFederation
     from florist.deploy.netns import Network, check_usable
@@ -168,7 +168,7 @@ def _deploy_local(args: argparse.Namespace) -> int:
     try:
         # The network is made first and removed last, with whatever still runs in it.
         with (
-            Network.for_federation(num_nodes) if args.netns else nullcontext() as network,
+            Network.for_federation(num_nodes) if args.netns else contextlib.nullcontext() as network,
             LocalFederation(workdir, _node_configs(num_nodes, workdir), tls=args.tls, auth=args.auth,
                             executor=args.executor, network=network) as fed,
         ):  # fmt: skip
@@ -540,8 +540,9 @@ def run() -> None:
     with torch, pandas and pyarrow loaded took another 2.5 s, half of the time a Ctrl-C took."""
     code = main()
     if code == 130:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(OSError):  # a reader that has gone (`florist ... | head`)
+            sys.stdout.flush()
+            sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
 

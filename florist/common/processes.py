@@ -16,15 +16,16 @@ from pathlib import Path
 
 
 def marked(variable: str, value: str) -> list[int]:
-    """Live processes whose environment has `variable=value` (Linux; empty elsewhere)."""
-    marker, pids = f"{variable}={value}".encode(), []
+    """Live processes whose environment has `variable=value` (Linux; empty elsewhere), except
+    this one and its ancestors: a shell that exported the same value is not ours to stop."""
+    marker, pids, ours = f"{variable}={value}".encode(), [], _self_and_ancestors(_parents())
     for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         try:
             if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 pids.append(int(pid))
         except OSError:
             continue
-    return [pid for pid in pids if pid != os.getpid()]
+    return [pid for pid in pids if pid not in ours]
 
 
 def descendants(pids: list[int]) -> list[int]:
@@ -32,12 +33,8 @@ def descendants(pids: list[int]) -> list[int]:
     them carry the marker: Ray's raylet starts its dashboard and runtime-env agents with an
     environment of its own, and once the raylet is gone nothing else leads to them."""
     children: dict[int, list[int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
-        try:  # "pid (command) state ppid ...": the command may hold spaces and parentheses
-            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(pid))
+    for pid, parent in _parents().items():
+        children.setdefault(parent, []).append(pid)
     found, todo = [], list(pids)
     while todo:
         for child in children.get(todo.pop(), []):
@@ -47,13 +44,32 @@ def descendants(pids: list[int]) -> list[int]:
     return found
 
 
+def _parents() -> dict[int, int]:
+    """The parent of every live process, by pid (Linux; empty elsewhere)."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:  # "pid (command) state ppid ...": the command may hold spaces and parentheses
+            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    return parents
+
+
+def _self_and_ancestors(parents: dict[int, int]) -> set[int]:
+    chain, pid = set(), os.getpid()
+    while pid > 0 and pid not in chain:
+        chain.add(pid)
+        pid = parents.get(pid, 0)
+    return chain
+
+
 def terminate(pids: list[int], grace: float = 3.0) -> None:
     """SIGTERM to each of `pids`, SIGKILL to those still there after `grace` seconds, then
     wait (at most 3 s) until they are gone."""
     for pid in pids:
         send(pid, signal.SIGTERM)
     _wait_until_gone(pids, grace)
-    for pid in pids:
+    for pid in filter(alive, pids):  # not a pid that has gone and may be another process's now
         send(pid, signal.SIGKILL)
     _wait_until_gone(pids, 3.0)  # a killed process that held much memory can take a while to go, under load
 
@@ -101,8 +117,8 @@ def alive(pid: int) -> bool:
 
 
 def send(pid: int, sig: int) -> None:
-    """`sig` to `pid`, if it still exists."""
+    """`sig` to `pid`, if it still exists and is ours to signal (a setuid child may not be)."""
     try:
         os.kill(pid, sig)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):
         pass
