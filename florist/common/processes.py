@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 
-def marked(variable: str, value: str) -> list[int]:
+def marked(variable: str, value: str, parents: dict[int, int] | None = None) -> list[int]:
     """Live processes whose environment has `variable=value` (Linux; empty elsewhere), except
-    this one and its ancestors: a shell that exported the same value is not ours to stop."""
-    marker, pids, ours = f"{variable}={value}".encode(), [], _self_and_ancestors(_parents())
+    this one and its ancestors: a shell that exported the same value is not ours to stop.
+    `parents`: a `_parents()` already read, to save reading it again."""
+    marker, pids, ours = f"{variable}={value}".encode(), [], _self_and_ancestors(parents or _parents())
     for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
         try:
             if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
@@ -28,12 +29,12 @@ def marked(variable: str, value: str) -> list[int]:
     return [pid for pid in pids if pid not in ours]
 
 
-def descendants(pids: list[int]) -> list[int]:
+def descendants(pids: list[int], parents: dict[int, int] | None = None) -> list[int]:
     """Every live process below `pids` in the process tree (Linux; empty elsewhere). Not all of
     them carry the marker: Ray's raylet starts its dashboard and runtime-env agents with an
     environment of its own, and once the raylet is gone nothing else leads to them."""
     children: dict[int, list[int]] = {}
-    for pid, parent in _parents().items():
+    for pid, parent in (parents or _parents()).items():
         children.setdefault(parent, []).append(pid)
     found, todo = [], list(pids)
     while todo:
@@ -77,12 +78,14 @@ def terminate(pids: list[int], grace: float = 3.0) -> None:
 def terminate_marked(variable: str, value: str, pids: list[int] = (), grace: float = 3.0, quiet: float = 0.2) -> None:
     """`terminate` `pids`, every process marked `variable=value` and all their descendants, again
     until none is left (a process may start another while the first ones are stopping; at most
-    five passes). None
-    is left only when looks every 0.1 s for `quiet` seconds find none: a process in the middle
-    of `exec` hides its environment, and Ray's workers fork new ones while they are being stopped."""
+    five passes). None is left only when looks every 0.1 s for `quiet` seconds find none: a
+    process in the middle of `exec` hides its environment, and Ray's workers fork new ones while
+    they are being stopped."""
+
     def started() -> list[int]:
-        found = [*pids, *marked(variable, value)]
-        return found + [pid for pid in descendants(found) if pid not in found]
+        parents = _parents()
+        found = [*pids, *marked(variable, value, parents)]
+        return found + [pid for pid in descendants(found, parents) if pid not in found]
 
     for _ in range(5):
         found, calm_until = started(), time.monotonic() + quiet
@@ -102,6 +105,7 @@ def _wait_until_gone(pids: list[int], seconds: float) -> None:
 
 
 def alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie does not); reaps it if it is this process's child."""
     try:
         os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
     except ChildProcessError:
@@ -110,6 +114,8 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except PermissionError:  # there, but not ours to signal
+        return True
     try:  # a zombie (another parent's, not reaped yet) is gone for our purposes
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "Z"
     except OSError:

@@ -2,6 +2,7 @@
 started with an environment of their own (as Ray's raylet starts its agents), and nothing else."""
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -50,8 +51,8 @@ job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], en
 print(job.pid, flush=True)
 print(subprocess.run([sys.executable, "-c", {caller!r}, {tag!r}], capture_output=True, text=True).stdout, flush=True)
 """
-    run = subprocess.Popen([sys.executable, "-c", shell], stdout=subprocess.PIPE, text=True,
-                           env=os.environ | {"FLORIST_TEST_TAG": tag})  # fmt: skip
+    run, job = subprocess.Popen([sys.executable, "-c", shell], stdout=subprocess.PIPE, text=True,
+                                env=os.environ | {"FLORIST_TEST_TAG": tag}), None  # fmt: skip
     try:
         job = int(run.stdout.readline())
         assert run.stdout.readline().strip() == "done" and alive(job)
@@ -59,5 +60,5 @@ print(subprocess.run([sys.executable, "-c", {caller!r}, {tag!r}], capture_output
     finally:
         run.kill()
         run.wait()
-        if alive(job):
-            os.kill(job, 9)
+        if job is not None and alive(job):
+            os.kill(job, signal.SIGKILL)

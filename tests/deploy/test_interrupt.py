@@ -58,7 +58,7 @@ def test_ctrl_c_stops_the_run_and_keeps_the_finished_rounds(command, tmp_path):
         logs = out / "federation" / "logs"
         superlink_log = (logs / "superlink.log").read_text()
         assert "Starting Fleet API (gRPC-rere)" in superlink_log and "[Fleet.ActivateNode]" in superlink_log
-        node_started = started_tasks((logs / "supernode-0.log").read_text())  # flwr run's bundle of this checkout is recognised
+        node_started = started_tasks((logs / "supernode-0.log").read_text())  # flwr run's bundle is recognised
         assert len(node_started) >= 3 and set(node_started) == {"warm"}  # info, train, evaluate
         # and the run's ServerApp, forked as warm (whether its kill by the Ctrl-C is logged too depends on timing)
         assert started_tasks((logs / "server-executor.log").read_text()) == ["warm"]
