@@ -9,10 +9,13 @@ florist's deployment fast path needs what Flower 1.39 offers no setting for:
   ServerApp its replies) and finds one not pushed yet waits 1 s, then 2, 4, ... up to 10 s
   (`flwr/supercore/inflatable/inflatable_utils.py`); with fast polling that is the common
   case, so `quick_object_pulls` starts those waits at 10 ms, capped at 0.2 s (and bounds them
-  by Flower's 2 h limit on the whole pull, not by 500 tries); a reply whose sender was cut
-  off mid-upload would hold the ServerApp that long, so `object_pulls_within` bounds one pull
-  by the time its round has left (the Grid then answers with an error whose reason starts
-  with `HALF_UPLOADED`);
+  by Flower's 2 h limit on the whole pull, not by 500 tries);
+- the ServerApp's Grid takes replies off the SuperLink, then pulls their objects one reply after
+  the other (`flwr/superlink/grid/http_grid.py`): a reply whose sender was cut off mid-upload
+  would hold that poll for Flower's 2 h, and every reply behind it. `pull_replies` bounds each
+  reply's pull by the round's deadline (the Grid then answers with an error whose reason starts
+  with `HALF_UPLOADED`) and says when a poll has got that far, so that the next one can start
+  beside it;
 - a ClientApp process unpacks and re-verifies its app bundle for every message, even when that
   bundle is installed already (`flwr/cli/install.py`): `skip_installed_fabs` skips that;
 - the warm executor drives the Runtime API's task loop and Flower's ClientApp and ServerApp
@@ -26,12 +29,11 @@ naming both Flower versions, when an upgrade changes any of it.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,9 @@ def verify() -> None:
 
     if HALF_UPLOADED not in inspect.getsource(http_grid):
         problems.append("the Grid no longer words a half-uploaded reply's error as florist reads it")
+    pulls_objects = getattr(http_grid, "pull_objects", None) in (inflatable_utils.pull_objects, _bounded_pull_objects)
+    if not pulls_objects or "= pull_objects(" not in inspect.getsource(http_grid.HttpGrid.pull_messages):
+        problems.append("the Grid no longer pulls a reply's objects with pull_objects")
     from flwr.supernode.runtime import run_clientapp as runtime
 
     if "install_from_fab(fab.content, skip_prompt=True)" not in inspect.getsource(runtime):
@@ -111,21 +116,35 @@ def quick_object_pulls() -> None:
         pull.__kwdefaults__.update(initial_backoff=0.01, backoff_cap=0.2, max_tries_per_object=None)
 
 
-@contextlib.contextmanager
-def object_pulls_within(seconds: float) -> Iterator[None]:
-    """In this process and block, a message whose objects are not all pulled within `seconds`
-    becomes an error reply (Flower's `MESSAGE_UNAVAILABLE`) instead of being waited for."""
+_poll = threading.local()  # the bounds and hook of the `pull_replies` this thread runs
+
+
+def pull_replies(grid: Any, message_ids: list[str], until: float, at_least: float,
+                 on_objects: Callable[[], None] = lambda: None) -> list[Any]:  # fmt: skip
+    """`grid.pull_messages(message_ids)`, except that the deployment Grid gives up on a reply
+    whose objects are not all there at `until` (`time.monotonic()`), though never sooner than
+    `at_least` seconds after it starts pulling them, and calls `on_objects()` whenever it starts:
+    by then the replies it returns are off the SuperLink, so another poll cannot get them too.
+    (Other Grids hold replies whole and never call it.)"""
+    http_grid = sys.modules.get("flwr.superlink.grid.http_grid")  # not imported: not the deployment Grid
+    if http_grid is not None and getattr(http_grid, "pull_objects", None) is not _bounded_pull_objects:
+        verify()
+        http_grid.pull_objects = _bounded_pull_objects
+    _poll.until, _poll.at_least, _poll.on_objects = until, at_least, on_objects
+    try:
+        return list(grid.pull_messages(message_ids))
+    finally:
+        del _poll.until
+
+
+def _bounded_pull_objects(*args: Any, **kwargs: Any) -> Any:
+    """Flower's `pull_objects`, as the Grid calls it, within the bounds of this thread's poll."""
     from flwr.supercore.inflatable import inflatable_utils
 
-    pulls = (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree)
-    saved = [pull.__kwdefaults__["max_time"] for pull in pulls]
-    for pull in pulls:
-        pull.__kwdefaults__["max_time"] = seconds
-    try:
-        yield
-    finally:
-        for pull, max_time in zip(pulls, saved, strict=True):
-            pull.__kwdefaults__["max_time"] = max_time
+    if (until := getattr(_poll, "until", None)) is not None:
+        _poll.on_objects()
+        kwargs["max_time"] = max(until - time.monotonic(), _poll.at_least)
+    return inflatable_utils.pull_objects(*args, **kwargs)
 
 
 def skip_installed_fabs() -> None:

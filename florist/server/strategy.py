@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_completed, wait
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -134,22 +136,52 @@ class Federation:
 
     def _send_and_receive(self, messages: list[Message]) -> list[Message]:
         """Like `Grid.send_and_receive`, but polling with a `Backoff` instead of Flower's fixed
-        3 s: a quick reply is seen within tens of milliseconds, a slow one costs few polls."""
+        3 s (a quick reply is seen within tens of milliseconds, a slow one costs few polls), and
+        with each poll in a thread of its own: a poll that took the reply of a node cut off
+        mid-upload waits for its objects until the deadline, while the next polls, which start
+        once it has taken its replies off the SuperLink, collect the other nodes' replies.
+        (The SuperLink answers a poll that asks for a reply another poll took as it answers one
+        for a message that expired: "not found". So a reply beats any error for its message, and
+        any other error, the node's own or a half upload, beats "not found".)"""
         pending = set(self.grid.push_messages(messages))
         deadline, backoff = time.monotonic() + self.timeout, Backoff(floor=0.05, cap=0.5, ratio=0.1)
         replies: list[Message] = []
-        while pending:  # the last poll starts at or after the deadline: a reply in by then counts
-            started = time.monotonic()
-            # A reply whose sender was cut off mid-upload is given up on with the round, not after Flower's 2 h.
-            with flower_internals.object_pulls_within(max(deadline - started, MIN_PULL_SECONDS)):
-                pulled = list(self.grid.pull_messages(pending))
-            replies += pulled
-            pending -= {m.metadata.reply_to_message_id for m in pulled}
-            if started >= deadline:
-                break
-            if pending:
-                backoff.sleep(at_most=deadline - time.monotonic())
-        return replies
+
+        def collect(poll: Future[list[Message]]) -> None:
+            replies.extend(pulled := poll.result())
+            pending.difference_update(m.metadata.reply_to_message_id for m in pulled)
+
+        def poll(ids: list[str], taken: threading.Event) -> list[Message]:
+            return flower_internals.pull_replies(self.grid, ids, deadline, MIN_PULL_SECONDS, taken.set)
+
+        pool = ThreadPoolExecutor(thread_name_prefix="florist-poll")
+        polls: dict[Future[list[Message]], threading.Event] = {}  # set once the poll has taken its replies
+        try:
+            while pending and (now := time.monotonic()) < deadline:
+                if all(taken.is_set() for taken in polls.values()):  # none is still taking replies
+                    taken = threading.Event()
+                    polls[pool.submit(poll, sorted(pending), taken)] = taken
+                due = min(now + backoff.delay(), deadline)
+                while pending and (left := due - time.monotonic()) > 0:
+                    if not polls:
+                        time.sleep(left)
+                        break
+                    for done in wait(polls, left, FIRST_COMPLETED).done:
+                        polls.pop(done)
+                        collect(done)
+            for done in as_completed(polls):  # each gives up on its objects by the deadline
+                collect(done)
+        finally:  # after an error (or Ctrl-C) a poll still waiting for objects is not waited for
+            pool.shutdown(wait=False, cancel_futures=True)
+        if pending:  # a last poll, after the deadline: a reply in by then counts
+            replies += flower_internals.pull_replies(self.grid, sorted(pending), deadline, MIN_PULL_SECONDS)
+        answered = {m.metadata.reply_to_message_id for m in replies if not m.has_error()}
+        errors: dict[str, Message] = {}  # per message without a reply, its most telling error
+        for m in replies:
+            if m.has_error() and (key := m.metadata.reply_to_message_id) not in answered:
+                if key not in errors or (_not_found(errors[key]) and not _not_found(m)):
+                    errors[key] = m
+        return [m for m in replies if not m.has_error()] + list(errors.values())
 
     def fail(self, node: int, message_type: str, server_round: int, reason: str) -> None:
         """Record that `node` dropped out of this exchange, and say so in the log."""
@@ -167,6 +199,13 @@ class Federation:
         """The exchanges since the last call."""
         exchanges, self.exchanges = self.exchanges, []
         return exchanges
+
+
+def _not_found(reply: Message) -> bool:
+    """Whether `reply` is the SuperLink's error for a message it no longer has (expired, or its
+    reply taken by another poll), not the node's error or the Grid's for a half upload."""
+    return reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE and not reply.error.reason.startswith(
+        flower_internals.HALF_UPLOADED)
 
 
 class Reply(NamedTuple):

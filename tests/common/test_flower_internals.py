@@ -6,6 +6,7 @@ import time
 import flwr
 import pytest
 from flwr.supercore.inflatable import inflatable_utils
+from flwr.superlink.grid import http_grid
 from flwr.supernode import start_client_internal as sci
 
 from florist.common import flower_internals
@@ -20,6 +21,12 @@ def test_the_pinned_flower_has_everything_the_fast_path_relies_on():
 def test_a_changed_half_upload_error_is_refused(monkeypatch):
     monkeypatch.setattr(flower_internals, "HALF_UPLOADED", "Reply objects went missing")
     with pytest.raises(RuntimeError, match="half-uploaded reply"):
+        flower_internals.verify()
+
+
+def test_a_grid_that_no_longer_pulls_objects_with_pull_objects_is_refused(monkeypatch):
+    monkeypatch.setattr(http_grid.HttpGrid, "pull_messages", lambda self, message_ids: [])
+    with pytest.raises(RuntimeError, match="no longer pulls a reply's objects"):
         flower_internals.verify()
 
 
@@ -53,15 +60,32 @@ def test_pacing_replaces_the_supernode_sleeps_and_object_pulls_start_fast(monkey
     assert inflatable_utils.pull_and_inflate_object_from_tree.__kwdefaults__["backoff_cap"] == 0.2
 
 
-def test_object_pulls_within_bounds_a_pull_whose_object_never_arrives_and_restores_flowers_limit():
-    def never_there(object_id):
-        raise inflatable_utils.ObjectUnavailableError(object_id)
+class GridWithObjectsThatNeverArrive:
+    """Pulls one reply's objects the way Flower's deployment Grid does (through `http_grid`'s
+    `pull_objects`), for an object that is never pushed."""
 
-    before = inflatable_utils.pull_objects.__kwdefaults__["max_time"]
+    def pull_messages(self, message_ids):
+        def never_there(object_id):
+            raise inflatable_utils.ObjectUnavailableError(object_id)
+
+        try:  # retries every 10 ms, for ever: only `max_time` ends it (Flower's own is 2 h)
+            http_grid.pull_objects(["a" * 64], never_there, initial_backoff=0.01, backoff_cap=0.01,
+                                   max_tries_per_object=None)  # fmt: skip
+        except inflatable_utils.ObjectPullError:
+            return [f"gave up on {message_ids}"]
+        return []
+
+
+def test_pull_replies_gives_up_on_missing_objects_at_the_deadline_and_says_when_it_started_on_them():
+    started = []
     start = time.monotonic()
-    # Retries every 10 ms, at most 1,000: without the bound this gives up only after 10 s.
-    with flower_internals.object_pulls_within(0.3), pytest.raises(inflatable_utils.ObjectPullError):
-        inflatable_utils.pull_objects(["a" * 64], never_there, initial_backoff=0.01, backoff_cap=0.01,
-                                      max_tries_per_object=1000)  # fmt: skip
+    replies = flower_internals.pull_replies(GridWithObjectsThatNeverArrive(), ["m"], start + 0.3, 0.0,
+                                            lambda: started.append(time.monotonic()))  # fmt: skip
+    assert replies == ["gave up on ['m']"] and len(started) == 1
     assert 0.3 <= time.monotonic() - start < 3
-    assert inflatable_utils.pull_objects.__kwdefaults__["max_time"] == before
+
+
+def test_pull_replies_past_its_deadline_still_gives_a_reply_at_least_its_minimum():
+    start = time.monotonic()
+    assert flower_internals.pull_replies(GridWithObjectsThatNeverArrive(), ["m"], start - 5, 0.3) == ["gave up on ['m']"]
+    assert 0.3 <= time.monotonic() - start < 3

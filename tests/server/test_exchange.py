@@ -1,10 +1,14 @@
 """The server's exchange with the nodes: a node that never replies is left out once the round's
-timeout has passed, however long the polls themselves take."""
+timeout has passed, however long the polls themselves take, and a node cut off while it uploads
+its reply costs the others nothing."""
 
+import math
 import time
 
 from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
+from flwr.supercore.inflatable import inflatable_utils
+from flwr.superlink.grid import http_grid
 
 from florist.client.app import app as client_app
 from florist.common import flower_internals
@@ -78,3 +82,92 @@ def test_a_reply_cut_off_mid_upload_is_named_as_such():
         assert federation.exchange({100: RecordDict()}, "query.info", 1) == {}
     [failure] = federation.failures
     assert failure["reason"] == "its reply was not completely uploaded within 1 s"
+
+
+CUT = 101
+
+
+class SuperLinkGrid(EmptyReplies):
+    """Flower's deployment Grid against a SuperLink, as far as the exchange can tell: a poll
+    takes the replies that are in off the SuperLink, then pulls their objects one reply after
+    the other (through `http_grid`'s `pull_objects`), each reply's `upload` seconds after it
+    starts on them; the SuperLink answers for a message whose reply another poll took, or whose
+    time-to-live has passed, with a "not found" error. Taking replies off the SuperLink takes
+    `rpc` seconds; a node's reply is in `late[node]` seconds after the push; node `CUT`'s objects
+    never all arrive."""
+
+    late: dict[int, float] = {}
+    upload = rpc = 0.0
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)  # each node answers here, as it is pushed
+        self.pushed, self.sent = time.monotonic(), {m.metadata.message_id: m for m in messages}
+        return ids
+
+    def pull_messages(self, message_ids):
+        time.sleep(self.rpc)
+        age = time.monotonic() - self.pushed
+        replies = []
+        for i in message_ids:
+            if age > self.sent[i].metadata.ttl or i not in self.replies:
+                replies.append(Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, "not found"), reply_to=self.sent[i]))
+            elif age > self.late.get(self.sent[i].metadata.dst_node_id, 0.0):
+                replies.append(self._pulled(self.replies.pop(i)))
+        return replies
+
+    def _pulled(self, reply):
+        complete = math.inf if reply.metadata.src_node_id == CUT else time.monotonic() + self.upload
+
+        def pull_object(object_id):
+            if time.monotonic() < complete:
+                raise inflatable_utils.ObjectUnavailableError(object_id)
+            return b""
+
+        try:
+            http_grid.pull_objects(["a" * 64], pull_object, initial_backoff=0.01, backoff_cap=0.05)
+        except inflatable_utils.ObjectPullError:
+            reason = f"{flower_internals.HALF_UPLOADED}. The sender may not have completed the upload ..."
+            return Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, reason), reply_to=self.sent[reply.metadata.reply_to_message_id])
+        return reply
+
+
+def _exchange(grid, timeout):
+    federation = Federation(grid, timeout, grid.run_id)
+    with server_identity(grid.run_id):
+        good = federation.exchange({100: RecordDict(), CUT: RecordDict()}, "query.info", 1)
+    return good, {f["node_id"]: f["reason"] for f in federation.failures}
+
+
+NODES = [{"partition-id": i, "num-partitions": 2} for i in range(2)]
+
+
+class NodeCutOffMidUpload(SuperLinkGrid):
+    late = {100: 0.2}
+
+
+def test_a_node_cut_off_mid_upload_does_not_hold_up_the_replies_of_the_others():
+    # The poll that takes CUT's reply waits for its objects until the deadline; before node
+    # 100's reply comes in, later polls must run beside it, or its message expires unpulled.
+    good, failed = _exchange(NodeCutOffMidUpload(client_app, NODES, run_id=5), 1.0)
+    assert list(good) == [100] and failed == {CUT: "its reply was not completely uploaded within 1 s"}
+
+
+class SlowPollsAndAFailingNode(SuperLinkGrid):
+    """A poll takes 0.2 s and pulling a reply 0.1 s: the next poll starts while the one that took
+    the replies pulls them, and is told "not found" for them after that one has returned them.
+    Node `CUT` replies with an error of its own (its handler raised)."""
+
+    rpc, upload = 0.2, 0.1
+
+    def _answer(self, msg):
+        if msg.metadata.dst_node_id == CUT:
+            return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "injected fault"), reply_to=msg)
+        return super()._answer(msg)
+
+    def _pulled(self, reply):
+        return reply if reply.has_error() else super()._pulled(reply)
+
+
+def test_a_reply_or_a_nodes_own_error_beats_not_found_from_a_poll_beside_the_one_that_took_it():
+    good, failed = _exchange(SlowPollsAndAFailingNode(client_app, NODES, run_id=5), 2.0)
+    assert list(good) == [100] and failed == {CUT: f"error code {ErrorCode.CLIENT_APP_RAISED_EXCEPTION}: injected fault"}
