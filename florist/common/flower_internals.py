@@ -30,6 +30,7 @@ naming both Flower versions, when an upgrade changes any of it.
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import threading
 import time
@@ -57,6 +58,9 @@ def verify() -> None:
     problems += [f"no `{s}` in start_client_internal" for s in ("time.sleep(3)", "time.sleep(0.5)") if s not in source]
     problems += [f"no {n} in start_client_internal" for n in ("_pull_and_store_message", "_push_messages", "time")
                  if not hasattr(sci, n)]  # fmt: skip
+    problems += [f"start_client_internal no longer calls {call}(... {keyword}=...)"
+                 for call, keyword in (("_pull_and_store_message", "receive"), ("_push_messages", "send"))
+                 if not re.search(rf"{call}\([^)]*\b{keyword}={keyword},", source)]  # fmt: skip
     from flwr.supercore.inflatable import inflatable_utils
 
     for pull in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
@@ -168,24 +172,48 @@ def pace_supernode(
 ) -> None:
     """Make this process's SuperNode poll with `backoff`, reset whenever a message arrives and
     when its reply has gone out, and pull objects quickly. Setting `wake` ends a wait at once
-    (e.g. when a reply is there); `on_message` is called for every message pulled."""
+    (e.g. when a reply is there); `on_message` is called for every message pulled.
+
+    Also, the reply to the message just pulled is always pushed before the next pull: Flower
+    pushes whatever replies are there, and a reply left over from a message it gave up on (its
+    run ended while the node was cut off) would otherwise go out in its place, the new reply
+    left unsent until the next message comes, which the server sends only after it has given up
+    waiting for this reply."""
     quick_object_pulls()
     from flwr.supernode import start_client_internal as sci
 
     pull, push = sci._pull_and_store_message, sci._push_messages
+    pulled: list[str] = []  # the id of the message the last pull stored, until its reply is pushed
 
-    def pull_and_store(*args: Any, **kwargs: Any) -> int | None:
-        run_id = pull(*args, **kwargs)
-        if run_id is not None:
+    def pull_and_store(*args: Any, receive: Callable[[], Any], **kwargs: Any) -> int | None:
+        def receive_one() -> Any:
+            if (got := receive()) is not None:
+                pulled.append(got[0].metadata.message_id)
+            return got
+
+        pulled.clear()
+        run_id = pull(*args, receive=receive_one, **kwargs)
+        if run_id is None:  # nothing came, or Flower dropped what did
+            pulled.clear()
+        else:
             backoff.reset()
             if on_message:
                 on_message()
         return run_id
 
-    def push_replies(*args: Any, **kwargs: Any) -> None:
+    def push_replies(*args: Any, send: Callable[..., Any], **kwargs: Any) -> None:
+        replied: set[str] = set()
+
+        def send_one(message: Any, *rest: Any) -> Any:
+            replied.add(message.metadata.reply_to_message_id)  # sent, or refused: either way it is gone
+            return send(message, *rest)
+
         try:
-            push(*args, **kwargs)
+            push(*args, send=send_one, **kwargs)
+            while not replied.issuperset(pulled):
+                push(*args, send=send_one, **kwargs)
         finally:
+            pulled.clear()
             backoff.reset()
 
     sci._pull_and_store_message, sci._push_messages = pull_and_store, push_replies

@@ -1,16 +1,21 @@
 """The guard on florist's use of Flower internals: it passes on the pinned Flower and fails,
 naming both versions, when what it relies on is not there."""
 
+import threading
 import time
 
 import flwr
 import pytest
+from flwr.app import Message, MetricRecord, RecordDict
 from flwr.supercore.inflatable import inflatable_utils
+from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
 from flwr.superlink.grid import http_grid
 from flwr.supernode import start_client_internal as sci
+from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 
 from florist.common import flower_internals
 from florist.common.pacing import Backoff
+from florist.server.inprocess import server_identity
 
 
 def test_the_pinned_flower_has_everything_the_fast_path_relies_on():
@@ -51,13 +56,52 @@ def test_pacing_replaces_the_supernode_sleeps_and_object_pulls_start_fast(monkey
     backoff = Backoff(floor=0.01, cap=0.05, ratio=0.1, since=time.monotonic() - 100)
     flower_internals.pace_supernode(backoff)
     assert backoff.delay() == 0.05  # idle for long: the cap
-    assert sci._pull_and_store_message() == 42 and backoff.delay() == 0.01  # a message: quick polling again
+    assert sci._pull_and_store_message(receive=lambda: None) == 42 and backoff.delay() == 0.01  # quick polling again
     start = time.monotonic()
     sci.time.sleep(3)  # Flower's idle sleep after an empty pull
     assert time.monotonic() - start < 0.5
     assert sci.time.monotonic() > 0  # the rest of the time module is untouched
     assert inflatable_utils.pull_objects.__kwdefaults__["initial_backoff"] == 0.01
     assert inflatable_utils.pull_and_inflate_object_from_tree.__kwdefaults__["backoff_cap"] == 0.2
+
+
+def test_the_reply_to_the_message_just_pulled_goes_out_even_when_a_stale_reply_goes_first(monkeypatch):
+    """Flower's own push, on a real node state: a reply to a message of a run that ended while the
+    node was cut off is still there when the next run's message is pulled. Flower pushes it
+    (the SuperLink ignores it) and would go back to pulling, the new reply never sent."""
+    for name in ("_pull_and_store_message", "_push_messages", "time"):
+        monkeypatch.setattr(sci, name, getattr(sci, name))  # restored after the test
+    store = InMemoryObjectStore()
+    state = InMemoryNodeState(store)
+    with server_identity(7):
+        stale = Message(RecordDict(), dst_node_id=1, message_type="train", group_id="2")
+        live = Message(RecordDict(), dst_node_id=1, message_type="query.info", group_id="0")
+    stale.metadata.__dict__["_message_id"], live.metadata.__dict__["_message_id"] = stale.object_id, live.object_id
+    state.store_message(stale)
+    sci._insert_message(Message(RecordDict({"m": MetricRecord({"late": 1.0})}), reply_to=stale), state, store)
+
+    def pull(*, state, receive, **_):
+        message, _ = receive()
+        state.store_message(message)
+        return message.metadata.run_id
+
+    def reply_later():
+        time.sleep(0.3)  # its ClientApp takes a while
+        sci._insert_message(Message(RecordDict(), reply_to=live), state, store)
+
+    sent = []
+
+    def send(message, object_tree, runtime):
+        sent.append(message.metadata.reply_to_message_id)
+        return set(), "session"
+
+    monkeypatch.setattr(sci, "_pull_and_store_message", pull)
+    flower_internals.pace_supernode(Backoff())
+    assert sci._pull_and_store_message(state=state, object_store=store, receive=lambda: (live, None)) == 7
+    threading.Thread(target=reply_later).start()
+    sci._push_messages(state=state, object_store=store, send=send, push_object=lambda *args: None)
+    assert sent == [stale.metadata.message_id, live.metadata.message_id]
+    assert not state.get_messages()
 
 
 class GridWithObjectsThatNeverArrive:
