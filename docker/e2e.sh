@@ -98,10 +98,12 @@ submit() {  # submit NAME RUN-CONFIG...: flwr run in the background, its output 
 results() {  # results NAME: copy results.json out of the volume to $WORK/NAME.json
     compose cp "superexec-serverapp:/app/results/$1/results.json" "$WORK/$1.json" >/dev/null 2>&1
 }
-check() {  # check NAME PYTHON-ASSERTIONS (on r, the results); on failure the run's and the ServerApp's logs
+check() {  # check NAME PYTHON-ASSERTIONS (on r, the results); on failure the run's and every service's logs
     "$PY" -c "import json, sys; r = json.load(open('$WORK/$1.json')); $2" && return
     tail -30 "$WORK/$1.log" >&2
-    compose logs --no-color --tail 40 superexec-serverapp superlink >&2 || true
+    for service in superlink superexec-serverapp supernode-0 supernode-1 supernode-2; do  # not the access log
+        compose logs --no-color --timestamps "$service" 2>&1 | grep -v uvicorn.access | tail -15 >&2 || true
+    done
     fail "$1: results.json: $2"
 }
 submit three-rounds "num-server-rounds=3"
