@@ -202,10 +202,13 @@ def _forget_interrupt() -> None:
 
 def _interrupt_on_signals() -> None:
     """Ctrl-C and SIGTERM both raise KeyboardInterrupt, so the processes we started are stopped
-    either way (and Ctrl-C works even where the shell started us with SIGINT ignored)."""
+    either way (and Ctrl-C works even where the shell started us with SIGINT ignored). Only the
+    first does: a second Ctrl-C, pressed while that stop runs (a few seconds), would cut it
+    short and leave processes behind."""
     import signal
 
     def interrupt(*_: object) -> None:
+        _ignore_signals()
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)

@@ -4,6 +4,7 @@ deployment (whose messages, over the gRPC Fleet API, the warm executor serves). 
 simulate --resume` then finishes the interrupted simulation in Ray's workers where the
 uninterrupted run ends."""
 
+import contextlib
 import json
 import os
 import signal
@@ -23,8 +24,9 @@ from processes import started_tasks, wait_for_rounds
 
 def _interrupt(command: list[str], progress, tmp_path) -> tuple[subprocess.CompletedProcess, str, list[int]]:
     """Start `florist COMMAND` tagged in its environment, Ctrl-C it once a round is saved in
-    `progress`, and return its output, the tag its descendants carried, and the processes below
-    it at the Ctrl-C (some of Ray's do not carry the tag)."""
+    `progress`, and again while it stops, as an impatient user does (the second must not cut
+    the stop short), and return its output, the tag its descendants carried, and the processes
+    below it at the Ctrl-C (some of Ray's do not carry the tag)."""
     tag, log = uuid.uuid4().hex, tmp_path / "output.txt"
     with open(log, "w") as out:  # a file, not a pipe: nothing blocks on a full pipe
         run = subprocess.Popen([sys.executable, "-m", "florist", *command], stdout=out, stderr=subprocess.STDOUT,
@@ -33,6 +35,10 @@ def _interrupt(command: list[str], progress, tmp_path) -> tuple[subprocess.Compl
         wait_for_rounds(run, progress, 1, timeout=300)
         below = descendants([run.pid])
         run.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            run.wait(timeout=0.5)
+        if run.poll() is None:
+            run.send_signal(signal.SIGINT)
         run.wait(timeout=10)  # the issue's bar is 5 s; the margin is for a loaded CI machine
     finally:
         run.kill()
