@@ -139,10 +139,7 @@ class Federation:
         3 s (a quick reply is seen within tens of milliseconds, a slow one costs few polls), and
         with each poll in a thread of its own: a poll that took the reply of a node cut off
         mid-upload waits for its objects until the deadline, while the next polls, which start
-        once it has taken its replies off the SuperLink, collect the other nodes' replies.
-        (The SuperLink answers a poll that asks for a reply another poll took as it answers one
-        for a message that expired: "not found". So a reply beats any error for its message, and
-        any other error, the node's own or a half upload, beats "not found".)"""
+        once it has taken its replies off the SuperLink, collect the other nodes' replies."""
         pending = set(self.grid.push_messages(messages))
         deadline, backoff = time.monotonic() + self.timeout, Backoff(floor=0.05, cap=0.5, ratio=0.1)
         replies: list[Message] = []
@@ -175,13 +172,7 @@ class Federation:
             pool.shutdown(wait=False, cancel_futures=True)
         if pending:  # a last poll, after the deadline: a reply in by then counts
             replies += flower_internals.pull_replies(self.grid, sorted(pending), deadline, MIN_PULL_SECONDS)
-        answered = {m.metadata.reply_to_message_id for m in replies if not m.has_error()}
-        errors: dict[str, Message] = {}  # per message without a reply, its most telling error
-        for m in replies:
-            if m.has_error() and (key := m.metadata.reply_to_message_id) not in answered:
-                if key not in errors or (_not_found(errors[key]) and not _not_found(m)):
-                    errors[key] = m
-        return [m for m in replies if not m.has_error()] + list(errors.values())
+        return _telling(replies)
 
     def fail(self, node: int, message_type: str, server_round: int, reason: str) -> None:
         """Record that `node` dropped out of this exchange, and say so in the log."""
@@ -199,6 +190,20 @@ class Federation:
         """The exchanges since the last call."""
         exchanges, self.exchanges = self.exchanges, []
         return exchanges
+
+
+def _telling(replies: list[Message]) -> list[Message]:
+    """`replies` without the errors that say less than another answer to the same message.
+    The SuperLink answers a poll that asks for a reply another poll took as it answers one for
+    a message that expired: "not found". So a reply beats any error for its message, and any
+    other error, the node's own or a half upload, beats "not found"."""
+    answered = {m.metadata.reply_to_message_id for m in replies if not m.has_error()}
+    errors: dict[str, Message] = {}  # per message without a reply, its most telling error
+    for m in replies:
+        if m.has_error() and (key := m.metadata.reply_to_message_id) not in answered:
+            if key not in errors or (_not_found(errors[key]) and not _not_found(m)):
+                errors[key] = m
+    return [m for m in replies if not m.has_error()] + list(errors.values())
 
 
 def _not_found(reply: Message) -> bool:

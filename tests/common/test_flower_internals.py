@@ -6,7 +6,7 @@ import time
 
 import flwr
 import pytest
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import Message, RecordDict
 from flwr.supercore.inflatable import inflatable_utils
 from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
 from flwr.superlink.grid import http_grid
@@ -78,7 +78,7 @@ def test_the_reply_to_the_message_just_pulled_goes_out_even_when_a_stale_reply_g
         live = Message(RecordDict(), dst_node_id=1, message_type="query.info", group_id="0")
     stale.metadata.__dict__["_message_id"], live.metadata.__dict__["_message_id"] = stale.object_id, live.object_id
     state.store_message(stale)
-    sci._insert_message(Message(RecordDict({"m": MetricRecord({"late": 1.0})}), reply_to=stale), state, store)
+    sci._insert_message(Message(RecordDict(), reply_to=stale), state, store)
 
     def pull(*, state, receive, **_):
         message, _ = receive()

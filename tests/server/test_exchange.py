@@ -67,12 +67,15 @@ def test_a_reply_in_before_the_deadline_counts_even_when_a_poll_outlasts_it():
     assert list(good) == [100] and not federation.failures
 
 
-class GridWithAHalfUploadedReply(InProcessGrid):
+def half_uploaded(msg: Message) -> Message:
     """The error reply Flower's Grid makes when a reply's objects never all arrive."""
+    reason = f"{flower_internals.HALF_UPLOADED}. The sender may not have completed the upload ..."
+    return Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, reason), reply_to=msg)
 
+
+class GridWithAHalfUploadedReply(InProcessGrid):
     def _answer(self, msg: Message) -> Message:
-        reason = f"{flower_internals.HALF_UPLOADED}. The sender may not have completed the upload ..."
-        return Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, reason), reply_to=msg)
+        return half_uploaded(msg)
 
 
 def test_a_reply_cut_off_mid_upload_is_named_as_such():
@@ -126,8 +129,7 @@ class SuperLinkGrid(EmptyReplies):
         try:
             http_grid.pull_objects(["a" * 64], pull_object, initial_backoff=0.01, backoff_cap=0.05)
         except inflatable_utils.ObjectPullError:
-            reason = f"{flower_internals.HALF_UPLOADED}. The sender may not have completed the upload ..."
-            return Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, reason), reply_to=self.sent[reply.metadata.reply_to_message_id])
+            return half_uploaded(self.sent[reply.metadata.reply_to_message_id])
         return reply
 
 
