@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from florist.algorithms import SPECS
+from florist.common import devices
 from florist.common.config import STRATEGY_NAMES, RunConfig, parse_overrides
 
 DEFAULT_NODES = {"simulate": 20, "deploy-local": 3, "local-federation": 3}
@@ -53,6 +54,7 @@ def _checked(args: argparse.Namespace) -> tuple[RunConfig, int]:
     from florist.server.preflight import check_run
 
     cfg, num_nodes = _config(args)
+    devices.resolve(cfg.device, "device")  # this machine runs the nodes: one it lacks fails now, in one line
     for warning in check_run(cfg, num_nodes):
         print(f"florist: warning: {warning}", file=sys.stderr)
     return cfg, num_nodes
@@ -62,19 +64,21 @@ def _simulate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from florist.server.report import number
-    from florist.server.simulation import simulate_in_child
+    from florist.server.simulation import client_resources, simulate_in_child
 
     (cfg, num_clients), console, start = _checked(args), _console(), time.monotonic()
+    resources = client_resources(args.cpus_per_client, args.gpus_per_client)
     _interrupt_on_signals()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:  # fmt: skip
+        _decode_data(progress, cfg, num_clients)
         task = progress.add_task(f"{cfg.strategy} rounds", total=cfg.num_server_rounds, status="starting clients")
 
         def on_round(row: dict[str, Any]) -> None:
             progress.update(task, completed=row["round"], status=f"loss {number(row['train_loss'], '.3f')}  "
                             f"seen acc {number(row['accuracy'], '.1%')}")  # fmt: skip
 
-        results = simulate_in_child(cfg, num_clients, on_round)
+        results = simulate_in_child(cfg, num_clients, on_round, resources)
     print_summary(results, console, time.monotonic() - start)
     return 0
 
@@ -84,10 +88,13 @@ def _compare(args: argparse.Namespace) -> int:
 
     from florist.server import compare
     from florist.server.preflight import check_run
+    from florist.server.simulation import client_resources
 
     strategies, seeds = _names(args.strategies, "--strategies"), _seeds(args.seeds)
     values = {"min-nodes": args.num_clients} | _given(args)
+    resources = client_resources(args.cpus_per_client, args.gpus_per_client)
     configs = compare.planned(Path(args.out).expanduser().absolute(), strategies, seeds, values)
+    devices.resolve(configs[0].device, "device")
     warnings = {w for cfg in configs for w in check_run(cfg, args.num_clients)}
     for warning in sorted(warnings):
         print(f"florist: warning: {warning}", file=sys.stderr)
@@ -100,6 +107,9 @@ def _compare(args: argparse.Namespace) -> int:
                   TimeElapsedColumn(), console=console) as progress:  # fmt: skip
         runs = progress.add_task("runs", total=len(configs))
         rounds = progress.add_task("rounds", total=cfg0.num_server_rounds)
+
+        for cfg in configs:
+            _decode_data(progress, cfg, args.num_clients)
 
         def on_run(cfg: RunConfig, reused: bool) -> None:
             done = configs.index(cfg)
@@ -115,10 +125,10 @@ def _compare(args: argparse.Namespace) -> int:
 
                 logging.getLogger("flwr").setLevel(logging.WARNING)  # the progress display says how far it got
 
-                return run_in_process(cfg, num_clients, on_round=on_round)
+                return run_in_process(cfg, num_clients, on_round=on_round, cpus_per_client=resources["num_cpus"])
             from florist.server.simulation import simulate_in_child
 
-            return simulate_in_child(cfg, num_clients, on_round)
+            return simulate_in_child(cfg, num_clients, on_round, resources)
 
         all_results = compare.compare(configs, args.num_clients, runner, on_run)
         progress.update(runs, completed=len(configs), description="runs")
@@ -126,6 +136,24 @@ def _compare(args: argparse.Namespace) -> int:
     print((Path(args.out) / "compare.md").read_text())
     print(f"compare.md, compare.json and compare.png in {args.out}/")
     return 0
+
+
+def _decode_data(progress, cfg: RunConfig, num_clients: int) -> None:
+    """Decode every client's partition of a Hugging Face or folder dataset into the data cache
+    before the clients start, with a progress bar (the clients then read it in milliseconds);
+    nothing for the embedded datasets."""
+    from florist.common import scenarios
+
+    if scenarios.parse_dataset(cfg.dataset)[0] != "hub":
+        return
+    from florist.common.hub import hub_client
+
+    task = progress.add_task("decoding data", total=num_clients, status="")
+    for pid in range(num_clients):
+        show = lambda done, total: progress.update(task, description=f"decoding partition {pid}: {done}/{total}")  # noqa: E731
+        hub_client(pid, num_clients, cfg, report=show)
+        progress.update(task, completed=pid + 1)
+    progress.update(task, description="data decoded")
 
 
 def _names(text: str, option: str) -> list[str]:
@@ -254,7 +282,7 @@ def _join(args: argparse.Namespace) -> int:
     _interrupt_on_signals()
     return join(args.superlink, args.data_dir, root_certificates=args.root_certificates, auth_key=args.auth_key,
                 state_dir=args.state_dir, node_key=args.node_key, num_classes=args.num_classes,
-                max_wait_time=args.max_wait_time, executor=args.executor)  # fmt: skip
+                max_wait_time=args.max_wait_time, executor=args.executor, device=args.device)  # fmt: skip
 
 
 def _supernode(args: argparse.Namespace) -> int:
@@ -296,7 +324,8 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _scenario_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", help="digits (embedded) | synthetic:ALPHA,BETA (FedProx's; use model=\"mlp\") "
+    parser.add_argument("--dataset", help="digits | mnist5k (embedded; use model=\"lenet\" on mnist5k) | "
+                        "synthetic:ALPHA,BETA (FedProx's; use model=\"mlp\") | a Hugging Face id or local folder "
                         "(default: digits)")  # fmt: skip
     parser.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K (default: dirichlet:0.3)")
     parser.add_argument("--shift", help="none | relabel:K | rotate:K: K clusters of clients with their own label "
@@ -307,6 +336,15 @@ def _scenario_options(parser: argparse.ArgumentParser) -> None:
         "--run-config", metavar='"k=v ..."',
         help='any other run-config keys, as for `flwr run --run-config`, e.g. "lr=0.1 local-epochs=2"',
     )  # fmt: skip
+
+
+def _resource_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cpus-per-client", type=float, default=1.0, metavar="N",
+                        help="CPU cores Ray gives each simulated client, fractions allowed; its torch uses that many "
+                        "threads (default: 1)")  # fmt: skip
+    parser.add_argument("--gpus-per-client", type=float, metavar="N",
+                        help="GPUs Ray gives each simulated client, fractions allowed (default: 0.25 where torch sees "
+                        "a GPU, else 0)")  # fmt: skip
 
 
 def _executor_option(parser: argparse.ArgumentParser) -> None:
@@ -382,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(sim)
     sim.add_argument("--num-clients", type=_count, dest="num_nodes",
                      help=f"simulated SuperNodes = partitions (default: {DEFAULT_NODES['simulate']})")
+    _resource_options(sim)
     sim.set_defaults(func=_simulate)
 
     dep = sub.add_parser(
@@ -437,6 +476,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--state-dir", help="node state folder (default: ~/.cache/florist/nodes)")
     join.add_argument("--node-key", help="stable name of this node (default: the host name)")
     join.add_argument("--num-classes", type=int, default=10, help="label range to check the data against (default: 10)")
+    join.add_argument("--device", help="where this node trains, overriding the run's device: auto | cpu | cuda | "
+                      "cuda:N | mps (default: the run's, auto)")  # fmt: skip
     join.add_argument("--max-wait-time", type=float, default=60.0,
                       help="give up connecting after this many seconds (default: 60)")  # fmt: skip
     _executor_option(join)
@@ -473,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--runtime", choices=("simulation", "in-process"), default="simulation",
                      help="simulation: Flower's simulation runtime (Ray); in-process: the same ServerApp and "
                      "ClientApp called directly, no Ray (same results, less overhead). Default: simulation")  # fmt: skip
+    _resource_options(cmp)
     cmp.set_defaults(func=_compare)
 
     store = sub.add_parser(

@@ -14,7 +14,6 @@ os.environ.update(
     RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0",
 )
 
-import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -56,7 +55,7 @@ def make_node(tmp_path):
     def make(values=None, key="partition-4", data=None, node_config=None, seen=True, run_id=1, server_round=1):
         node_config = dict(node_config or {})
         cfg = RunConfig.from_mapping(values or {})
-        cfg = dataclasses.replace(cfg, settings=cfg.settings.for_node(node_config))
+        cfg = cfg.for_node(node_config)
         if data is None:
             data = data_lib.embedded_client(4, 5, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
                                             cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip

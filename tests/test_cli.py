@@ -18,7 +18,7 @@ BAD = {  # what the user typed (after `florist`) -> what the one line must say
     "model for other images": (["simulate", "--strategy", "pefll", "--run-config", 'model="mobilenet_v2"'],
                                "expects inputs of shape 3×H×W"),
     "unknown shift": (["simulate", "--shift", "relabel"], "shift must be 'none', 'relabel:K' or 'rotate:K'"),
-    "unknown dataset": (["simulate", "--dataset", "cifar10"], "dataset must be 'digits', 'synthetic:ALPHA,BETA'"),
+    "unknown dataset": (["simulate", "--dataset", "cifar10"], "dataset must be 'digits', 'mnist5k', 'synthetic:ALPHA,BETA'"),
     "synthetic into a CNN": (["simulate", "--dataset", "synthetic:1,1"], "model 'cnn' expects inputs of shape C×H×W"),
     "unknown strategy": (["simulate", "--run-config", 'strategy="knn"'], "unknown strategy 'knn'"),
     "unquoted string": (["simulate", "--run-config", "lr=abc"], "strings need quotes"),

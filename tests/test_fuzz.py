@@ -603,7 +603,7 @@ def test_a_node_refuses_a_malformed_request_and_answers_the_next_good_one(federa
     is refused with an error reply, or answered; one that cannot be right is refused; and the
     node's next good request gets a reply the server accepts."""
 
-    @settings(FUZZ, max_examples=int(REQUESTS_PER_TYPE * (1 + HARMLESS)) + 5)
+    @settings(FUZZ, max_examples=int(REQUESTS_PER_TYPE * (1 + HARMLESS)) + 10)
     @given(st.data())
     def check(data):
         fed, phase, node = federations.draw(data, message_type)

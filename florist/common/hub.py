@@ -5,27 +5,29 @@ image folder), partitioned by flwr-datasets' `FederatedDataset`.
 The `train` split is partitioned (`iid`, `dirichlet:ALPHA`, `pathological:K` over the labels,
 or `natural:COLUMN`, one client per value of COLUMN, e.g. FEMNIST's `writer_id`); each client
 then splits its partition into train / validation / test as the embedded digits do. Images
-become float C×H×W in [0, 1] (torchvision's `to_tensor`; grayscale keeps one channel), other
-numeric columns a feature vector.
+become uint8 C×H×W (grayscale keeps one channel; a batch becomes floats in [0, 1] when it is
+trained on), other numeric columns a float32 feature vector. A partition is decoded once per
+machine and kept on disk (`common/datacache.py`).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from florist.common import data as data_lib
+from florist.common import datacache
+
+log = logging.getLogger(__name__)
+DECODE_CHUNK = 1000  # rows decoded at once: bounds the PIL images alive and paces progress
 
 LABEL_NAMES = ("label", "labels", "character", "fine_label", "y")
 IMAGE_NAMES = ("image", "img", "pixel_values", "x")
-
-
-def is_hub(spec: str) -> bool:
-    """Whether `dataset` names a Hugging Face dataset or a local folder (not a built-in)."""
-    return spec not in ("digits",) and not spec.startswith("synthetic:")
 
 
 @functools.lru_cache(maxsize=2)
@@ -61,22 +63,55 @@ def columns(features: dict[str, Any], image_column: str, label_column: str) -> t
     return image, label
 
 
-def to_arrays(rows, image: str, label: str) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of a `datasets.Dataset`: images through `to_tensor`, numbers as float32."""
+def to_arrays(rows, image: str, label: str, report: Callable[[int], None] | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(x, y) of a `datasets.Dataset`: images as uint8 C×H×W (grayscale keeps one channel),
+    numbers as float32; decoded `DECODE_CHUNK` rows at a time, `report(rows done)` after each."""
     from torchvision.transforms.functional import pil_to_tensor
 
-    values = rows[image]
-    if hasattr(values[0], "mode"):  # PIL images
-        x = np.stack([pil_to_tensor(v if v.mode in ("L", "RGB") else v.convert("RGB")).numpy() for v in values])
-        x = x.astype(np.float32) / 255.0
-    else:
-        x = np.asarray(values, dtype=np.float32)
-    return x, np.asarray(rows[label], dtype=np.int64)
+    parts = []
+    for start in range(0, len(rows), DECODE_CHUNK):
+        values = rows[start : start + DECODE_CHUNK][image]
+        if hasattr(values[0], "mode"):  # PIL images
+            images = [v if v.mode in ("L", "RGB") else v.convert("RGB") for v in values]
+            parts.append(np.stack([pil_to_tensor(v).numpy() for v in images]))
+        else:
+            parts.append(np.asarray(values, dtype=np.float32))
+        if report:
+            report(min(start + DECODE_CHUNK, len(rows)))
+    return np.concatenate(parts), np.asarray(rows[label], dtype=np.int64)
 
 
-def hub_client(partition_id: int, num_partitions: int, cfg) -> data_lib.ClientData:
+def hub_client(partition_id: int, num_partitions: int, cfg, report: Callable[[int, int], None] | None = None
+               ) -> data_lib.ClientData:  # fmt: skip
     """Client `partition_id`'s partition of `cfg.dataset`, split like the embedded digits and
-    checked like a node's own folder."""
+    checked like a node's own folder; decoded once per machine (`common/datacache.py`), keyed by
+    the dataset's id or the folder's file listing and everything the partition depends on.
+    `report(done, total)` follows the decoding when it happens; a node logs it instead."""
+    source = Path(cfg.dataset).expanduser()
+    local = source.is_dir()
+    origin = {"folder": str(source.resolve()), "files": datacache.folder_fingerprint(source)} if local else {"hub": cfg.dataset}
+    key = origin | {"partition": cfg.partition, "num-partitions": num_partitions, "partition-id": partition_id,
+                    "seed": cfg.seed, "image-column": cfg.image_column, "label-column": cfg.label_column,
+                    "val-fraction": cfg.val_fraction, "test-fraction": cfg.test_fraction, "num-classes": cfg.num_classes}
+    report = report or _logger(cfg.dataset, partition_id)
+    return datacache.cached(key, lambda: _decode(partition_id, num_partitions, cfg, report))
+
+
+def _logger(dataset: str, partition_id: int) -> Callable[[int, int], None]:
+    """A `report` for logs: a line at the start, then about every 10 %."""
+    last = -1
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        if done * 10 // max(total, 1) > last:
+            last = done * 10 // max(total, 1)
+            log.info("dataset %r, partition %d: decoded %d of %d samples", dataset, partition_id, done, total)
+
+    return report
+
+
+def _decode(partition_id: int, num_partitions: int, cfg, report: Callable[[int, int], None]) -> data_lib.ClientData:
     fds = federated(cfg.dataset, cfg.partition, num_partitions, cfg.seed, cfg.label_column)
     try:
         rows = fds.load_partition(partition_id, "train")
@@ -84,7 +119,7 @@ def hub_client(partition_id: int, num_partitions: int, cfg) -> data_lib.ClientDa
         raise ValueError(f"dataset {cfg.dataset!r}: partition {partition_id} of {cfg.partition!r} cannot be loaded "
                          f"({err})") from None  # fmt: skip
     image, label = columns(rows.features, cfg.image_column, cfg.label_column)
-    x, y = to_arrays(rows, image, label)
+    x, y = to_arrays(rows, image, label, lambda done: report(done, len(rows)))
     x, y = data_lib.check_arrays(f"dataset {cfg.dataset!r}, partition {partition_id}", x, y, cfg.num_classes)
     train, val, test = data_lib.split_indices(len(x), cfg.val_fraction, cfg.test_fraction, cfg.seed * 100_003 + partition_id)
     return data_lib.ClientData(x[train], y[train], x[val], y[val], x[test], y[test], cfg.num_classes)

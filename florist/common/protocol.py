@@ -115,9 +115,10 @@ def info_of(content: RecordDict, source: str) -> tuple[str, tuple[int, ...], dic
     return key, tuple(shape), metrics
 
 
-def handler_seconds(reply: RecordDict) -> float:
-    """How long the reply's handler ran, as the node reported it (0 when it did not)."""
-    value = reply.config_records.get(TIMING, {}).get("handler-seconds")
+def handler_seconds(reply: RecordDict, part: str = "handler") -> float:
+    """How long the reply's handler ran (`part` "data": how long of it went to loading the
+    node's data), as the node reported it (0 when it did not)."""
+    value = reply.config_records.get(TIMING, {}).get(f"{part}-seconds")
     return float(value) if isinstance(value, (int, float)) and np.isfinite(value) and value >= 0 else 0.0
 
 

@@ -17,8 +17,8 @@ import numpy as np
 from florist.common import data as data_lib
 
 SHIFTS = "'none', 'relabel:K' or 'rotate:K' (K >= 1 clusters of clients)"
-DATASETS = ("'digits', 'synthetic:ALPHA,BETA' (ALPHA, BETA >= 0), a Hugging Face dataset id (OWNER/NAME) or a "
-            "local folder")
+DATASETS = ("'digits', 'mnist5k', 'synthetic:ALPHA,BETA' (ALPHA, BETA >= 0), a Hugging Face dataset id "
+            "(OWNER/NAME) or a local folder")
 SYNTHETIC_FEATURES, SYNTHETIC_CLASSES = 60, 10
 MAX_SYNTHETIC_SIZE = 5000  # FedProx's log-normal sizes have a heavy tail; a client holds at most this many
 
@@ -34,10 +34,11 @@ def parse_shift(spec: str) -> tuple[str, int]:
 
 
 def parse_dataset(spec: str) -> tuple[str, tuple[float, ...]]:
-    """(kind, parameters) of `digits`, `synthetic:ALPHA,BETA`, or `hub` for a dataset id or folder."""
+    """(kind, parameters) of an embedded dataset (kind `embedded`), `synthetic:ALPHA,BETA`, or
+    `hub` for a dataset id or folder."""
     kind, colon, arg = spec.partition(":")
-    if kind == "digits" and not colon:
-        return kind, ()
+    if kind in data_lib.EMBEDDED_SHAPES and not colon:
+        return "embedded", ()
     if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) or (spec and Path(spec).expanduser().is_dir()):  # "": no folder, not "."
         return "hub", ()
     try:
@@ -54,7 +55,7 @@ def input_shape(cfg, num_partitions: int) -> tuple[int, ...]:
     kind = parse_dataset(cfg.dataset)[0]
     if kind == "hub":
         return client_data(0, num_partitions, cfg).input_shape
-    return (SYNTHETIC_FEATURES,) if kind == "synthetic" else data_lib.DIGITS_SHAPE
+    return (SYNTHETIC_FEATURES,) if kind == "synthetic" else data_lib.EMBEDDED_SHAPES[cfg.dataset]
 
 
 def cluster_of(partition_id: int, num_partitions: int, clusters: int, seed: int) -> int:
@@ -129,7 +130,8 @@ def client_data(partition_id: int, num_partitions: int, cfg) -> data_lib.ClientD
         data = hub_client(partition_id, num_partitions, cfg)
     else:
         data = data_lib.embedded_client(partition_id, num_partitions, cfg.partition, cfg.seed, cfg.val_fraction,
-                                        cfg.test_fraction, cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip
+                                        cfg.test_fraction, cfg.min_partition_size, public_size=cfg.public_size,
+                                        dataset=cfg.dataset)  # fmt: skip
     shift, clusters = parse_shift(cfg.shift)
     if shift == "none":
         return data
@@ -143,7 +145,7 @@ def public_set(cfg) -> np.ndarray:
     if kind == "hub":
         raise ValueError(f"dataset {cfg.dataset!r} has no embedded public set: give PerFed-CKT one with public-dir")
     if kind != "synthetic":
-        return data_lib.embedded_public(cfg.public_size, cfg.seed)
+        return data_lib.embedded_public(cfg.public_size, cfg.seed, cfg.dataset)
     rng = np.random.default_rng([cfg.seed, 0x9B])
     return _synthetic_features(rng, rng.normal(0, params[1]), cfg.public_size)
 

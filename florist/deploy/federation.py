@@ -25,6 +25,7 @@ from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
+from florist.common import devices
 from florist.common.processes import terminate_marked
 from florist.deploy import forkserver, netns
 from florist.deploy.bundle import app_dir
@@ -142,7 +143,10 @@ class LocalFederation:
         if auth and not tls:
             raise ValueError("SuperNode authentication needs TLS: pass --tls with --auth")
         self.workdir = Path(workdir).expanduser().resolve()
-        self.node_configs, self.tls, self.auth, self.max_wait_time = node_configs, tls, auth, max_wait_time
+        # The nodes share this machine: each gets an equal share of its cores for torch, unless its config says.
+        share = {"torch-threads": max(1, devices.usable_cores() // max(len(node_configs), 1))}
+        self.node_configs = [share | config for config in node_configs]
+        self.tls, self.auth, self.max_wait_time = tls, auth, max_wait_time
         self.executor, self.persistent, self.preload, self.network = executor, persistent, preload, network
         self.host = network.address(netns.SUPERLINK) if network else "127.0.0.1"  # where SuperNodes dial
         self.flwr_home = self.workdir / "flwr-home"

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from florist.client.state import NodeState
+from florist.common import devices
 from florist.common.data import folder_client
 from florist.deploy.federation import Process, free_port, spawn, supernode_command, toml_node_config
 
@@ -81,8 +82,10 @@ def supernode_args(
     node_key: str,
     max_wait_time: float,
     executor: str = "warm",
+    device: str | None = None,
 ) -> list[str]:
     node_config = {"data-dir": str(data_dir), "node-key": node_key} | ({"state-dir": str(state_dir)} if state_dir else {})
+    node_config |= {"device": device} if device else {}
     args = [*supernode_command(executor), "--superlink", superlink, "--node-config", toml_node_config(node_config),
             "--port", str(free_port()), "--max-wait-time", str(max_wait_time)]  # fmt: skip
     args += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
@@ -121,10 +124,13 @@ def join(
     num_classes: int = 10,
     max_wait_time: float = 60.0,
     executor: str = "warm",
+    device: str | None = None,
 ) -> int:
-    """Check everything local first (data, files), then run the SuperNode in the foreground."""
+    """Check everything local first (data, files, device), then run the SuperNode in the foreground."""
     if not re.fullmatch(r"[^\s:]+:\d+", superlink):
         raise ValueError(f"--superlink must be HOST:PORT (the SuperLink's Fleet API), got {superlink!r}")
+    if device:
+        devices.resolve(device, "--device")  # a device this machine lacks fails here, not at the first message
     data_dir = Path(data_dir).expanduser().resolve()
     client = folder_client(data_dir, num_classes, seed=0, val_fraction=0.15)  # fails here, naming the file
     files = {"--root-certificates": root_certificates, "--auth-key": auth_key}
@@ -139,7 +145,7 @@ def join(
     args = supernode_args(
         superlink, data_dir, root_certificates=Path(root_certificates) if root_certificates else None,
         auth_key=Path(auth_key) if auth_key else None, state_dir=Path(state_dir) if state_dir else None,
-        node_key=key, max_wait_time=max_wait_time, executor=executor,
+        node_key=key, max_wait_time=max_wait_time, executor=executor, device=device,
     )  # fmt: skip
     labelled = "labelled" if client.labelled else "unlabeled"
     print(f"florist join: node {key!r}, {len(client.x_train) + len(client.x_val)} train / {len(client.x_test)} test "

@@ -22,7 +22,10 @@ from florist.common.storage import atomic_write
 FILE = "checkpoint.pt"
 VERSION = 2
 # Keys a resumed run may change: where and how long it waits, not what it computes.
-OPERATIONAL = ("resume-from", "results-dir", "round-timeout", "node-wait-timeout", "serve-seconds", "serve-count")
+# Keys a resumed run may change. Where it computes is one of them (a run started on a GPU box may
+# go on on a CPU one); the resumed rounds then round differently: exact only on equal hardware.
+OPERATIONAL = ("resume-from", "results-dir", "round-timeout", "node-wait-timeout", "serve-seconds", "serve-count",
+               "device", "server-device", "torch-threads")
 
 
 @dataclasses.dataclass
@@ -45,7 +48,7 @@ class Checkpoint:
         if not path.is_file():
             raise FileNotFoundError(f"cannot resume: {path} does not exist (a run writes it after its first round)")
         try:
-            saved = torch.load(path, weights_only=True)
+            saved = torch.load(path, weights_only=True, map_location="cpu")  # to whatever device the run uses now
         except Exception as err:  # noqa: BLE001 (pickle, zip and torch errors alike mean an unusable file)
             raise ValueError(f"cannot resume: {path} is not a readable checkpoint ({type(err).__name__}: {err})") from None
         if not isinstance(saved, dict) or saved.get("version") != VERSION:

@@ -25,7 +25,8 @@ def check_run(cfg: RunConfig, num_clients: int | None = None, input_shape: tuple
     num_seen = num_clients - len(held_out(cfg, num_clients)) if num_clients else max(cfg.min_train_nodes, 1)
     check_models(cfg, input_shape, num_seen)
     check_results_dir(cfg.results_dir)
-    return partition_warnings(cfg, num_clients) if num_clients and cfg.dataset == "digits" else []
+    embedded = cfg.dataset in data.EMBEDDED_SHAPES
+    return partition_warnings(cfg, num_clients) if num_clients and embedded else []
 
 
 def held_out(cfg: RunConfig, num_clients: int) -> frozenset[int]:
@@ -61,8 +62,9 @@ def partition_warnings(cfg: RunConfig, num_clients: int) -> list[str]:
     """Builds the embedded partitions (as the clients will; a ValueError if they cannot be
     built) and warns about classes that only held-out clients have: no training client ever
     sees them, so those clients score 0 on them whatever the strategy."""
-    parts = data.partition_indices(cfg.partition, num_clients, cfg.seed, cfg.min_partition_size, cfg.public_size)
-    labels = data.load_digits()[1]
+    parts = data.partition_indices(cfg.partition, num_clients, cfg.seed, cfg.min_partition_size, cfg.public_size,
+                                   cfg.dataset)  # fmt: skip
+    labels = data.load_embedded(cfg.dataset)[1]
     unseen = held_out(cfg, num_clients)
     trained = set().union(*(set(labels[p].tolist()) for i, p in enumerate(parts) if i not in unseen))
     warnings = []

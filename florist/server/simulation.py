@@ -50,8 +50,36 @@ def _without_deprecation_warning() -> Iterator[None]:
         FLOWER_LOGGER.removeFilter(drop)
 
 
-def simulate(cfg: RunConfig, num_clients: int, on_round=None, client_app=None) -> dict[str, Any]:
-    """Run `cfg` on `num_clients` simulated SuperNodes; return the parsed results.json."""
+def client_resources(cpus: float = 1.0, gpus: float | None = None) -> dict[str, float]:
+    """Ray's resources for one simulated client (`--cpus-per-client`, `--gpus-per-client`;
+    fractions share a core or GPU between clients). `gpus` None: 0.25 of a GPU where torch
+    sees one, none elsewhere. A ValueError where this machine cannot give them: Ray would
+    wait for them forever."""
+    cores = os.cpu_count() or 1
+    if not 0 < cpus <= cores:
+        raise ValueError(f"--cpus-per-client must be in (0, {cores}] (this machine's cores), got {cpus}")
+    if gpus is not None and gpus < 0:
+        raise ValueError(f"--gpus-per-client must be >= 0, got {gpus}")
+    if gpus != 0:
+        count = _gpu_count()
+        if gpus is None:
+            gpus = 0.25 if count else 0.0
+        elif gpus > count:
+            raise ValueError(f"--gpus-per-client {gpus}: torch sees {count} GPU(s) on this machine")
+    return {"num_cpus": cpus, "num_gpus": gpus}
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def simulate(cfg: RunConfig, num_clients: int, on_round=None, client_app=None, resources: dict[str, float] | None = None
+             ) -> dict[str, Any]:  # fmt: skip
+    """Run `cfg` on `num_clients` simulated SuperNodes, each given `resources` (by default
+    `client_resources()`); return the parsed results.json. A client's torch uses as many
+    threads as it has CPUs, unless `torch-threads` says otherwise."""
     from flwr.simulation import run_simulation
 
     from florist.client.app import app as default_client_app
@@ -59,21 +87,25 @@ def simulate(cfg: RunConfig, num_clients: int, on_round=None, client_app=None) -
 
     if num_clients < cfg.min_nodes:
         raise ValueError(f"num-clients ({num_clients}) must be at least min-nodes ({cfg.min_nodes})")
+    resources = resources or client_resources()
+    gpus = _gpu_count() if resources["num_gpus"] > 0 else 0
     with _without_deprecation_warning():
         run_simulation(
             server_app=make_server_app(cfg.to_mapping(), on_round),
             client_app=client_app or default_client_app,
             num_supernodes=num_clients,
             backend_config={
-                "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"num_cpus": os.cpu_count() or 1, "logging_level": "ERROR", "log_to_driver": False},
+                "client_resources": resources,
+                "init_args": {"num_cpus": os.cpu_count() or 1, "num_gpus": gpus, "logging_level": "ERROR",
+                              "log_to_driver": False},  # fmt: skip
             },
         )
     return json.loads((Path(cfg.results_dir).expanduser() / "results.json").read_text())
 
 
 def simulate_in_child(
-    cfg: RunConfig, num_clients: int, on_round: Callable[[dict[str, Any]], None] | None = None
+    cfg: RunConfig, num_clients: int, on_round: Callable[[dict[str, Any]], None] | None = None,
+    resources: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """`simulate` in a child process in a session of its own, so that Ctrl-C (KeyboardInterrupt
     here) stops it and every Ray process it started within seconds: the ServerApp runs in a
@@ -86,7 +118,8 @@ def simulate_in_child(
     results_file, log_path, token = folder / "results.json", folder / "simulation.log", secrets.token_hex(8)
     if not cfg.resume_from:  # a resumed run goes on from what is there
         results_file.unlink(missing_ok=True)
-    command = [sys.executable, "-m", __name__, json.dumps(cfg.to_mapping()), str(num_clients)]
+    resources = resources or client_resources()
+    command = [sys.executable, "-m", __name__, json.dumps(cfg.to_mapping()), str(num_clients), json.dumps(resources)]
     with open(log_path, "wb") as log_file:
         child = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  env=os.environ | {MARKER: token}, start_new_session=True)  # fmt: skip
@@ -123,9 +156,10 @@ def _read(results_file: Path) -> dict[str, Any] | None:
 
 
 def _main(argv: list[str]) -> int:
-    """The child of `simulate_in_child`: argv = [run config as JSON, number of clients]."""
+    """The child of `simulate_in_child`: argv = [run config as JSON, number of clients,
+    client resources as JSON]."""
     try:
-        simulate(RunConfig.from_mapping(json.loads(argv[0])), int(argv[1]))
+        simulate(RunConfig.from_mapping(json.loads(argv[0])), int(argv[1]), resources=json.loads(argv[2]))
     except Exception as err:  # the parent shows this line; the traceback stays in the log
         import traceback
 

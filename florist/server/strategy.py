@@ -25,7 +25,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from florist.algorithms.base import Exchange
-from florist.common import flower_internals, packing, protocol
+from florist.common import devices, flower_internals, packing, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
 from florist.common.models import Net, seeded_model
@@ -62,7 +62,7 @@ class Federation:
         self.names: dict[int, str] = {}
         self.bytes_up = self.bytes_down = 0
         self.failures: list[dict[str, Any]] = []
-        self.exchanges: list[dict[str, Any]] = []  # per exchange: type, seconds, nodes, handler_seconds_max
+        self.exchanges: list[dict[str, Any]] = []  # per exchange: type, seconds, nodes, handler_seconds_max, data_seconds_max
 
     def name(self, node_id: int) -> str:
         return self.names.get(node_id, f"node {node_id}")
@@ -128,9 +128,10 @@ class Federation:
         for node, reason in failed.items():
             good.pop(node, None)
             self.fail(node, message_type, server_round, reason)
-        handler_seconds = [protocol.handler_seconds(reply) for reply in good.values()]
+        slowest = {part: round(max((protocol.handler_seconds(r, part) for r in good.values()), default=0.0), 4)
+                   for part in ("handler", "data")}  # fmt: skip
         self.exchanges.append({"type": message_type, "seconds": round(seconds, 4), "nodes": len(requests),
-                               "handler_seconds_max": round(max(handler_seconds, default=0.0), 4)})  # fmt: skip
+                               "handler_seconds_max": slowest["handler"], "data_seconds_max": slowest["data"]})  # fmt: skip
         # In request order, not arrival order (which varies): float sums over replies then repeat exactly.
         return {node: good[node] for node in requests if node in good}
 
@@ -239,6 +240,8 @@ class Strategy:
         """`num_seen`: how many nodes train (some algorithms size their networks by it)."""
         self.cfg, self.federation, self.input_shape, self.num_seen = cfg, federation, input_shape, num_seen
         self.settings: Any = cfg.settings
+        # Where the server half's own networks train (`server-device`); what it sends and saves stays on the CPU.
+        self.device = devices.resolve(cfg.server_device, "server-device")
 
     def new_model(self) -> Net:
         """The run's model, seeded: clients that build it from the same seed get the same weights."""

@@ -117,7 +117,7 @@ def test_a_node_whose_public_set_differs_refuses_to_train(tmp_path, make_node):
 
 
 def test_the_public_set_is_owned_by_no_client():
-    public = set(data_lib._digits_order(1)[:200].tolist())
+    public = set(data_lib._embedded_order(1)[:200].tolist())
     owned = set(np.concatenate(data_lib.partition_indices("dirichlet:0.3", 20, 1, 10, 200)).tolist())
     assert not public & owned and len(public | owned) == len(data_lib.load_digits()[1])
 

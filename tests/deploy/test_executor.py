@@ -103,6 +103,7 @@ def test_an_app_that_is_not_florist_runs_in_flowers_own_process(tmp_path):
 def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(tmp_path):
     configs = [{"partition-id": i, "num-partitions": 3, "state-dir": str(tmp_path / "state")} for i in range(3)]
     configs[1]["fault"], configs[2]["fault"] = "raise@2", "hang@2"  # faultyapp/apps.py
+    configs[0]["torch-threads"] = 2  # set in each forked child; the executor forks only while it has one thread
     fed = LocalFederation(tmp_path, configs, preload="faultyapp.apps:client")
     fed.env["PYTHONPATH"] = os.pathsep.join([str(APPS / "faultyapp"), fed.env.get("PYTHONPATH", "")])
     with fed:
@@ -111,6 +112,7 @@ def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(t
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert [node.pid for node in fed.nodes] == node_pids and all(node.alive() for node in fed.nodes)
         logs = [(fed.logs / f"supernode-{i}.log").read_text() for i in (1, 2)]
+        first = (fed.logs / "supernode-0.log").read_text()
         started = marked("FLWR_HOME", str(fed.flwr_home))
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     failures = {f["node"].split("(")[-1].rstrip(")"): f for f in results["failures"]}
@@ -123,6 +125,8 @@ def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(t
         assert fault in log and "warm" in started_tasks(log.split(fault)[-1])  # served warm afterwards
         assert log.count("warm executor for faultyapp.apps:client") == 1  # by the same executor
     assert started and not marked("FLWR_HOME", str(fed.flwr_home))  # stopping the federation stopped them all
+    threads = re.findall(r"ran with (\d+) torch threads", first)
+    assert len(threads) >= 7 and set(threads) == {"2"} and set(started_tasks(first)) == {"warm"}
 
 
 def _forked(fed: LocalFederation) -> list[tuple[int, int]]:

@@ -6,6 +6,7 @@ server trains its attention through that gradient. The client keeps nothing."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, RecordDict
@@ -18,18 +19,21 @@ from florist.common.models import Net, bias_names, flat_biases
 
 def representation(node: Node, model: Net) -> torch.Tensor:
     """Z: `model.features` averaged over the node's train split."""
-    return torch.from_numpy(training.embed(model, node.data.x_train).mean(0))
+    return torch.from_numpy(training.embed(model, node.data.x_train, device=node.device).mean(0))
 
 
 def bias_gradient(node: Node, model: Net) -> torch.Tensor:
     """∂L/∂M at the model's current biases, L the mean cross-entropy over the train split."""
     if not node.data.labelled:
         raise ValueError(f"node {node.key}: FedAttn trains on labels, but the node's data has no y")
-    params = dict(model.named_parameters())
-    model.eval()
-    loss = F.cross_entropy(model(torch.from_numpy(node.data.x_train)), torch.from_numpy(node.data.y_train))
-    names = bias_names(model)
-    return flat_biases(dict(zip(names, torch.autograd.grad(loss, [params[n] for n in names]))), names)
+    names, d = bias_names(model), node.data
+    with training.on_device(model, node.device) as device:
+        model.eval()
+        params = dict(model.named_parameters())
+        targets = torch.from_numpy(np.array(d.y_train)).to(device)  # a copy: memory-mapped labels are read-only
+        loss = F.cross_entropy(model(training.inputs(d.x_train, device)), targets)
+        grads = [g.cpu() for g in torch.autograd.grad(loss, [params[n] for n in names])]
+    return flat_biases(dict(zip(names, grads)), names)
 
 
 def train(node: Node, request: Request) -> RecordDict:

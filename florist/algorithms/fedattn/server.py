@@ -66,6 +66,7 @@ class FedAttn(FedAvg):
             z_dim = self.model.features(torch.zeros(1, *self.input_shape)).shape[1]
         with seeded(cfg.seed):
             self.attention = BiasAttention(z_dim, m_dim, attn.key_dim, attn.residual)
+        self.attention.to(self.device)  # built on the CPU: the same start on any device
         self.optimizer = torch.optim.Adam(self.attention.parameters(), lr=attn.lr)
         self.z_dim, self.m_dim = z_dim, m_dim
         self.memory: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # node key -> latest (Z, M)
@@ -89,16 +90,18 @@ class FedAttn(FedAvg):
         return [self.index_keys[i] for i in found[0] if i >= 0]
 
     def personalize(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(M̃, attention weights) for a client with representation z (M̃ keeps its graph).
-        Without a usable neighbour, or when the attention's output is not finite, the client
-        gets M̄ and no weights, so a broken attention cannot spread NaN to the clients."""
+        """(M̃, attention weights) for a client with representation z (M̃ keeps its graph, on
+        the server's device). Without a usable neighbour, or when the attention's output is not
+        finite, the client gets M̄ and no weights, so a broken attention cannot spread NaN to
+        the clients."""
         near = self.neighbours(z)
         if near:
-            z_n = torch.stack([self.memory[k][0] for k in near])
-            m_n = torch.stack([self.memory[k][1] for k in near])
-            m_tilde = self.attention(z, z_n, m_n, self.mean_biases())
+            z, device = z.to(self.device), self.device
+            z_n = torch.stack([self.memory[k][0] for k in near]).to(device)
+            m_n = torch.stack([self.memory[k][1] for k in near]).to(device)
+            m_tilde = self.attention(z, z_n, m_n, self.mean_biases().to(device))
             if torch.isfinite(m_tilde).all():
-                return m_tilde, self.attention.weights(z, z_n).detach()
+                return m_tilde, self.attention.weights(z, z_n).detach().cpu()
         log.warning("fedattn: no finite attention output for a client; it gets the mean biases")
         return self.mean_biases(), torch.ones(0)
 
@@ -110,7 +113,7 @@ class FedAttn(FedAvg):
         state, offset = {k: v.clone() for k, v in self.model.state_dict().items()}, 0
         for name in self.biases:
             size = state[name].numel()
-            state[name] = m[offset : offset + size].detach().reshape(state[name].shape).clone()
+            state[name] = m[offset : offset + size].detach().cpu().reshape(state[name].shape).clone()
             offset += size
         return state
 
@@ -118,6 +121,7 @@ class FedAttn(FedAvg):
         """Gradients of W_Q, W_K, W_V from the clients' ∂L/∂M̃_i (mean over the clients), plus
         the penalty `fedattn-reg`·mean ‖M̃_i − M̄‖²: the chain rule through the attention."""
         self.optimizer.zero_grad()
+        m_bar, gradients = m_bar.to(self.device), [g.to(self.device) for g in gradients]
         loss = sum((m * g).sum() + self.settings.reg * ((m - m_bar) ** 2).sum() for m, g in zip(m_tildes, gradients))
         (loss / len(m_tildes)).backward()
 
@@ -172,7 +176,7 @@ class FedAttn(FedAvg):
                     m, weights = self.personalize(z[node.node_id])
                 state = self.with_biases(m)
                 extra[node.node_id] = {"neighbours": len(weights), "attention-max": float(weights.max(0).values)
-                                       if len(weights) else 0.0, "bias-shift": float((m - self.mean_biases()).norm())}
+                                       if len(weights) else 0.0, "bias-shift": float((m.cpu() - self.mean_biases()).norm())}
             requests[node.node_id] = self.request(EVALUATE, server_round, ArrayRecord(state))
         replies = self.ask(EVALUATE, requests, server_round, TESTED)
         return {node: reply.metrics | extra.get(node, {}) for node, reply in replies.items()}

@@ -20,7 +20,7 @@ def train(node: Node, request: Request) -> RecordDict:
     model, d, mu = node.received_model(request), node.data, node.cfg.proximal_mu
     metrics = {"num-examples": len(d.x_train)}
     if request.from_flower and d.labelled:  # unlabelled: `fit` says so
-        metrics["train_loss"] = training.evaluate(model, d.x_train, d.y_train)[0]
+        metrics["train_loss"] = training.evaluate(model, d.x_train, d.y_train, node.device)[0]
     penalty = training.proximal(model, mu) if mu > 0 else None
     metrics["train-loss"] = node.fit(model, node.cfg.local_epochs, penalty=penalty)
     return protocol.content(protocol.to_record(model), metrics=metrics)
@@ -34,7 +34,7 @@ def evaluate(node: Node, request: Request) -> RecordDict:
     if not (isinstance(finetune, Finetune) and finetune.epochs > 0):
         return node.test_reply(model)
     d = node.data
-    _, global_accuracy = training.evaluate(model, d.x_test, d.y_test)
+    _, global_accuracy = training.evaluate(model, d.x_test, d.y_test, node.device)
     tuned = copy.deepcopy(model)
     node.fit(tuned, finetune.epochs, lr=finetune.lr, salt=1)
     return node.test_reply(tuned, **{"global-accuracy": global_accuracy})

@@ -84,14 +84,14 @@ def datastore_for(node: Node, model: Net, version: str) -> Datastore:
     if not d.labelled:
         raise ValueError(f"node {node.key}: kNN-Per's datastore holds (embedding, label) pairs, but the node's data "
                          "has no y")  # fmt: skip
-    dim = training.embed(model, d.x_train[:1]).shape[1]
+    dim = training.embed(model, d.x_train[:1]).shape[1]  # on the CPU: one sample
     built_from = {"model_version": version, "train_data": train_fingerprint(d.x_train, d.y_train),
                   "index_type": knn.index, "policy": knn.policy, "capacity": knn.capacity}  # fmt: skip
     store = Datastore.load(node.state, dim=dim, **built_from)
     if store is None:
         store = Datastore(dim, **built_from, model=cfg.model, input_shape=list(d.input_shape),
                           num_classes=cfg.num_classes)  # fmt: skip
-        store.add(training.embed(model, d.x_train), d.y_train)
+        store.add(training.embed(model, d.x_train, device=node.device), d.y_train)
         store.save(node.state)
         node.state.save_arrays(GLOBAL_MODEL, {k: v.numpy() for k, v in model.state_dict().items()})
     return store
@@ -117,12 +117,12 @@ def personalize(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID) -
     """Choose λ and k on the validation split against `store` (the train split's), then score
     the test split against a copy of it with the validation pairs added under the store's policy."""
     d = node.data
-    emb_val = training.embed(model, d.x_val)  # once: searched for every k, then stored for the test split
+    emb_val = training.embed(model, d.x_val, device=node.device)  # once: searched for every k, then stored for the test split
     by_k = {k: stored_proba(node, store, emb_val, k) for k in node.cfg.settings.k_grid}
-    choice = select(training.predict_proba(model, d.x_val), by_k, d.y_val, lambdas)
+    choice = select(training.predict_proba(model, d.x_val, device=node.device), by_k, d.y_val, lambdas)
     whole = store.joined(emb_val, d.y_val)
-    p_global = training.predict_proba(model, d.x_test)
-    mixed = mix(stored_proba(node, whole, training.embed(model, d.x_test), choice.k), p_global, choice.lam)
+    p_global = training.predict_proba(model, d.x_test, device=node.device)
+    mixed = mix(stored_proba(node, whole, training.embed(model, d.x_test, device=node.device), choice.k), p_global, choice.lam)
     return Scored(mixed, p_global, choice, len(whole))
 
 

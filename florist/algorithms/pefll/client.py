@@ -33,7 +33,7 @@ from flwr.app import ArrayRecord, RecordDict
 from florist.algorithms.pefll.networks import ENCODERS, Encoder
 from florist.algorithms.pefll.spec import DESCRIPTOR, OnDemand
 from florist.client.node import Node, Request
-from florist.common import protocol
+from florist.common import protocol, training
 
 ENCODER = "encoder"  # η_v from message 1, remembered for the run
 MODEL_FILE = "model.npz"  # the last θ = h(v) received, in the node's folder
@@ -50,14 +50,14 @@ def _samples(node: Node, encoder: Encoder, whole: bool) -> tuple[torch.Tensor, t
     see the same one, or of the whole train split."""
     d = node.data
     if not encoder.uses_labels:
-        return torch.from_numpy(d.x_train), None
+        return training.inputs(d.x_train), None
     if not d.labelled:
         raise ValueError(f"node {node.key}: PeFLL describes a client by (x, y), but the node's data has no labels")
     index = np.arange(len(d.x_train))
     if not whole:
         rng = np.random.default_rng([node.cfg.seed, node.server_round, zlib.crc32(node.key.encode())])
         index = np.sort(rng.choice(index, min(node.cfg.settings.batch, len(index)), replace=False))
-    return torch.from_numpy(d.x_train[index]), torch.from_numpy(d.y_train[index])
+    return training.inputs(d.x_train[index]), torch.from_numpy(d.y_train[index])
 
 
 def describe(node: Node, request: Request) -> RecordDict:

@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord
 from florist.algorithms.pefll.networks import ENCODERS, Encoder, HyperNetwork, default_embed_dim
 from florist.algorithms.pefll.spec import (DESCRIBE, DESCRIPTOR, EVALUATE_GENERATED, TRAIN_ENCODER, TRAIN_GENERATED,
                                            HyperNet)  # fmt: skip
+from florist.common.devices import moved
 from florist.common.models import build_model, seeded
 from florist.server.report import pct
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, Strategy, mean_loss
@@ -31,6 +32,7 @@ class PeFLL(Strategy):
             template = build_model(cfg.model, self.input_shape, cfg.num_classes)
             self.hyper = HyperNetwork(template, self.embed_dim, hn.hidden)
             self.embed: Encoder = ENCODERS[cfg.strategy](self.input_shape, cfg.num_classes, self.embed_dim)
+        self.hyper.to(self.device), self.embed.to(self.device)  # built on the CPU: the same start on any device
         self.template = template.state_dict()
         # Both optimizers take the pseudo-gradient −mean Δη. SGD with learning rate β and weight
         # decay 2λ is then η ← (1 − 2βλ)η + β·mean Δη: Algorithm 2's η ← (1 − 2βλ)η + mean Δη when
@@ -43,27 +45,29 @@ class PeFLL(Strategy):
     def describe(self, server_round: int, nodes: list[NodeInfo], predict: bool = False, serve: bool = False
                  ) -> dict[int, Reply]:  # fmt: skip
         """η_v down, each node's descriptor v up (over its whole train split with `predict`)."""
-        request = self.request(DESCRIBE, server_round, ArrayRecord(self.embed.state_dict()), embed_dim=self.embed_dim,
-                               predict=predict, serve=serve)  # fmt: skip
+        encoder = ArrayRecord(moved(self.embed.state_dict(), "cpu"))
+        request = self.request(DESCRIBE, server_round, encoder, embed_dim=self.embed_dim, predict=predict, serve=serve)
         reference = {DESCRIPTOR: torch.zeros(self.embed_dim)}
         return self.broadcast(DESCRIBE, nodes, server_round, request, ("num-examples",), reference)
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         described = self.describe(server_round, nodes)
-        v = {node: r.arrays[DESCRIPTOR].clone().requires_grad_() for node, r in described.items()}
+        v = {node: r.arrays[DESCRIPTOR].to(self.device).clone().requires_grad_() for node, r in described.items()}
         theta = {node: self.hyper(v[node]) for node in v}
-        requests = {node: self.request(TRAIN_GENERATED, server_round, ArrayRecord(t)) for node, t in theta.items()}
+        requests = {node: self.request(TRAIN_GENERATED, server_round, ArrayRecord(moved(t, "cpu")))
+                    for node, t in theta.items()}  # fmt: skip
         trained = self.ask(TRAIN_GENERATED, requests, server_round, TRAINED, self.template)
+        delta = {node: moved(r.arrays, self.device) for node, r in trained.items()}
         # Δv_i = (∂θ_i/∂v_i)ᵀ Δθ_i, a vector-Jacobian product through h.
-        dv = {node: torch.autograd.grad(_inner(theta[node], r.arrays), v[node], retain_graph=True)[0]
-              for node, r in trained.items()}  # fmt: skip
-        requests = {node: self.request(TRAIN_ENCODER, server_round, ArrayRecord({DESCRIPTOR: g}), embed_dim=self.embed_dim)
-                    for node, g in dv.items()}  # fmt: skip
-        embedded = self.ask(TRAIN_ENCODER, requests, server_round, ("num-examples",), self.embed.state_dict())
+        dv = {node: torch.autograd.grad(_inner(theta[node], d), v[node], retain_graph=True)[0] for node, d in delta.items()}
+        requests = {node: self.request(TRAIN_ENCODER, server_round, ArrayRecord({DESCRIPTOR: g.cpu()}),
+                                       embed_dim=self.embed_dim) for node, g in dv.items()}  # fmt: skip
+        embedded = self.ask(TRAIN_ENCODER, requests, server_round, ("num-examples",),
+                            moved(self.embed.state_dict(), "cpu"))  # fmt: skip
         # Only clients that completed all three exchanges count; fixed order: same seed, same sums.
         done = [n.node_id for n in nodes if n.node_id in embedded]
         if done:
-            self.update({n: (theta[n], trained[n].arrays, embedded[n].arrays) for n in done})
+            self.update({n: (theta[n], delta[n], moved(embedded[n].arrays, self.device)) for n in done})
         return mean_loss(trained[n].metrics for n in done)
 
     def update(self, steps: dict[int, tuple[Params, Params, Params]]) -> None:
@@ -87,8 +91,8 @@ class PeFLL(Strategy):
         carries the descriptor's sample count and, when noised, its privacy settings."""
         described = self.describe(server_round, nodes, predict=True, serve=serve)
         with torch.no_grad():
-            requests = {node: self.request(EVALUATE_GENERATED, server_round, ArrayRecord(self.hyper(r.arrays[DESCRIPTOR])))
-                        for node, r in described.items()}  # fmt: skip
+            theta = {node: moved(self.hyper(r.arrays[DESCRIPTOR].to(self.device)), "cpu") for node, r in described.items()}
+        requests = {node: self.request(EVALUATE_GENERATED, server_round, ArrayRecord(t)) for node, t in theta.items()}
         scored = self.ask(EVALUATE_GENERATED, requests, server_round, ("num-examples",) if serve else TESTED)
         return {node: reply.metrics | _descriptor_fields(described[node].metrics) for node, reply in scored.items()}
 

@@ -56,7 +56,7 @@ def _soft(node: Node, logits: torch.Tensor) -> torch.Tensor:
 
 def soft_decisions(node: Node, model: Net, public: np.ndarray) -> np.ndarray:
     """s(w, x) for every x in P, |P|×C."""
-    return _soft(node, torch.from_numpy(training.predict_logits(model, public))).numpy()
+    return _soft(node, torch.from_numpy(training.predict_logits(model, public, device=node.device))).numpy()
 
 
 def nearest_centroid(soft: np.ndarray, centroids: np.ndarray) -> int:
@@ -110,11 +110,12 @@ def _fit(node: Node, model: Net, public: np.ndarray, centroids: np.ndarray | Non
 def _distillation(node: Node, public: np.ndarray, target: np.ndarray, salt: int) -> Callable[[Net], torch.Tensor]:
     """The distillation term on a fresh mini-batch of P at every call (seeded like `Node.fit`)."""
     order = training.batches(len(public), node.cfg.settings.public_batch, node.generator(salt, 1))
-    x, s_bar = torch.from_numpy(public), torch.from_numpy(target)
+    s_bar = torch.from_numpy(target)
 
     def penalty(model: Net) -> torch.Tensor:
-        batch = next(order)
-        return distillation_loss(_soft(node, model(x[batch])), s_bar[batch], node.cfg.settings.lambda_)
+        batch, device = next(order), next(model.parameters()).device
+        soft = _soft(node, model(training.inputs(public[batch.numpy()], device)))
+        return distillation_loss(soft, s_bar[batch].to(device), node.cfg.settings.lambda_)
 
     return penalty
 

@@ -1,7 +1,10 @@
 """florist's apps; a node with node config `fault="raise@R"` or `fault="hang@R"` fails its
-`train` message of round R that way."""
+`train` message of round R that way. Every handled message prints the torch thread count it
+ran with (the warm executor's child sets it after the fork)."""
 
 import time
+
+import torch
 
 from flwr.app import Context, Message
 
@@ -16,7 +19,9 @@ def fault(msg: Message, context: Context, call_next) -> Message:
         if kind == "raise":
             raise RuntimeError("injected fault")
         time.sleep(3600)  # hangs until its message's deadline stops it
-    return call_next(msg, context)
+    reply = call_next(msg, context)
+    print(f"faultyapp: {msg.metadata.message_type} ran with {torch.get_num_threads()} torch threads", flush=True)
+    return reply
 
 
 client = build_client_app(mods=[fault])

@@ -1,0 +1,120 @@
+"""A client's decoded data on disk, so that a dataset is decoded once per machine, not once per
+message: each `ClientData` array is an `.npy` file (images stay uint8), memory-mapped when
+read, so the processes of one node (the warm executor's children, Ray's workers) share its
+pages instead of each holding a copy.
+
+An entry is a folder named by the hash of what the data was built from (the dataset's id or
+the folder's file listing, the partitioner, seed, partition...), written whole before it is
+used: a changed input is a new entry. `meta.json`, written last, records each file's size,
+modification time and SHA-256; a file whose size or time differ from its record is hashed
+again, and one whose hash differs (a truncated or edited file) is rebuilt with a warning,
+never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from florist.common.data import ClientData
+from florist.common.storage import atomic_write, cache_dir
+
+log = logging.getLogger(__name__)
+VERSION = 1  # of the layout; part of every key
+ARRAYS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
+
+
+def folder_fingerprint(root: Path) -> str:
+    """A hash of a folder's file listing (relative path, size, modification time): any added,
+    removed, resized or rewritten file changes it, without reading the files."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(root).as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def entry(key: dict[str, Any]) -> Path:
+    """The cache folder of data built from `key` (JSON-serializable)."""
+    text = json.dumps({"version": VERSION} | key, sort_keys=True, default=str)
+    return cache_dir() / "data" / hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def cached(key: dict[str, Any], build: Callable[[], ClientData]) -> ClientData:
+    """The data built from `key`: from this process's memory, else the disk cache, else
+    `build()`, saved for the next process and read back memory-mapped like every later read."""
+    folder = entry(key)
+    if folder not in _MEMORY:
+        client = load(folder)
+        if client is None:
+            built = build()
+            _save(folder, built)
+            client = load(folder) or built
+        if len(_MEMORY) >= 256:  # memory maps cost little, but a long-lived process need not keep all
+            _MEMORY.pop(next(iter(_MEMORY)))
+        _MEMORY[folder] = client
+    return _MEMORY[folder]
+
+
+_MEMORY: dict[Path, ClientData] = {}
+
+
+def load(folder: Path) -> ClientData | None:
+    """The entry in `folder`, memory-mapped; None (with a warning when something was there but
+    is damaged) when it cannot be trusted."""
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        arrays = {name: _checked(folder / f"{name}.npy", meta["files"][name]) for name in meta["files"]}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("data cache %s is damaged (%s); decoding the data again", folder, err)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    return ClientData(**{name: arrays.get(name) for name in ARRAYS}, num_classes=meta["num_classes"])
+
+
+def _checked(path: Path, record: dict[str, Any]) -> np.ndarray:
+    stat = path.stat()
+    if (stat.st_size, stat.st_mtime_ns) != (record["size"], record["mtime_ns"]) and _sha256(path) != record["sha256"]:
+        raise ValueError(f"{path.name} differs from what was written ({stat.st_size} bytes, {record['size']} recorded)")
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _save(folder: Path, client: ClientData) -> None:
+    """Write the entry beside its final place, then move it there whole."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    files = {}
+    for name in ARRAYS:
+        array = getattr(client, name)
+        if array is not None:
+            path = staging / f"{name}.npy"
+            np.save(path, np.ascontiguousarray(array), allow_pickle=False)
+            stat = path.stat()
+            files[name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+    meta = {"num_classes": client.num_classes, "files": files}
+    atomic_write(staging / "meta.json", lambda f: f.write(json.dumps(meta).encode()))
+    shutil.rmtree(folder, ignore_errors=True)  # a damaged entry, or one another process wrote meanwhile
+    try:
+        staging.rename(folder)
+    except OSError:  # another process put its (equal) entry there first
+        shutil.rmtree(staging, ignore_errors=True)
+
