@@ -1,0 +1,189 @@
+"""Seconds per round of FedAvg (LeNet, 20 clients, dirichlet:0.3, 1 local epoch, batch 16):
+a plain PyTorch loop with no Flower, florist's in-process runtime and Flower's simulation,
+side by side in one run; with --deploy also a local deployment (4 SuperNodes).
+
+    python benchmarks/throughput.py [DATASET] [--rounds 5] [--set KEY=VALUE ...] [--deploy]
+
+DATASET: `mnist5k` (5,000 embedded 28×28 MNIST images) by default, or anything `dataset=` takes
+(e.g. a local parquet or image folder). The plain loop does the same training as florist's
+clients (same data, initial weights, shuffling seeds, sample-weighted mean) in one thread, so
+its time is the compute floor; what a runtime adds over it is its overhead. Rounds are
+train-only (`eval-every=0`; the loop evaluates nothing) and figures are medians of rounds
+2..N (the first pays start-up costs). Nothing is asserted; the two targets are printed:
+
+* in-process ÷ plain ≤ 1.25: the in-process runtime runs one client at a time, as the loop
+  does, so beyond the loop it only adds serialization and florist's handler bookkeeping.
+* simulation ÷ (plain ÷ P) ≤ 1.6, P = min(cores, training clients): with C cores and 1 CPU per
+  client Ray runs at most C clients at once, so a round can at best take plain ÷ C.
+
+With --deploy, per `train` exchange the slowest node's handler seconds of a 4-node local
+deployment is compared with the same 4-client run in-process: the same handler work, so their
+ratio is what real processes (and their own data loading) cost a handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+import tomllib
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from florist.common import scenarios, training
+from florist.common.config import RunConfig
+from florist.common.data import unseen_partitions
+from florist.common.metrics import summarize
+from florist.common.models import seeded_model
+from florist.deploy.federation import LocalFederation
+from florist.server.inprocess import run_in_process
+from florist.server.simulation import client_resources, simulate
+
+CLIENTS, DEPLOY_NODES = 20, 4
+
+
+def parse_sets(pairs: list[str]) -> dict[str, Any]:
+    """`--set k=v` pairs; a value is read as TOML (numbers, booleans), else kept as a string."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE")
+        try:
+            values[key] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key] = text
+    return values
+
+
+def warm(cfg: RunConfig, num_clients: int) -> None:
+    """Decode every partition once: a folder dataset's first decode is slow, then cached on disk."""
+    for pid in range(num_clients):
+        scenarios.client_data(pid, num_clients, cfg)
+
+
+def weighted_mean(states: list[dict[str, torch.Tensor]], weights: list[int]) -> dict[str, torch.Tensor]:
+    """FedAvg's aggregate: the sample-weighted mean of the clients' state dicts."""
+    total = float(sum(weights))
+    return {key: sum(s[key].double() * (w / total) for s, w in zip(states, weights)).to(ref.dtype)
+            for key, ref in states[0].items()}  # fmt: skip
+
+
+def plain_loop(cfg: RunConfig, num_clients: int) -> tuple[list[float], float]:
+    """Seconds of each round of the same FedAvg training with plain PyTorch in one thread, and
+    the final model's seen mean accuracy (computed after timing), to compare with florist's."""
+    held_out = unseen_partitions(num_clients, cfg.unseen_fraction, cfg.seed)
+    clients = {pid: scenarios.client_data(pid, num_clients, cfg) for pid in range(num_clients) if pid not in held_out}
+    shape = next(iter(clients.values())).input_shape
+    global_state = seeded_model(cfg.model, shape, cfg.num_classes, cfg.seed).state_dict()
+    threads, seconds = torch.get_num_threads(), []
+    torch.set_num_threads(1)  # one client on one core, as a simulated client with 1 CPU
+    try:
+        for server_round in range(1, cfg.num_server_rounds + 1):
+            start = time.perf_counter()
+            states, weights = [], []
+            for pid, d in clients.items():
+                model = seeded_model(cfg.model, shape, cfg.num_classes, cfg.seed)
+                model.load_state_dict(global_state)
+                generator = training.seeded_generator(cfg.seed, server_round, zlib.crc32(f"partition-{pid}".encode()))
+                training.train(model, d.x_train, d.y_train, epochs=cfg.local_epochs, batch_size=cfg.batch_size,
+                               lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, generator=generator)  # fmt: skip
+                states.append(model.state_dict())
+                weights.append(len(d.x_train))
+            global_state = weighted_mean(states, weights)
+            seconds.append(time.perf_counter() - start)
+        model = seeded_model(cfg.model, shape, cfg.num_classes, cfg.seed)
+        model.load_state_dict(global_state)
+        scores = [training.evaluate(model, d.x_test, d.y_test)[1] for d in clients.values()]
+    finally:
+        torch.set_num_threads(threads)
+    return seconds, summarize(scores, [len(d.x_test) for d in clients.values()])["mean_accuracy"]
+
+
+def median_later(values: list[float]) -> float:
+    """The median of rounds 2..N (all rounds when there is only one)."""
+    return statistics.median(values[1:] or values)
+
+
+def figures(results: dict) -> dict[str, float]:
+    """Median seconds per round, and per `train` exchange the slowest handler and data seconds."""
+    rounds = results["rounds"]
+    trains = [[e for e in r["exchanges"] if e["type"] == "train"] for r in rounds]
+    handler = [max((e["handler_seconds_max"] for e in t), default=0.0) for t in trains]
+    data = [max((e["data_seconds_max"] for e in t), default=0.0) for t in trains]
+    return {"round": median_later([r["seconds"] for r in rounds]), "handler": median_later(handler),
+            "data": median_later(data)}  # fmt: skip
+
+
+def deploy(work: Path, values: dict[str, Any]) -> dict:
+    """The run on a local SuperLink and 4 SuperNodes (florist's warm executor), one torch thread each."""
+    configs = [{"partition-id": i, "num-partitions": DEPLOY_NODES, "state-dir": str(work / "state"), "torch-threads": 1}
+               for i in range(DEPLOY_NODES)]  # fmt: skip
+    with LocalFederation(work / "federation", configs) as fed:
+        command = fed.run_command(values | {"results-dir": str(work / "out")})
+        done = subprocess.run(command, env=fed.env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+        raise SystemExit(f"the deployed run failed (status {done.returncode}); logs in {work}:\n{tail}")
+    return json.loads((work / "out" / "results.json").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dataset", nargs="?", default="mnist5k", metavar="DATASET")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another run-config key")
+    parser.add_argument("--deploy", action="store_true", help="also a 4-node local deployment (takes minutes)")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="florist-throughput-"))
+    values = {"strategy": "fedavg", "dataset": args.dataset, "model": "lenet", "partition": "dirichlet:0.3",
+              "num-server-rounds": args.rounds, "min-nodes": CLIENTS, "eval-every": 0} | parse_sets(args.set)  # fmt: skip
+    cfg = RunConfig.from_mapping(values)
+    cores = len(os.sched_getaffinity(0))
+    training_clients = CLIENTS - len(unseen_partitions(CLIENTS, cfg.unseen_fraction, cfg.seed))
+    print(f"{CLIENTS} clients ({training_clients} train), {cfg.dataset}, {cfg.model}, {cfg.partition}, "
+          f"{cfg.local_epochs} epoch(s), batch {cfg.batch_size}, lr {cfg.lr}, {cores} cores; "
+          f"medians of rounds 2..{args.rounds}; work folder {work}")  # fmt: skip
+    warm(cfg, CLIENTS)
+
+    plain_seconds, plain_accuracy = plain_loop(cfg, CLIENTS)
+    plain = median_later(plain_seconds)
+    inproc = run_in_process(cfg.replace(results_dir=str(work / "inprocess")), CLIENTS, cpus_per_client=1)
+    sim = simulate(cfg.replace(results_dir=str(work / "simulation")), CLIENTS, resources=client_resources(1.0, 0.0))
+    stats = {"in-process": figures(inproc), "simulation": figures(sim)}
+
+    print(f"\n  {'runtime':<12}{'s/round':>9}{'× plain':>9}{'train data s':>14}")
+    print(f"  {'plain loop':<12}{plain:9.2f}{1.0:8.2f}×{'–':>14}")
+    for runtime, s in stats.items():
+        print(f"  {runtime:<12}{s['round']:9.2f}{s['round'] / plain:8.2f}×{s['data']:14.3f}")
+    parallel = min(cores, training_clients)
+    inproc_ratio = stats["in-process"]["round"] / plain
+    sim_ratio = stats["simulation"]["round"] / (plain / parallel)
+    print(f"\n  in-process ÷ plain:                 {inproc_ratio:.2f} (target ≤ 1.25)")
+    print(f"  simulation ÷ (plain ÷ {parallel} cores):     {sim_ratio:.2f} (target ≤ 1.6)")
+    seen = inproc["summary"]["seen"]["mean_accuracy"]
+    print(f"  final seen mean accuracy: in-process {seen:.4f}, plain loop {plain_accuracy:.4f}, "
+          f"simulation {sim['summary']['seen']['mean_accuracy']:.4f}")  # fmt: skip
+
+    if args.deploy:
+        values4 = values | {"min-nodes": DEPLOY_NODES}
+        cfg4 = RunConfig.from_mapping(values4)
+        warm(cfg4, DEPLOY_NODES)
+        local = figures(run_in_process(cfg4.replace(results_dir=str(work / "inprocess4")), DEPLOY_NODES))
+        deployed = figures(deploy(work / "deploy", values4))
+        print(f"\n{DEPLOY_NODES} nodes, per train exchange (slowest node)")
+        print(f"  {'runtime':<12}{'s/round':>9}{'handler s':>11}{'data s':>9}")
+        for runtime, s in (("in-process", local), ("deploy", deployed)):
+            print(f"  {runtime:<12}{s['round']:9.2f}{s['handler']:11.3f}{s['data']:9.3f}")
+        print(f"  deploy handler ÷ in-process handler: {deployed['handler'] / local['handler']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
