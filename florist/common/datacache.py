@@ -56,7 +56,10 @@ def cached(key: dict[str, Any], build: Callable[[], ClientData]) -> ClientData:
         client = load(folder)
         if client is None:
             built = build()
-            _save(folder, built)
+            try:
+                _save(folder, built)
+            except OSError as err:  # a full or read-only disk costs speed, not the run
+                log.warning("cannot keep decoded data in %s (%s); it will be decoded again next time", folder, err)
             client = load(folder) or built
         if len(_MEMORY) >= 256:  # memory maps cost little, but a long-lived process need not keep all
             _MEMORY.pop(next(iter(_MEMORY)))
