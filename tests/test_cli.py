@@ -50,6 +50,15 @@ BAD = {  # what the user typed (after `florist`) -> what the one line must say
     "no datastore yet": (["datastore", "add", "--node-key", "x", "--data-dir", "{data}"], "no kNN-Per datastore"),
     "public set": (["public-hash", "{tmp}/missing"], "does not exist"),
     "unknown command": (["comparison"], "invalid choice: 'comparison'"),
+    "device form": (["simulate", "--run-config", 'device="gpu"'], "device must be 'auto'"),
+    "absent device": (["simulate", "--run-config", 'device="cuda:99"'], "device 'cuda:99' is not available on this machine"),
+    "absent server device": (["simulate", "--strategy", "pefll", "--run-config", 'server-device="cuda:99"'],
+                             "server-device 'cuda:99' is not available"),
+    "join absent device": (["join", "--superlink", "127.0.0.1:9", "--data-dir", "{data}", "--device", "cuda:99"],
+                           "--device 'cuda:99' is not available"),
+    "too many cpus": (["simulate", "--cpus-per-client", "999"], "--cpus-per-client must be in (0,"),
+    "absent gpus": (["compare", "--out", "{tmp}/c", "--gpus-per-client", "9"], "torch sees"),
+    "augment": (["simulate", "--run-config", 'augment="rotate"'], "augment must be one of none, flip, crop-flip"),
 }  # fmt: skip
 
 

@@ -33,8 +33,11 @@ IMAGE_NAMES = ("image", "img", "pixel_values", "x")
 @functools.lru_cache(maxsize=2)
 def federated(spec: str, partition: str, num_partitions: int, seed: int, label_column: str):
     """flwr-datasets' FederatedDataset over `spec`'s train split, partitioned by `partition`."""
+    import datasets
     from flwr_datasets import FederatedDataset
     from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    datasets.disable_progress_bars()  # florist shows its own: one bar in simulate, lines in a node's log
 
     kind, _, column = partition.partition(":")
     if kind == "natural":
