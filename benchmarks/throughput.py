@@ -18,7 +18,8 @@ train-only (`eval-every=0`; the loop evaluates nothing) and figures are medians 
 
 With --deploy, per `train` exchange the slowest node's handler seconds of a 4-node local
 deployment is compared with the same 4-client run in-process: the same handler work, so their
-ratio is what real processes (and their own data loading) cost a handler.
+ratio is what real processes (and their own data loading) cost a handler, once with every
+node training (3 at once here: the cores are shared) and once with one node per round.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ from florist.server.inprocess import run_in_process
 from florist.server.simulation import client_resources, simulate
 
 CLIENTS, DEPLOY_NODES = 20, 4
+# The deployed nodes train at once, in-process one after the other: with more training nodes
+# than cores their handlers share the cores, so the second case trains one node per round to
+# compare the handlers' own cost.
+DEPLOY_CASES = {"every node trains": {}, "one node trains per round": {"fraction-train": 0.01, "min-train-nodes": 1}}
 
 
 def parse_sets(pairs: list[str]) -> dict[str, Any]:
@@ -173,16 +178,17 @@ def main() -> None:
           f"simulation {sim['summary']['seen']['mean_accuracy']:.4f}")  # fmt: skip
 
     if args.deploy:
-        values4 = values | {"min-nodes": DEPLOY_NODES}
-        cfg4 = RunConfig.from_mapping(values4)
-        warm(cfg4, DEPLOY_NODES)
-        local = figures(run_in_process(cfg4.replace(results_dir=str(work / "inprocess4")), DEPLOY_NODES))
-        deployed = figures(deploy(work / "deploy", values4))
-        print(f"\n{DEPLOY_NODES} nodes, per train exchange (slowest node)")
-        print(f"  {'runtime':<12}{'s/round':>9}{'handler s':>11}{'data s':>9}")
-        for runtime, s in (("in-process", local), ("deploy", deployed)):
-            print(f"  {runtime:<12}{s['round']:9.2f}{s['handler']:11.3f}{s['data']:9.3f}")
-        print(f"  deploy handler ÷ in-process handler: {deployed['handler'] / local['handler']:.2f}")
+        for label, extra in DEPLOY_CASES.items():
+            values4 = values | {"min-nodes": DEPLOY_NODES} | extra
+            cfg4 = RunConfig.from_mapping(values4)
+            warm(cfg4, DEPLOY_NODES)
+            local = figures(run_in_process(cfg4.replace(results_dir=str(work / f"inprocess4-{label}")), DEPLOY_NODES))
+            deployed = figures(deploy(work / f"deploy-{label}", values4))
+            print(f"\n{DEPLOY_NODES} nodes, {label}; per train exchange (slowest node)")
+            print(f"  {'runtime':<12}{'s/round':>9}{'handler s':>11}{'data s':>9}")
+            for runtime, s in (("in-process", local), ("deploy", deployed)):
+                print(f"  {runtime:<12}{s['round']:9.2f}{s['handler']:11.3f}{s['data']:9.3f}")
+            print(f"  deploy handler ÷ in-process handler: {deployed['handler'] / local['handler']:.2f}")
 
 
 if __name__ == "__main__":
