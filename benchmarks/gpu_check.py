@@ -69,16 +69,16 @@ def main() -> None:
                 "num-server-rounds": args.rounds, "seed": 1}  # fmt: skip
         for runtime in ("simulation", "deploy"):
             runs = {}
-            for device in ("cpu", args.device):
+            for label, device in (("cpu", "cpu"), ("dev", args.device)):
                 values = base | {"device": device, "server-device": device}
-                folder = work / strategy / runtime / device.replace(":", "-")
+                folder = work / strategy / runtime / label
                 if runtime == "simulation":
                     cfg = RunConfig.from_mapping(values | {"min-nodes": CLIENTS, "results-dir": str(folder)})
-                    gpus = gpu_share if device != "cpu" else 0.0
-                    runs[device] = simulate(cfg, CLIENTS, resources=client_resources(1.0, gpus))
+                    gpus = gpu_share if label == "dev" else 0.0
+                    runs[label] = simulate(cfg, CLIENTS, resources=client_resources(1.0, gpus))
                 else:
-                    runs[device] = deploy(folder, values | {"min-nodes": NODES}, device)
-            cpu, dev = runs["cpu"], runs[args.device]
+                    runs[label] = deploy(folder, values | {"min-nodes": NODES}, device)
+            cpu, dev = runs["cpu"], runs["dev"]
             delta = seen_accuracy(dev) - seen_accuracy(cpu)
             worst = max(worst, abs(delta))
             print(f"  {strategy:<9}{runtime:<12}{seen_accuracy(cpu):10.1f}{seen_accuracy(dev):10.1f}{delta:6.1f}"
