@@ -102,22 +102,25 @@ def _sha256(path: Path) -> str:
 
 
 def _save(folder: Path, client: ClientData) -> None:
-    """Write the entry beside its final place, then move it there whole."""
+    """Write the entry beside its final place, then move it there whole (a write cut short,
+    by an error or a Ctrl-C, leaves nothing behind)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    files = {}
-    for name in ARRAYS:
-        array = getattr(client, name)
-        if array is not None:
-            path = staging / f"{name}.npy"
-            np.save(path, np.ascontiguousarray(array), allow_pickle=False)
-            stat = path.stat()
-            files[name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
-    meta = {"num_classes": client.num_classes, "files": files}
-    atomic_write(staging / "meta.json", lambda f: f.write(json.dumps(meta).encode()))
-    shutil.rmtree(folder, ignore_errors=True)  # a damaged entry, or one another process wrote meanwhile
     try:
+        files = {}
+        for name in ARRAYS:
+            array = getattr(client, name)
+            if array is not None:
+                path = staging / f"{name}.npy"
+                np.save(path, np.ascontiguousarray(array), allow_pickle=False)
+                stat = path.stat()
+                files[name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+        meta = {"num_classes": client.num_classes, "files": files}
+        atomic_write(staging / "meta.json", lambda f: f.write(json.dumps(meta).encode()))
+        shutil.rmtree(folder, ignore_errors=True)  # a damaged entry, or one another process wrote meanwhile
         staging.rename(folder)
-    except OSError:  # another process put its (equal) entry there first
-        shutil.rmtree(staging, ignore_errors=True)
-
+    except OSError:  # another process put its (equal) entry there first, or the disk refused
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already once renamed

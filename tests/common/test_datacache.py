@@ -55,3 +55,25 @@ def test_a_cache_that_cannot_be_written_costs_speed_not_the_data(monkeypatch, tm
     with caplog.at_level("WARNING"):
         got = datacache.cached({"case": "unwritable"}, lambda: original)
     assert got is original and "cannot keep decoded data" in caplog.text
+
+
+def test_a_write_cut_short_leaves_no_half_entry(monkeypatch):
+    _fresh(monkeypatch)
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second array: a Ctrl-C mid-write
+            raise KeyboardInterrupt
+        return real_save(*args, **kwargs)
+
+    real_save = np.save
+    monkeypatch.setattr(datacache.np, "save", interrupted)
+    try:
+        datacache.cached({"case": "cut"}, _client)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the Ctrl-C did not reach the caller")
+    folder = datacache.entry({"case": "cut"})
+    assert not folder.exists() and not [p for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}")]
