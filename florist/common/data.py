@@ -358,12 +358,18 @@ def _read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.nda
 
 
 def _load_image(file: str) -> np.ndarray:
-    """C×H×W uint8: grayscale stays one channel (digits-like data), anything else becomes RGB."""
     from PIL import Image
-    from torchvision.transforms.functional import pil_to_tensor
 
     with Image.open(file) as image:
-        return pil_to_tensor(image if image.mode in ("L", "RGB") else image.convert("RGB")).numpy()
+        return image_array(image)
+
+
+def image_array(image) -> np.ndarray:
+    """A PIL image as C×H×W uint8: grayscale stays one channel (digits-like data), anything
+    else becomes RGB."""
+    from torchvision.transforms.functional import pil_to_tensor
+
+    return pil_to_tensor(image if image.mode in ("L", "RGB") else image.convert("RGB")).numpy()
 
 
 def check_arrays(

@@ -70,14 +70,11 @@ def to_arrays(rows, image: str, label: str, report: Callable[[int], None] | None
               ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """(x, y) of a `datasets.Dataset`: images as uint8 C×H×W (grayscale keeps one channel),
     numbers as float32; decoded `DECODE_CHUNK` rows at a time, `report(rows done)` after each."""
-    from torchvision.transforms.functional import pil_to_tensor
-
     parts = []
     for start in range(0, len(rows), DECODE_CHUNK):
         values = rows[start : start + DECODE_CHUNK][image]
         if hasattr(values[0], "mode"):  # PIL images
-            images = [v if v.mode in ("L", "RGB") else v.convert("RGB") for v in values]
-            parts.append(np.stack([pil_to_tensor(v).numpy() for v in images]))
+            parts.append(np.stack([data_lib.image_array(v) for v in values]))
         else:
             parts.append(np.asarray(values, dtype=np.float32))
         if report:
