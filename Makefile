@@ -1,4 +1,4 @@
-# Two commands do all the set-up: `make demo` (run the main job) and `make test`.
+# Two commands do all the set-up: `make demo` (run the main job) and `make test` (`make lint` checks the style).
 # Both create the virtual environment first when it is missing or pyproject.toml changed.
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -10,13 +10,18 @@ export FLWR_DISABLE_UPDATE_CHECK = 1
 export RAY_USAGE_STATS_ENABLED = 0
 export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO = 0
 
-.PHONY: demo test env clean
+.PHONY: demo test lint env clean
 
 demo: $(VENV)/.installed
 	$(BIN)/florist simulate --strategy fedavg --num-clients 20 --partition dirichlet:0.3 --rounds 30 --seed 1 --results-dir results/demo
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
+
+# ruff, pinned in pyproject.toml's dev extra and configured there: formatting and lint rules.
+lint: $(VENV)/.installed
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 env: $(VENV)/.installed
 

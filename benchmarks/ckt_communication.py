@@ -43,12 +43,20 @@ def measure(model: str, big: bool, clusters: int, public_size: int, folder: Path
     public_dir = folder / f"public-{model}"
     public_dir.mkdir()
     np.savez(public_dir / "public.npz", x=convert(data_lib.embedded_public(public_size, 1)))
-    cfg = RunConfig.from_mapping({"strategy": "perfed-ckt", "model": model, "public-dir": str(public_dir),
-                                  "ckt-clusters": clusters, "ckt-steps": 2})  # fmt: skip
+    cfg = RunConfig.from_mapping(
+        {
+            "strategy": "perfed-ckt",
+            "model": model,
+            "public-dir": str(public_dir),
+            "ckt-clusters": clusters,
+            "ckt-steps": 2,
+        }
+    )
     x, y = data_lib.load_digits()
     own = data_lib.partition_indices("iid", 20, 1, 10, public_size)[0][:64]  # 64 samples: no batch of one
-    client = data_lib.ClientData(convert(x[own]), y[own], convert(x[own[:8]]), y[own[:8]], convert(x[own[:8]]),
-                                 y[own[:8]], 10)  # fmt: skip
+    client = data_lib.ClientData(
+        convert(x[own]), y[own], convert(x[own[:8]]), y[own[:8]], convert(x[own[:8]]), y[own[:8]], 10
+    )
     strategy = PerFedCKT(cfg, None, client.input_shape, 10)
     strategy.centroids = np.random.default_rng(0).normal(size=(clusters, *strategy.soft_shape)).astype(np.float32)
     request = strategy.ckt_request(TRAIN_CKT, 2, True)
@@ -57,7 +65,11 @@ def measure(model: str, big: bool, clusters: int, public_size: int, folder: Path
     reply = ckt_client.train(node, Request(Public(public_hash=strategy.public_hash), request))
     fedavg_up, fedavg_down = exchange_bytes(strategy.new_model(), message_config(cfg, TRAIN, 2, 0))
     params = sum(p.numel() for p in strategy.new_model().parameters())
-    return {"params": params, "ckt": protocol.nbytes(request) + protocol.nbytes(reply), "fedavg": fedavg_up + fedavg_down}
+    return {
+        "params": params,
+        "ckt": protocol.nbytes(request) + protocol.nbytes(reply),
+        "fedavg": fedavg_up + fedavg_down,
+    }
 
 
 def main() -> None:
@@ -73,7 +85,10 @@ def main() -> None:
         for model, big in (("cnn", False), ("mobilenet_v2", True)):
             m = measure(model, big, args.clusters, args.public_size, Path(tmp))
             shape = "3×32×32" if big else "1×8×8"
-            print(f"| {model} | {shape} | {m['params']:,} | {m['fedavg']:,} | {m['ckt']:,} | {m['fedavg'] / m['ckt']:,.0f}× |")
+            print(
+                f"| {model} | {shape} | {m['params']:,} | {m['fedavg']:,} | {m['ckt']:,} "
+                f"| {m['fedavg'] / m['ckt']:,.0f}× |"
+            )
 
 
 if __name__ == "__main__":

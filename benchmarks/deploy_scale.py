@@ -39,8 +39,22 @@ def memory_mb(pids: list[int]) -> tuple[float, float]:
 
 
 def run(out: Path, strategy: str, rounds: int, nodes: int, executor: str) -> dict:
-    command = [sys.executable, "-m", "florist", "deploy-local", "--strategy", strategy, "--num-nodes", str(nodes),
-               "--rounds", str(rounds), "--results-dir", str(out), "--executor", executor]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "florist",
+        "deploy-local",
+        "--strategy",
+        strategy,
+        "--num-nodes",
+        str(nodes),
+        "--rounds",
+        str(rounds),
+        "--results-dir",
+        str(out),
+        "--executor",
+        executor,
+    ]
     flwr_home = out.resolve() / "federation" / "flwr-home"
     peak, done = [0.0, 0.0], threading.Event()
 
@@ -57,9 +71,14 @@ def run(out: Path, strategy: str, rounds: int, nodes: int, executor: str) -> dic
     if finished.returncode != 0:
         raise SystemExit(f"{strategy}: deploy-local failed:\n{finished.stderr[-3000:]}")
     results = json.loads((out / "results.json").read_text())
-    return {"wall": wall, "round": statistics.median(r["seconds"] for r in results["rounds"]), "rss": peak[0],
-            "pss": peak[1], "scored": sum(s["num_clients"] for s in results["summary"].values()),
-            "left": len(marked("FLWR_HOME", str(flwr_home)))}
+    return {
+        "wall": wall,
+        "round": statistics.median(r["seconds"] for r in results["rounds"]),
+        "rss": peak[0],
+        "pss": peak[1],
+        "scored": sum(s["num_clients"] for s in results["summary"].values()),
+        "left": len(marked("FLWR_HOME", str(flwr_home))),
+    }
 
 
 def main() -> None:
@@ -71,13 +90,18 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="florist-scale-"))
     print(f"florist deploy-local, {args.nodes} SuperNodes, executor {args.executor}, default run config")
-    print(f"{'strategy':<9}{'rounds':>7}{'s/round':>9}{'wall s':>8}{'scored':>8}{'peak RSS MB':>13}{'peak PSS MB':>13}{'left':>6}")
+    print(
+        f"{'strategy':<9}{'rounds':>7}{'s/round':>9}{'wall s':>8}{'scored':>8}{'peak RSS MB':>13}"
+        f"{'peak PSS MB':>13}{'left':>6}"
+    )
     for strategy, rounds in (("fedavg", args.fedavg_rounds), ("pefll", args.pefll_rounds)):
         if rounds < 1:  # --pefll-rounds 0: FedAvg only
             continue
         r = run(work / strategy, strategy, rounds, args.nodes, args.executor)
-        print(f"{strategy:<9}{rounds:>7}{r['round']:9.1f}{r['wall']:8.0f}{r['scored']:>8}{r['rss']:13,.0f}{r['pss']:13,.0f}"
-              f"{r['left']:>6}")  # fmt: skip
+        print(
+            f"{strategy:<9}{rounds:>7}{r['round']:9.1f}{r['wall']:8.0f}{r['scored']:>8}{r['rss']:13,.0f}{r['pss']:13,.0f}"
+            f"{r['left']:>6}"
+        )
 
 
 if __name__ == "__main__":

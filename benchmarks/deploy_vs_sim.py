@@ -28,8 +28,9 @@ RUNTIMES = ("simulation", "warm", "flower")
 
 
 def deploy(work: Path, executor: str, values: dict, nodes: int) -> dict:
-    configs = [{"partition-id": i, "num-partitions": nodes, "state-dir": str(work / executor / "state")}
-               for i in range(nodes)]  # fmt: skip
+    configs = [
+        {"partition-id": i, "num-partitions": nodes, "state-dir": str(work / executor / "state")} for i in range(nodes)
+    ]
     with LocalFederation(work / executor / "federation", configs, executor=executor) as fed:
         command = fed.run_command(values | {"results-dir": str(work / executor / "out")})
         subprocess.run(command, env=fed.env, check=True, capture_output=True)
@@ -43,10 +44,16 @@ def figures(results: dict) -> dict:
     per_type = {}
     for kind in dict.fromkeys(e["type"] for e in exchanges):
         rows = [e for e in exchanges if e["type"] == kind]
-        per_type[kind] = (statistics.median(e["seconds"] for e in rows),
-                          statistics.median(e["seconds"] - e["handler_seconds_max"] for e in rows))  # fmt: skip
-    return {"round": statistics.median(r["seconds"] for r in rounds), "exchange": statistics.median(e["seconds"] for e in exchanges),
-            "overhead": statistics.median(e["seconds"] - e["handler_seconds_max"] for e in exchanges), "types": per_type}  # fmt: skip
+        per_type[kind] = (
+            statistics.median(e["seconds"] for e in rows),
+            statistics.median(e["seconds"] - e["handler_seconds_max"] for e in rows),
+        )
+    return {
+        "round": statistics.median(r["seconds"] for r in rounds),
+        "exchange": statistics.median(e["seconds"] for e in exchanges),
+        "overhead": statistics.median(e["seconds"] - e["handler_seconds_max"] for e in exchanges),
+        "types": per_type,
+    }
 
 
 def main() -> None:
@@ -57,10 +64,18 @@ def main() -> None:
     parser.add_argument("--runtimes", nargs="+", default=list(RUNTIMES), choices=RUNTIMES)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="florist-bench-"))
-    print(f"{args.nodes} nodes, {args.rounds} rounds, iid digits, every round evaluated; medians of rounds 2..{args.rounds}")
+    print(
+        f"{args.nodes} nodes, {args.rounds} rounds, iid digits, every round evaluated; "
+        f"medians of rounds 2..{args.rounds}"
+    )
     for strategy in args.strategies:
-        values = {"strategy": strategy, "num-server-rounds": args.rounds, "partition": "iid", "min-nodes": args.nodes,
-                  "unseen-fraction": 0.0}  # fmt: skip
+        values = {
+            "strategy": strategy,
+            "num-server-rounds": args.rounds,
+            "partition": "iid",
+            "min-nodes": args.nodes,
+            "unseen-fraction": 0.0,
+        }
         runs = {}
         for runtime in args.runtimes:
             if runtime == "simulation":
@@ -71,15 +86,26 @@ def main() -> None:
         stats = {runtime: figures(results) for runtime, results in runs.items()}
         base = stats.get("simulation", {}).get("round")
         print(f"\n{strategy}")
-        print(f"  {'runtime':<12}{'s/round':>9}{'× sim':>8}{'s/exchange':>12}{'overhead':>10}   per exchange type (s, overhead)")
+        print(
+            f"  {'runtime':<12}{'s/round':>9}{'× sim':>8}{'s/exchange':>12}{'overhead':>10}"
+            f"   per exchange type (s, overhead)"
+        )
         for runtime, s in stats.items():
             ratio = f"{s['round'] / base:7.1f}×" if base else "      –"
             kinds = ", ".join(f"{k} {t:.2f} ({o:.2f})" for k, (t, o) in s["types"].items())
             print(f"  {runtime:<12}{s['round']:9.2f}{ratio}{s['exchange']:12.2f}{s['overhead']:10.2f}   {kinds}")
         if "warm" in stats and "flower" in stats:
-            print(f"  warm is {stats['flower']['exchange'] / stats['warm']['exchange']:.1f}× faster per exchange than flower")
-        accuracies = {runtime: [(c["client"], c["accuracy"]) for c in results["clients"]] for runtime, results in runs.items()}
-        print(f"  per-client accuracies identical in {', '.join(accuracies)}: {len(set(map(str, accuracies.values()))) == 1}")
+            print(
+                f"  warm is {stats['flower']['exchange'] / stats['warm']['exchange']:.1f}× faster "
+                "per exchange than flower"
+            )
+        accuracies = {
+            runtime: [(c["client"], c["accuracy"]) for c in results["clients"]] for runtime, results in runs.items()
+        }
+        print(
+            f"  per-client accuracies identical in {', '.join(accuracies)}: "
+            f"{len(set(map(str, accuracies.values()))) == 1}"
+        )
 
 
 if __name__ == "__main__":

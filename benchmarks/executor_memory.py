@@ -34,12 +34,20 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="florist-memory-"))
     rounds = args.messages // 2
-    config = {"strategy": "fedavg", "num-server-rounds": rounds, "min-nodes": 1, "partition": "iid",
-              "unseen-fraction": 0.0, "results-dir": str(work / "out")}  # fmt: skip
+    config = {
+        "strategy": "fedavg",
+        "num-server-rounds": rounds,
+        "min-nodes": 1,
+        "partition": "iid",
+        "unseen-fraction": 0.0,
+        "results-dir": str(work / "out"),
+    }
     with LocalFederation(work, [{"partition-id": 0, "num-partitions": 1, "state-dir": str(work / "state")}]) as fed:
         node = fed.nodes[0].pid
         executor = executor_pid(node)
-        run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        run = subprocess.Popen(
+            fed.run_command(config), env=fed.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         progress = work / "out" / "results.json"
         while not (progress.exists() and json.loads(progress.read_text())["rounds"]):
             time.sleep(0.2)

@@ -48,23 +48,29 @@ def main() -> None:
     stored = rng.standard_normal((args.stored, args.dim), dtype=np.float32)
     queries = rng.standard_normal((args.queries, args.dim), dtype=np.float32)
     labels = np.arange(args.stored)
-    print(f"{args.stored:,} stored x {args.dim}-d, {args.queries:,} queries, k={args.k}, "
-          f"{faiss.omp_get_max_threads()} FAISS threads")  # fmt: skip
+    print(
+        f"{args.stored:,} stored x {args.dim}-d, {args.queries:,} queries, k={args.k}, "
+        f"{faiss.omp_get_max_threads()} FAISS threads"
+    )
 
     flat, flat_build = timed(lambda: _store("flat", stored, labels))
     (_, exact), flat_query = timed(lambda: flat.search(queries, args.k))
     brute, brute_query = timed(lambda: numpy_knn(stored, queries, args.k))
     agree = np.mean([len(set(a) & set(b)) / args.k for a, b in zip(exact, brute)])
     print(f"flat (exact)   build {flat_build:7.2f} s  query {flat_query:7.3f} s  {args.queries / flat_query:9.0f} q/s")
-    print(f"numpy brute    build {0:7.2f} s  query {brute_query:7.3f} s  {args.queries / brute_query:9.0f} q/s  "
-          f"(same neighbours: {agree:.4f})")
+    print(
+        f"numpy brute    build {0:7.2f} s  query {brute_query:7.3f} s  {args.queries / brute_query:9.0f} q/s  "
+        f"(same neighbours: {agree:.4f})"
+    )
     print(f"flat / numpy query throughput: {brute_query / flat_query:.1f}x")
 
     hnsw, hnsw_build = timed(lambda: _store("hnsw", stored, labels))
     (_, approx), hnsw_query = timed(lambda: hnsw.search(queries, args.k))
     recall = np.mean([len(set(a) & set(b)) / args.k for a, b in zip(approx, exact)])
-    print(f"hnsw (M=32, efSearch=64) build {hnsw_build:7.2f} s  query {hnsw_query:7.3f} s  "
-          f"{args.queries / hnsw_query:9.0f} q/s  recall@{args.k} vs flat {recall:.3f}")
+    print(
+        f"hnsw (M=32, efSearch=64) build {hnsw_build:7.2f} s  query {hnsw_query:7.3f} s  "
+        f"{args.queries / hnsw_query:9.0f} q/s  recall@{args.k} vs flat {recall:.3f}"
+    )
 
 
 def _store(index_type: str, stored: np.ndarray, labels: np.ndarray) -> Datastore:

@@ -19,8 +19,11 @@ from florist.common.config import RunConfig, parse_overrides
 from florist.server.simulation import simulate
 
 RAW = {"fedattn-warmup": 0, "fedattn-clip": 0.0, "fedattn-reg": 0.0, "fedattn-residual": False}
-VARIANTS = {"fedavg": {"strategy": "fedavg"}, "fedattn": {"strategy": "fedattn"},
-            "fedattn-raw": {"strategy": "fedattn"} | RAW}
+VARIANTS = {
+    "fedavg": {"strategy": "fedavg"},
+    "fedattn": {"strategy": "fedattn"},
+    "fedattn-raw": {"strategy": "fedattn"} | RAW,
+}
 
 
 def worst_drop(curve: list[float], start: int) -> float:
@@ -49,19 +52,30 @@ def main() -> None:
     rows = []
     for name, variant in ((n, VARIANTS[n]) for n in args.variants):
         for seed in args.seeds:
-            values = {"partition": args.partition, "seed": seed, "min-nodes": args.num_clients, "eval-every": 1,
-                      "num-server-rounds": args.rounds, "results-dir": str(out / f"{name}-seed{seed}")}  # fmt: skip
+            values = {
+                "partition": args.partition,
+                "seed": seed,
+                "min-nodes": args.num_clients,
+                "eval-every": 1,
+                "num-server-rounds": args.rounds,
+                "results-dir": str(out / f"{name}-seed{seed}"),
+            }
             cfg = RunConfig.from_mapping(values | parse_overrides(args.run_config) | variant)
             results = simulate(cfg, args.num_clients)
             curve = [100 * r["accuracy"] for r in results["rounds"]]
             curves[(name, seed)] = curve
             start = cfg.settings.warmup if cfg.strategy == "fedattn" else 0
             s = results["summary"]
-            rows.append(f"| {name} | {seed} | {100 * s['seen']['mean_accuracy']:.1f} | "
-                        f"{100 * s['unseen']['mean_accuracy']:.1f} | {max(curve):.1f} | {worst_drop(curve, start):.1f} |")
+            rows.append(
+                f"| {name} | {seed} | {100 * s['seen']['mean_accuracy']:.1f} | "
+                f"{100 * s['unseen']['mean_accuracy']:.1f} | {max(curve):.1f} | {worst_drop(curve, start):.1f} |"
+            )
             print(rows[-1], flush=True)
-    table = ["| variant | seed | seen mean (final) | unseen mean | best round | worst drop after warm-up |",
-             "|---|---:|---:|---:|---:|---:|", *rows]  # fmt: skip
+    table = [
+        "| variant | seed | seen mean (final) | unseen mean | best round | worst drop after warm-up |",
+        "|---|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
     (out / "table.md").write_text("\n".join(table) + "\n")
     print("\n".join(table))
     plot(curves, out / "curves.png")
@@ -76,8 +90,13 @@ def plot(curves: dict[tuple[str, int], list[float]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     colors = {name: f"C{i}" for i, name in enumerate(VARIANTS)}
     for (name, seed), curve in curves.items():
-        ax.plot(range(1, len(curve) + 1), curve, color=colors[name], alpha=0.8,
-                label=name if seed == min(s for n, s in curves if n == name) else None)  # fmt: skip
+        ax.plot(
+            range(1, len(curve) + 1),
+            curve,
+            color=colors[name],
+            alpha=0.8,
+            label=name if seed == min(s for n, s in curves if n == name) else None,
+        )
     ax.set(xlabel="round", ylabel="seen-client mean accuracy (%)", title="FedAttn stability (one line per seed)")
     ax.legend()
     ax.grid(alpha=0.3)

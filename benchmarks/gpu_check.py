@@ -38,11 +38,14 @@ def seen_accuracy(results: dict) -> float:
 
 
 def deploy(work: Path, values: dict, device: str) -> dict:
-    configs = [{"partition-id": i, "num-partitions": NODES, "state-dir": str(work / "state"), "device": device}
-               for i in range(NODES)]  # fmt: skip
+    configs = [
+        {"partition-id": i, "num-partitions": NODES, "state-dir": str(work / "state"), "device": device}
+        for i in range(NODES)
+    ]
     with LocalFederation(work / "federation", configs) as fed:
-        done = subprocess.run(fed.run_command(values | {"results-dir": str(work / "out")}), env=fed.env,
-                              capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            fed.run_command(values | {"results-dir": str(work / "out")}), env=fed.env, capture_output=True, text=True
+        )
     if done.returncode != 0:
         raise SystemExit(f"the deployed run failed; logs in {work}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return json.loads((work / "out" / "results.json").read_text())
@@ -65,8 +68,14 @@ def main() -> None:
     print(f"  {'strategy':<9}{'runtime':<12}{'cpu acc %':>10}{'dev acc %':>10}{'Δ':>6}{'cpu s/rd':>10}{'dev s/rd':>10}")
     worst = 0.0
     for strategy in STRATEGIES:
-        base = {"strategy": strategy, "dataset": args.dataset, "model": "lenet", "partition": "dirichlet:0.3",
-                "num-server-rounds": args.rounds, "seed": 1}  # fmt: skip
+        base = {
+            "strategy": strategy,
+            "dataset": args.dataset,
+            "model": "lenet",
+            "partition": "dirichlet:0.3",
+            "num-server-rounds": args.rounds,
+            "seed": 1,
+        }
         for runtime in ("simulation", "deploy"):
             runs = {}
             for label, device in (("cpu", "cpu"), ("dev", args.device)):
@@ -81,8 +90,10 @@ def main() -> None:
             cpu, dev = runs["cpu"], runs["dev"]
             delta = seen_accuracy(dev) - seen_accuracy(cpu)
             worst = max(worst, abs(delta))
-            print(f"  {strategy:<9}{runtime:<12}{seen_accuracy(cpu):10.1f}{seen_accuracy(dev):10.1f}{delta:6.1f}"
-                  f"{seconds_per_round(cpu):10.2f}{seconds_per_round(dev):10.2f}")  # fmt: skip
+            print(
+                f"  {strategy:<9}{runtime:<12}{seen_accuracy(cpu):10.1f}{seen_accuracy(dev):10.1f}{delta:6.1f}"
+                f"{seconds_per_round(cpu):10.2f}{seconds_per_round(dev):10.2f}"
+            )
     print(f"largest accuracy difference: {worst:.1f} points ({'within' if worst <= 2 else 'OUTSIDE'} 2 points)")
 
 

@@ -49,12 +49,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     args = parser.parse_args()
     mb = 1 << 20
-    print(f"{'run':>4} {'samples':>8} {'dtype':>8} {'RSS before MB':>14} {'peak MB':>8} {'peak/before':>12} {'load s':>7}")
+    print(
+        f"{'run':>4} {'samples':>8} {'dtype':>8} {'RSS before MB':>14} {'peak MB':>8} {'peak/before':>12} {'load s':>7}"
+    )
     for run in range(1, args.runs + 1):
         start = time.perf_counter()
         m = measure(args.dataset)
-        print(f"{run:>4} {m['samples']:>8} {m['dtype']:>8} {m['before'] / mb:14.0f} {m['peak'] / mb:8.0f} "
-              f"{m['peak'] / m['before']:12.2f} {m['seconds']:7.2f}   ({time.perf_counter() - start:.1f} s with imports)")
+        print(
+            f"{run:>4} {m['samples']:>8} {m['dtype']:>8} {m['before'] / mb:14.0f} {m['peak'] / mb:8.0f} "
+            f"{m['peak'] / m['before']:12.2f} {m['seconds']:7.2f}   ({time.perf_counter() - start:.1f} s with imports)"
+        )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,19 @@ def main() -> None:
         raise SystemExit(f"{args.run}: an odpfl run is needed, this one ran {cfg.strategy}")
     num = len(results["clients"])
     novel = sorted(data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed))
-    clients = [data_lib.embedded_client(i, num, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
-                                        cfg.min_partition_size, public_size=cfg.public_size) for i in novel]  # fmt: skip
+    clients = [
+        data_lib.embedded_client(
+            i,
+            num,
+            cfg.partition,
+            cfg.seed,
+            cfg.val_fraction,
+            cfg.test_fraction,
+            cfg.min_partition_size,
+            public_size=cfg.public_size,
+        )
+        for i in novel
+    ]
     server = ODPFL(cfg, None, clients[0].input_shape, num - len(novel))
     state = torch.load(args.run / "checkpoint.pt")["state"]
     for prefix, net in (("hyper", server.hyper), ("embed", server.embed)):
@@ -59,8 +70,10 @@ def main() -> None:
             model.load_state_dict(server.hyper(privatize(v, sigma) if sigma > 0 else v))
         return float((training.predict_proba(model, client.x_test).argmax(1) == client.y_test).mean())
 
-    print(f"{len(novel)} novel clients of {num}, {cfg.partition}, δ = {cfg.settings.dp_delta}; mean test accuracy (%) "
-          f"over {args.repeats} noise draws, mean σ in brackets")  # fmt: skip
+    print(
+        f"{len(novel)} novel clients of {num}, {cfg.partition}, δ = {cfg.settings.dp_delta}; mean test accuracy (%) "
+        f"over {args.repeats} noise draws, mean σ in brackets"
+    )
     print("| ε | " + " | ".join(f"|D| = {s or 'all'}" for s in args.sizes) + " |")
     print("|---|" + "---:|" * len(args.sizes))
     for epsilon in args.epsilons:

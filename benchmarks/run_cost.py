@@ -29,13 +29,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="florist-run-cost-"))
-    configs = [{"partition-id": i, "num-partitions": args.nodes, "state-dir": str(work / "state")}
-               for i in range(args.nodes)]  # fmt: skip
+    configs = [
+        {"partition-id": i, "num-partitions": args.nodes, "state-dir": str(work / "state")} for i in range(args.nodes)
+    ]
     with LocalFederation(work, configs) as fed:
         time.sleep(5)  # the nodes' first polls settle
         for i in range(args.runs):
-            config = {"strategy": "fedavg", "partition": "iid", "unseen-fraction": 0.0, "min-nodes": args.nodes,
-                      "num-server-rounds": args.rounds, "results-dir": str(work / f"run{i}")}  # fmt: skip
+            config = {
+                "strategy": "fedavg",
+                "partition": "iid",
+                "unseen-fraction": 0.0,
+                "min-nodes": args.nodes,
+                "num-server-rounds": args.rounds,
+                "results-dir": str(work / f"run{i}"),
+            }
             cpu, start = busy_seconds(), time.monotonic()
             done = subprocess.run(fed.run_command(config), env=fed.env, capture_output=True, text=True)
             if done.returncode != 0:

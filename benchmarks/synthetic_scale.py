@@ -28,9 +28,24 @@ MARKER = "FLORIST_BENCHMARK"
 
 
 def run(out: Path, strategy: str, clients: int, rounds: int) -> dict:
-    command = [sys.executable, "-m", "florist", "simulate", "--strategy", strategy, "--dataset", "synthetic:1,1",
-               "--num-clients", str(clients), "--rounds", str(rounds), "--results-dir", str(out), "--run-config",
-               'model="mlp" fraction-train=0.05 min-train-nodes=1 eval-every=0']  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "florist",
+        "simulate",
+        "--strategy",
+        strategy,
+        "--dataset",
+        "synthetic:1,1",
+        "--num-clients",
+        str(clients),
+        "--rounds",
+        str(rounds),
+        "--results-dir",
+        str(out),
+        "--run-config",
+        'model="mlp" fraction-train=0.05 min-train-nodes=1 eval-every=0',
+    ]
     token, peak, done = secrets.token_hex(8), [0.0, 0.0], threading.Event()
 
     def sample() -> None:
@@ -45,9 +60,14 @@ def run(out: Path, strategy: str, clients: int, rounds: int) -> dict:
     if finished.returncode != 0:
         raise SystemExit(f"{strategy}: simulate failed:\n{finished.stderr[-3000:]}")
     results = json.loads((out / "results.json").read_text())
-    return {"wall": wall, "round": statistics.median(r["seconds"] for r in results["rounds"]), "rss": peak[0],
-            "pss": peak[1], "scored": sum(s["num_clients"] for s in results["summary"].values()),
-            "seen": results["summary"]["seen"]["mean_accuracy"]}
+    return {
+        "wall": wall,
+        "round": statistics.median(r["seconds"] for r in results["rounds"]),
+        "rss": peak[0],
+        "pss": peak[1],
+        "scored": sum(s["num_clients"] for s in results["summary"].values()),
+        "seen": results["summary"]["seen"]["mean_accuracy"],
+    }
 
 
 def main() -> None:
@@ -58,11 +78,17 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="florist-synthetic-"))
     print(f"florist simulate, Synthetic(1, 1), {args.clients} clients, fraction-train 0.05, {args.rounds} rounds")
-    print(f"{'strategy':<9}{'s/round':>9}{'wall s':>8}{'scored':>8}{'seen acc.':>10}{'peak RSS MB':>13}{'peak PSS MB':>13}")
+    print(
+        f"{'strategy':<9}{'s/round':>9}{'wall s':>8}{'scored':>8}{'seen acc.':>10}"
+        f"{'peak RSS MB':>13}{'peak PSS MB':>13}"
+    )
     for strategy in args.strategies.split(","):
         r = run(work / strategy, strategy, args.clients, args.rounds)
-        print(f"{strategy:<9}{r['round']:9.1f}{r['wall']:8.0f}{r['scored']:>8}{100 * r['seen']:10.1f}{r['rss']:13,.0f}"
-              f"{r['pss']:13,.0f}", flush=True)  # fmt: skip
+        print(
+            f"{strategy:<9}{r['round']:9.1f}{r['wall']:8.0f}{r['scored']:>8}{100 * r['seen']:10.1f}{r['rss']:13,.0f}"
+            f"{r['pss']:13,.0f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -77,8 +77,10 @@ def warm(cfg: RunConfig, num_clients: int) -> None:
 def weighted_mean(states: list[dict[str, torch.Tensor]], weights: list[int]) -> dict[str, torch.Tensor]:
     """FedAvg's aggregate: the sample-weighted mean of the clients' state dicts."""
     total = float(sum(weights))
-    return {key: sum(s[key].double() * (w / total) for s, w in zip(states, weights)).to(ref.dtype)
-            for key, ref in states[0].items()}  # fmt: skip
+    return {
+        key: sum(s[key].double() * (w / total) for s, w in zip(states, weights)).to(ref.dtype)
+        for key, ref in states[0].items()
+    }
 
 
 def plain_loop(cfg: RunConfig, num_clients: int) -> tuple[list[float], float]:
@@ -98,8 +100,17 @@ def plain_loop(cfg: RunConfig, num_clients: int) -> tuple[list[float], float]:
                 model = seeded_model(cfg.model, shape, cfg.num_classes, cfg.seed)
                 model.load_state_dict(global_state)
                 generator = training.seeded_generator(cfg.seed, server_round, zlib.crc32(f"partition-{pid}".encode()))
-                training.train(model, d.x_train, d.y_train, epochs=cfg.local_epochs, batch_size=cfg.batch_size,
-                               lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, generator=generator)  # fmt: skip
+                training.train(
+                    model,
+                    d.x_train,
+                    d.y_train,
+                    epochs=cfg.local_epochs,
+                    batch_size=cfg.batch_size,
+                    lr=cfg.lr,
+                    momentum=cfg.momentum,
+                    weight_decay=cfg.weight_decay,
+                    generator=generator,
+                )
                 states.append(model.state_dict())
                 weights.append(len(d.x_train))
             global_state = weighted_mean(states, weights)
@@ -123,14 +134,19 @@ def figures(results: dict) -> dict[str, float]:
     trains = [[e for e in r["exchanges"] if e["type"] == "train"] for r in rounds]
     handler = [max((e["handler_seconds_max"] for e in t), default=0.0) for t in trains]
     data = [max((e["data_seconds_max"] for e in t), default=0.0) for t in trains]
-    return {"round": median_later([r["seconds"] for r in rounds]), "handler": median_later(handler),
-            "data": median_later(data)}  # fmt: skip
+    return {
+        "round": median_later([r["seconds"] for r in rounds]),
+        "handler": median_later(handler),
+        "data": median_later(data),
+    }
 
 
 def deploy(work: Path, values: dict[str, Any]) -> dict:
     """The run on a local SuperLink and 4 SuperNodes (florist's warm executor), one torch thread each."""
-    configs = [{"partition-id": i, "num-partitions": DEPLOY_NODES, "state-dir": str(work / "state"), "torch-threads": 1}
-               for i in range(DEPLOY_NODES)]  # fmt: skip
+    configs = [
+        {"partition-id": i, "num-partitions": DEPLOY_NODES, "state-dir": str(work / "state"), "torch-threads": 1}
+        for i in range(DEPLOY_NODES)
+    ]
     with LocalFederation(work / "federation", configs) as fed:
         command = fed.run_command(values | {"results-dir": str(work / "out")})
         done = subprocess.run(command, env=fed.env, capture_output=True, text=True)
@@ -148,14 +164,23 @@ def main() -> None:
     parser.add_argument("--deploy", action="store_true", help="also a 4-node local deployment (takes minutes)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="florist-throughput-"))
-    values = {"strategy": "fedavg", "dataset": args.dataset, "model": "lenet", "partition": "dirichlet:0.3",
-              "num-server-rounds": args.rounds, "min-nodes": CLIENTS, "eval-every": 0} | parse_sets(args.set)  # fmt: skip
+    values = {
+        "strategy": "fedavg",
+        "dataset": args.dataset,
+        "model": "lenet",
+        "partition": "dirichlet:0.3",
+        "num-server-rounds": args.rounds,
+        "min-nodes": CLIENTS,
+        "eval-every": 0,
+    } | parse_sets(args.set)
     cfg = RunConfig.from_mapping(values)
     cores = len(os.sched_getaffinity(0))
     training_clients = CLIENTS - len(unseen_partitions(CLIENTS, cfg.unseen_fraction, cfg.seed))
-    print(f"{CLIENTS} clients ({training_clients} train), {cfg.dataset}, {cfg.model}, {cfg.partition}, "
-          f"{cfg.local_epochs} epoch(s), batch {cfg.batch_size}, lr {cfg.lr}, {cores} cores; "
-          f"medians of rounds 2..{args.rounds}; work folder {work}")  # fmt: skip
+    print(
+        f"{CLIENTS} clients ({training_clients} train), {cfg.dataset}, {cfg.model}, {cfg.partition}, "
+        f"{cfg.local_epochs} epoch(s), batch {cfg.batch_size}, lr {cfg.lr}, {cores} cores; "
+        f"medians of rounds 2..{args.rounds}; work folder {work}"
+    )
     warm(cfg, CLIENTS)
 
     plain_seconds, plain_accuracy = plain_loop(cfg, CLIENTS)
@@ -174,8 +199,10 @@ def main() -> None:
     print(f"\n  in-process ÷ plain:                 {inproc_ratio:.2f} (target ≤ 1.25)")
     print(f"  simulation ÷ (plain ÷ {parallel} cores):     {sim_ratio:.2f} (target ≤ 1.6)")
     seen = inproc["summary"]["seen"]["mean_accuracy"]
-    print(f"  final seen mean accuracy: in-process {seen:.4f}, plain loop {plain_accuracy:.4f}, "
-          f"simulation {sim['summary']['seen']['mean_accuracy']:.4f}")  # fmt: skip
+    print(
+        f"  final seen mean accuracy: in-process {seen:.4f}, plain loop {plain_accuracy:.4f}, "
+        f"simulation {sim['summary']['seen']['mean_accuracy']:.4f}"
+    )
 
     if args.deploy:
         for label, extra in DEPLOY_CASES.items():

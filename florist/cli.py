@@ -20,9 +20,16 @@ DEFAULT_NODES = {"simulate": 20, "deploy-local": 3, "local-federation": 3}
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:
     """The run-config values the user gave: the flags, `--run-config` on top."""
-    names = {"strategy": "strategy", "dataset": "dataset", "partition": "partition", "shift": "shift",
-             "num-server-rounds": "rounds", "seed": "seed", "unseen-fraction": "unseen_fraction",
-             "results-dir": "results_dir"}  # fmt: skip
+    names = {
+        "strategy": "strategy",
+        "dataset": "dataset",
+        "partition": "partition",
+        "shift": "shift",
+        "num-server-rounds": "rounds",
+        "seed": "seed",
+        "unseen-fraction": "unseen_fraction",
+        "results-dir": "results_dir",
+    }
     flags = {key: getattr(args, name, None) for key, name in names.items()}
     return {k: v for k, v in flags.items() if v is not None} | parse_overrides(args.run_config or "")
 
@@ -69,14 +76,23 @@ def _simulate(args: argparse.Namespace) -> int:
     (cfg, num_clients), console, start = _checked(args), _console(), time.monotonic()
     resources = client_resources(args.cpus_per_client, args.gpus_per_client)
     _interrupt_on_signals()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console) as progress:  # fmt: skip
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[status]}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
         _decode_data(progress, cfg, num_clients)
         task = progress.add_task(f"{cfg.strategy} rounds", total=cfg.num_server_rounds, status="starting clients")
 
         def on_round(row: dict[str, Any]) -> None:
-            progress.update(task, completed=row["round"], status=f"loss {number(row['train_loss'], '.3f')}  "
-                            f"seen acc {number(row['accuracy'], '.1%')}")  # fmt: skip
+            progress.update(
+                task,
+                completed=row["round"],
+                status=f"loss {number(row['train_loss'], '.3f')}  seen acc {number(row['accuracy'], '.1%')}",
+            )
 
         results = simulate_in_child(cfg, num_clients, on_round, resources)
     print_summary(results, console, time.monotonic() - start)
@@ -99,12 +115,19 @@ def _compare(args: argparse.Namespace) -> int:
     for warning in sorted(warnings):
         print(f"florist: warning: {warning}", file=sys.stderr)
     cfg0 = configs[0]
-    scenario = (f"dataset {cfg0.dataset}, partition {cfg0.partition}, shift {cfg0.shift}, {args.num_clients} clients, "
-                f"{cfg0.num_server_rounds} rounds, unseen fraction {cfg0.unseen_fraction}")  # fmt: skip
+    scenario = (
+        f"dataset {cfg0.dataset}, partition {cfg0.partition}, shift {cfg0.shift}, {args.num_clients} clients, "
+        f"{cfg0.num_server_rounds} rounds, unseen fraction {cfg0.unseen_fraction}"
+    )
     _interrupt_on_signals()
     console = _console()
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console) as progress:  # fmt: skip
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
         runs = progress.add_task("runs", total=len(configs))
         rounds = progress.add_task("rounds", total=cfg0.num_server_rounds)
 
@@ -113,7 +136,9 @@ def _compare(args: argparse.Namespace) -> int:
 
         def on_run(cfg: RunConfig, reused: bool) -> None:
             done = configs.index(cfg)
-            progress.update(runs, completed=done, description=f"runs ({cfg.strategy}, seed {cfg.seed}{', kept' * reused})")
+            progress.update(
+                runs, completed=done, description=f"runs ({cfg.strategy}, seed {cfg.seed}{', kept' * reused})"
+            )
             progress.update(rounds, completed=0)
 
         def runner(cfg: RunConfig, num_clients: int) -> dict[str, Any]:
@@ -173,8 +198,15 @@ def _seeds(text: str) -> list[int]:
 
 
 def _node_configs(num_nodes: int, state_root: Path) -> list[dict[str, Any]]:
-    return [{"partition-id": i, "num-partitions": num_nodes, "node-key": f"partition-{i}",
-             "state-dir": str(state_root / "node-state")} for i in range(num_nodes)]  # fmt: skip
+    return [
+        {
+            "partition-id": i,
+            "num-partitions": num_nodes,
+            "node-key": f"partition-{i}",
+            "state-dir": str(state_root / "node-state"),
+        }
+        for i in range(num_nodes)
+    ]
 
 
 def _deploy_local(args: argparse.Namespace) -> int:
@@ -182,7 +214,6 @@ def _deploy_local(args: argparse.Namespace) -> int:
 
     from florist.deploy.federation import LocalFederation
     from florist.deploy.netns import Network, check_usable
-
     from florist.server.simulation import Interrupted
 
     if args.netns:
@@ -197,14 +228,21 @@ def _deploy_local(args: argparse.Namespace) -> int:
         # The network is made first and removed last, with whatever still runs in it.
         with (
             Network.for_federation(num_nodes) if args.netns else contextlib.nullcontext() as network,
-            LocalFederation(workdir, _node_configs(num_nodes, workdir), tls=args.tls, auth=args.auth,
-                            executor=args.executor, network=network) as fed,
-        ):  # fmt: skip
+            LocalFederation(
+                workdir,
+                _node_configs(num_nodes, workdir),
+                tls=args.tls,
+                auth=args.auth,
+                executor=args.executor,
+                network=network,
+            ) as fed,
+        ):
             print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe()}", flush=True)
             if not cfg.resume_from:
                 results_file.unlink(missing_ok=True)
-            rc = subprocess.run(fed.run_command(cfg.to_mapping()), env=fed.env, cwd=workdir,
-                                start_new_session=True).returncode  # fmt: skip
+            rc = subprocess.run(
+                fed.run_command(cfg.to_mapping()), env=fed.env, cwd=workdir, start_new_session=True
+            ).returncode
     except KeyboardInterrupt:
         saved = json.loads(results_file.read_text()) if results_file.exists() else None
         raise Interrupted(saved, results_dir) from None
@@ -225,7 +263,7 @@ def _forget_interrupt() -> None:
     """CPython (3.11) records a KeyboardInterrupt that escapes code run by `exec` (imports run
     such code: dataclasses, typing, pydantic) even when it is caught later, and then ends the
     process by SIGINT instead of with our exit status. A successful `exec` clears the record."""
-    exec("")  # noqa: S102
+    exec("")
 
 
 def _interrupt_on_signals() -> None:
@@ -244,17 +282,22 @@ def _interrupt_on_signals() -> None:
 
 
 def _local_federation(args: argparse.Namespace) -> int:
-    from florist.deploy.federation import LocalFederation
-
     from florist.common.data import parse_partition
+    from florist.deploy.federation import LocalFederation
 
     parse_partition(args.partition)  # it goes into the printed run line: refuse a wrong one now
     workdir = Path(args.state_dir).expanduser().resolve()
     _interrupt_on_signals()
     num_nodes = args.num_nodes or DEFAULT_NODES[args.command]
-    with LocalFederation(workdir, _node_configs(num_nodes, workdir), tls=args.tls, auth=args.auth,
-                         executor=args.executor, persistent=args.persistent) as fed:  # fmt: skip
-        print(fed.describe().replace("...", f"partition=\"{args.partition}\""), flush=True)
+    with LocalFederation(
+        workdir,
+        _node_configs(num_nodes, workdir),
+        tls=args.tls,
+        auth=args.auth,
+        executor=args.executor,
+        persistent=args.persistent,
+    ) as fed:
+        print(fed.describe().replace("...", f'partition="{args.partition}"'), flush=True)
         print("Running; Ctrl-C stops the SuperLink and SuperNodes started here.", flush=True)
         try:
             while fed.superlink.alive():
@@ -280,9 +323,18 @@ def _join(args: argparse.Namespace) -> int:
     from florist.deploy.join import join
 
     _interrupt_on_signals()
-    return join(args.superlink, args.data_dir, root_certificates=args.root_certificates, auth_key=args.auth_key,
-                state_dir=args.state_dir, node_key=args.node_key, num_classes=args.num_classes,
-                max_wait_time=args.max_wait_time, executor=args.executor, device=args.device)  # fmt: skip
+    return join(
+        args.superlink,
+        args.data_dir,
+        root_certificates=args.root_certificates,
+        auth_key=args.auth_key,
+        state_dir=args.state_dir,
+        node_key=args.node_key,
+        num_classes=args.num_classes,
+        max_wait_time=args.max_wait_time,
+        executor=args.executor,
+        device=args.device,
+    )
 
 
 def _supernode(args: argparse.Namespace) -> int:
@@ -308,51 +360,81 @@ def print_summary(results: dict[str, Any], console, wall: float) -> None:
     for failure in results.get("failures", []):
         failed.setdefault((failure["node"], failure["reason"]), []).append(failure["round"])
     for (node, reason), rounds in failed.items():
-        console.print(f"[yellow]{escape(node)} left out of round(s) {', '.join(map(str, sorted(set(rounds))))}:[/] "
-                      f"{escape(reason)}", highlight=False)  # fmt: skip
-    console.print(f"wall time {wall:.1f} s · results in {results['config']['results-dir']}/ (results.json, report.md, plots)")
+        console.print(
+            f"[yellow]{escape(node)} left out of round(s) {', '.join(map(str, sorted(set(rounds))))}:[/] "
+            f"{escape(reason)}",
+            highlight=False,
+        )
+    console.print(
+        f"wall time {wall:.1f} s · results in {results['config']['results-dir']}/ (results.json, report.md, plots)"
+    )
 
 
 def _run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategy", choices=STRATEGY_NAMES, metavar="STRATEGY",
-                        help="algorithm to run (default: fedavg): " + "; ".join(f"{n} = {s.summary}" for n, s in SPECS.items()))
+    parser.add_argument(
+        "--strategy",
+        choices=STRATEGY_NAMES,
+        metavar="STRATEGY",
+        help="algorithm to run (default: fedavg): " + "; ".join(f"{n} = {s.summary}" for n, s in SPECS.items()),
+    )
     _scenario_options(parser)
     parser.add_argument("--seed", type=int, help="seed for partitions, splits, init and sampling (default: 1)")
     parser.add_argument("--results-dir", help="output folder (default: results)")
-    parser.add_argument("--resume", metavar="DIR", help="continue the run whose results folder is DIR from its last "
-                        "finished round, with its own config (flags given beside must agree with it)")  # fmt: skip
+    parser.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run whose results folder is DIR from its last "
+        "finished round, with its own config (flags given beside must agree with it)",
+    )
 
 
 def _scenario_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", help="digits | mnist5k (embedded; use model=\"lenet\" on mnist5k) | "
-                        "synthetic:ALPHA,BETA (FedProx's; use model=\"mlp\") | a Hugging Face id or local folder "
-                        "(default: digits)")  # fmt: skip
+    parser.add_argument(
+        "--dataset",
+        help='digits | mnist5k (embedded; use model="lenet" on mnist5k) | '
+        'synthetic:ALPHA,BETA (FedProx\'s; use model="mlp") | a Hugging Face id or local folder '
+        "(default: digits)",
+    )
     parser.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K (default: dirichlet:0.3)")
-    parser.add_argument("--shift", help="none | relabel:K | rotate:K: K clusters of clients with their own label "
-                        "permutation or image rotation (default: none)")  # fmt: skip
+    parser.add_argument(
+        "--shift",
+        help="none | relabel:K | rotate:K: K clusters of clients with their own label "
+        "permutation or image rotation (default: none)",
+    )
     parser.add_argument("--rounds", type=int, help="server rounds (default: 30)")
     parser.add_argument("--unseen-fraction", type=float, help="fraction of clients held out of training (default: 0.2)")
     parser.add_argument(
-        "--run-config", metavar='"k=v ..."',
+        "--run-config",
+        metavar='"k=v ..."',
         help='any other run-config keys, as for `flwr run --run-config`, e.g. "lr=0.1 local-epochs=2"',
-    )  # fmt: skip
+    )
 
 
 def _resource_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cpus-per-client", type=float, default=1.0, metavar="N",
-                        help="CPU cores Ray gives each simulated client, fractions allowed; its torch uses that many "
-                        "threads (default: 1)")  # fmt: skip
-    parser.add_argument("--gpus-per-client", type=float, metavar="N",
-                        help="GPUs Ray gives each simulated client, fractions allowed (default: 0.25 where torch sees "
-                        "a GPU, else 0)")  # fmt: skip
+    parser.add_argument(
+        "--cpus-per-client",
+        type=float,
+        default=1.0,
+        metavar="N",
+        help="CPU cores Ray gives each simulated client, fractions allowed; its torch uses that many "
+        "threads (default: 1)",
+    )
+    parser.add_argument(
+        "--gpus-per-client",
+        type=float,
+        metavar="N",
+        help="GPUs Ray gives each simulated client, fractions allowed (default: 0.25 where torch sees a GPU, else 0)",
+    )
 
 
 def _executor_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--executor", choices=("warm", "flower"), default="warm",
+        "--executor",
+        choices=("warm", "flower"),
+        default="warm",
         help="how SuperNodes run ClientApps: warm (florist's fast path: preloaded, one fork per message; other apps "
         "fall back to flower) or flower (Flower's own: a new process per message). Default: warm",
-    )  # fmt: skip
+    )
 
 
 def _federation_options(parser: argparse.ArgumentParser) -> None:
@@ -369,8 +451,10 @@ def _datastore_add(args: argparse.Namespace) -> int:
 
     state = NodeState(args.state_dir, args.node_key, KNNPER.name)
     before, after = add_samples(state, args.data_dir)
-    print(f"datastore of node {args.node_key!r} ({state.folder}): {before} -> {after} entries from the train split "
-          f"of {args.data_dir} (its test split is never added)")  # fmt: skip
+    print(
+        f"datastore of node {args.node_key!r} ({state.folder}): {before} -> {after} entries from the train split "
+        f"of {args.data_dir} (its test split is never added)"
+    )
     return 0
 
 
@@ -405,144 +489,192 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="florist", description="Personalized federated learning on Flower: simulate, deploy, join."
-    )
+    parser = _Parser(prog="florist", description="Personalized federated learning on Flower: simulate, deploy, join.")
     parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("--debug", action="store_true", help="show tracebacks (also FLORIST_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     sim = sub.add_parser(
-        "simulate", help="run a strategy in Flower's simulation runtime on the embedded digits",
+        "simulate",
+        help="run a strategy in Flower's simulation runtime on the embedded digits",
         description="Run one strategy in Flower simulation (one process, Ray workers) and print the "
         "seen/unseen summary. Writes results.json, report.md and plots to --results-dir.",
-    )  # fmt: skip
+    )
     _run_options(sim)
-    sim.add_argument("--num-clients", type=_count, dest="num_nodes",
-                     help=f"simulated SuperNodes = partitions (default: {DEFAULT_NODES['simulate']})")
+    sim.add_argument(
+        "--num-clients",
+        type=_count,
+        dest="num_nodes",
+        help=f"simulated SuperNodes = partitions (default: {DEFAULT_NODES['simulate']})",
+    )
     _resource_options(sim)
     sim.set_defaults(func=_simulate)
 
     dep = sub.add_parser(
-        "deploy-local", help="one-shot real deployment: SuperLink + SuperNodes on 127.0.0.1, run, collect, stop",
+        "deploy-local",
+        help="one-shot real deployment: SuperLink + SuperNodes on 127.0.0.1, run, collect, stop",
         description="Start a SuperLink and --num-nodes SuperNodes as separate processes on 127.0.0.1 (gRPC Fleet "
         "API), submit the run with `flwr run`, stream its log, print the summary, and stop every process it started.",
-    )  # fmt: skip
+    )
     _run_options(dep)
     _federation_options(dep)
-    dep.add_argument("--netns", action="store_true",
-                     help="Linux, root: the SuperLink and each SuperNode in a network namespace of its own, with "
-                     "its own address on a private virtual network (no shared loopback), all removed on exit")  # fmt: skip
-    dep.add_argument("--state-dir", help="federation folder: database, certificates, keys, logs, node state "
-                     "(default: RESULTS_DIR/federation)")  # fmt: skip
+    dep.add_argument(
+        "--netns",
+        action="store_true",
+        help="Linux, root: the SuperLink and each SuperNode in a network namespace of its own, with "
+        "its own address on a private virtual network (no shared loopback), all removed on exit",
+    )
+    dep.add_argument(
+        "--state-dir",
+        help="federation folder: database, certificates, keys, logs, node state (default: RESULTS_DIR/federation)",
+    )
     dep.set_defaults(func=_deploy_local)
 
     fed = sub.add_parser(
-        "local-federation", help="start a SuperLink + SuperNodes on 127.0.0.1 and keep them running",
+        "local-federation",
+        help="start a SuperLink + SuperNodes on 127.0.0.1 and keep them running",
         description="Start a SuperLink and --num-nodes SuperNodes (embedded digits partitions) on 127.0.0.1 with "
         "free ports, wait until all are connected, print the addresses and the `flwr run` line, and run until "
         "Ctrl-C, which stops exactly the processes started here.",
-    )  # fmt: skip
+    )
     _federation_options(fed)
     fed.add_argument("--partition", default="dirichlet:0.3", help="partition to put in the printed run line")
-    fed.add_argument("--state-dir", default="florist-federation",
-                     help="federation folder: certificates, keys, logs, node state, and with --persistent the "
-                     "SuperLink's database (default: ./florist-federation)")  # fmt: skip
-    fed.add_argument("--persistent", action="store_true",
-                     help="keep the SuperLink's state in STATE_DIR/superlink.db, so that a restarted SuperLink keeps "
-                     "node identities and registered keys (SQLite makes every exchange 2-3 times slower)")  # fmt: skip
+    fed.add_argument(
+        "--state-dir",
+        default="florist-federation",
+        help="federation folder: certificates, keys, logs, node state, and with --persistent the "
+        "SuperLink's database (default: ./florist-federation)",
+    )
+    fed.add_argument(
+        "--persistent",
+        action="store_true",
+        help="keep the SuperLink's state in STATE_DIR/superlink.db, so that a restarted SuperLink keeps "
+        "node identities and registered keys (SQLite makes every exchange 2-3 times slower)",
+    )
     fed.set_defaults(func=_local_federation)
 
     certs = sub.add_parser(
-        "certs", help="make a CA, a SuperLink certificate and SuperNode key pairs",
+        "certs",
+        help="make a CA, a SuperLink certificate and SuperNode key pairs",
         description="Write ca.crt/ca.key, server.pem/server.key (SANs from --hosts, plus 127.0.0.1) and "
         "keys/node-<i>, keys/node-<i>.pub (ECDSA P-384, OpenSSH format) to --out.",
-    )  # fmt: skip
+    )
     certs.add_argument("--out", required=True, help="output folder")
-    certs.add_argument("--hosts", required=True, help='names/IPs SuperNodes dial, comma-separated, e.g. "superlink,10.0.0.5"')
+    certs.add_argument(
+        "--hosts", required=True, help='names/IPs SuperNodes dial, comma-separated, e.g. "superlink,10.0.0.5"'
+    )
     certs.add_argument("--num-nodes", type=_count, default=3, help="SuperNode key pairs to make (default: 3)")
     certs.set_defaults(func=_certs)
 
     join = sub.add_parser(
-        "join", help="start a SuperNode on this box and join a running federation",
+        "join",
+        help="start a SuperNode on this box and join a running federation",
         description="Check the data folder, then start a SuperNode for this box pointed at the SuperLink's Fleet "
         "API, with node config data-dir, node-key and state-dir. Explains failures: unreachable SuperLink, "
         "certificate mismatch, key not registered, ill-formed data.",
-    )  # fmt: skip
+    )
     join.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's Fleet API address")
     join.add_argument("--data-dir", required=True, help="train.npz + test.npz, or ImageFolder trees train/ and test/")
     join.add_argument("--root-certificates", metavar="CA", help="CA certificate of the SuperLink (enables TLS)")
-    join.add_argument("--auth-key", metavar="KEY", help="this node's private key (its .pub registered on the SuperLink)")
+    join.add_argument(
+        "--auth-key", metavar="KEY", help="this node's private key (its .pub registered on the SuperLink)"
+    )
     join.add_argument("--state-dir", help="node state folder (default: ~/.cache/florist/nodes)")
     join.add_argument("--node-key", help="stable name of this node (default: the host name)")
     join.add_argument("--num-classes", type=int, default=10, help="label range to check the data against (default: 10)")
-    join.add_argument("--device", help="where this node trains, overriding the run's device: auto | cpu | cuda | "
-                      "cuda:N | mps (default: the run's, auto)")  # fmt: skip
-    join.add_argument("--max-wait-time", type=float, default=60.0,
-                      help="give up connecting after this many seconds (default: 60)")  # fmt: skip
+    join.add_argument(
+        "--device",
+        help="where this node trains, overriding the run's device: auto | cpu | cuda | "
+        "cuda:N | mps (default: the run's, auto)",
+    )
+    join.add_argument(
+        "--max-wait-time", type=float, default=60.0, help="give up connecting after this many seconds (default: 60)"
+    )
     _executor_option(join)
     join.set_defaults(func=_join)
 
     node = sub.add_parser(
-        "supernode", help="run a Flower SuperNode with florist's fast path (flower-supernode's options, plus --executor)",
+        "supernode",
+        help="run a Flower SuperNode with florist's fast path (flower-supernode's options, plus --executor)",
         description="Flower's SuperNode (every option of `flower-supernode --help` is accepted and passed on) with "
         "florist's deployment fast path: polling that is quick while messages flow, and with --executor warm a "
         "warm executor that runs florist's ClientApp in a forked child per message instead of a new Python "
         "process. Runs in the foreground; Ctrl-C or SIGTERM stops the SuperNode and its executor.",
         allow_abbrev=False,
-    )  # fmt: skip
+    )
     _executor_option(node)
-    node.add_argument("--preload", default="florist.client.app:app", metavar="MODULE:APP",
-                      help="the ClientApp the warm executor preloads and serves warm (default: florist's)")
-    node.add_argument("--fork-server", metavar="SOCKET",
-                      help="have the warm executor forked by this fork server (`python -m florist.deploy.forkserver`), "
-                      "which preloaded the same ClientApp for every SuperNode on this machine")  # fmt: skip
+    node.add_argument(
+        "--preload",
+        default="florist.client.app:app",
+        metavar="MODULE:APP",
+        help="the ClientApp the warm executor preloads and serves warm (default: florist's)",
+    )
+    node.add_argument(
+        "--fork-server",
+        metavar="SOCKET",
+        help="have the warm executor forked by this fork server (`python -m florist.deploy.forkserver`), "
+        "which preloaded the same ClientApp for every SuperNode on this machine",
+    )
     node.set_defaults(func=_supernode)
 
     cmp = sub.add_parser(
-        "compare", help="run strategies × seeds on one scenario and write the papers' table",
+        "compare",
+        help="run strategies × seeds on one scenario and write the papers' table",
         description="Run every strategy of --strategies with every seed of --seeds on one scenario, one after the "
         "other, each in OUT/<strategy>/seed<k> (a finished run with the same config is kept, an interrupted one "
         "resumes), then write OUT/compare.md (seen/unseen mean and bottom decile, mean ± std over seeds, kB and "
         "seconds per round), compare.json and compare.png.",
-    )  # fmt: skip
+    )
     cmp.add_argument("--strategies", default=",".join(SPECS), help="comma-separated (default: all)")
     cmp.add_argument("--seeds", default="1,2,3", help="comma-separated (default: 1,2,3)")
     _scenario_options(cmp)
     cmp.add_argument("--num-clients", type=_count, default=20, help="simulated clients (default: 20)")
     cmp.add_argument("--out", required=True, help="output folder")
-    cmp.add_argument("--runtime", choices=("simulation", "in-process"), default="simulation",
-                     help="simulation: Flower's simulation runtime (Ray); in-process: the same ServerApp and "
-                     "ClientApp called directly, no Ray (same results, less overhead). Default: simulation")  # fmt: skip
+    cmp.add_argument(
+        "--runtime",
+        choices=("simulation", "in-process"),
+        default="simulation",
+        help="simulation: Flower's simulation runtime (Ray); in-process: the same ServerApp and "
+        "ClientApp called directly, no Ray (same results, less overhead). Default: simulation",
+    )
     _resource_options(cmp)
     cmp.set_defaults(func=_compare)
 
     store = sub.add_parser(
-        "datastore", help="manage a node's kNN-Per datastore",
+        "datastore",
+        help="manage a node's kNN-Per datastore",
         description="A node's kNN-Per datastore lives in its state folder, beside the global model it was built "
         "with. `add` appends new local samples without retraining the global model, under the run's capacity and "
         "policy (concat: keep all; fifo: keep the newest knn-capacity; fixed: keep the first knn-capacity).",
-    )  # fmt: skip
+    )
     store_sub = store.add_subparsers(dest="action", required=True, metavar="ACTION")
     add = store_sub.add_parser(
-        "add", help="embed a folder's labelled train samples and add them to the datastore",
+        "add",
+        help="embed a folder's labelled train samples and add them to the datastore",
         description="Embed the labelled samples of --data-dir's train split with the global model the node's "
         "datastore was built with and add them to it, under the run's knn-capacity and knn-policy. The folder's "
         "test split is never added (test points in the datastore would find themselves). No training, no "
         "connection: the node's next kNN-Per evaluation uses the new entries.",
-    )  # fmt: skip
-    add.add_argument("--data-dir", required=True, help="a node data folder (train.npz and test.npz, or ImageFolder "
-                     "trees train/ and test/); only its train split is added")  # fmt: skip
-    add.add_argument("--state-dir", help="the node's state folder (node config state-dir; default ~/.cache/florist/nodes)")
+    )
+    add.add_argument(
+        "--data-dir",
+        required=True,
+        help="a node data folder (train.npz and test.npz, or ImageFolder "
+        "trees train/ and test/); only its train split is added",
+    )
+    add.add_argument(
+        "--state-dir", help="the node's state folder (node config state-dir; default ~/.cache/florist/nodes)"
+    )
     add.add_argument("--node-key", required=True, help="the node's key (node config node-key, e.g. partition-3)")
     add.set_defaults(func=_datastore_add)
 
     public = sub.add_parser(
-        "public-hash", help="print the fingerprint of a PerFed-CKT public set P, for the run config",
+        "public-hash",
+        help="print the fingerprint of a PerFed-CKT public set P, for the run config",
         description="Every PerFed-CKT node must hold the same public unlabeled set P. Run this on a node's copy "
         "(public.npz with array x, or a folder of images) and put the printed line in the run config; a node "
         "whose P differs then refuses to train instead of learning from the wrong data.",
-    )  # fmt: skip
+    )
     public.add_argument("public_dir", metavar="DIR", help="the folder with public.npz or the images")
     public.add_argument("--num-classes", type=int, default=10, help="label range, if public.npz has y (default: 10)")
     public.set_defaults(func=_public_hash)

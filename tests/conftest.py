@@ -17,7 +17,6 @@ os.environ.update(
 
 import pytest  # noqa: E402
 
-
 # The files that take longest (real processes, Ray, the fuzzer), longest first as measured with
 # two workers. pytest-xdist hands out whole files in this order (pyproject.toml's addopts), so the
 # workers end together rather than one waiting out a long file alone; each file keeps its order.
@@ -57,8 +56,16 @@ def make_node(tmp_path):
         cfg = RunConfig.from_mapping(values or {})
         cfg = cfg.for_node(node_config)
         if data is None:
-            data = data_lib.embedded_client(4, 5, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
-                                            cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip
+            data = data_lib.embedded_client(
+                4,
+                5,
+                cfg.partition,
+                cfg.seed,
+                cfg.val_fraction,
+                cfg.test_fraction,
+                cfg.min_partition_size,
+                public_size=cfg.public_size,
+            )
         state = NodeState(tmp_path / "state", key, cfg.strategy)
         return Node(key, seen, run_id, server_round, cfg, data, state, node_config)
 

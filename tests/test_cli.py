@@ -15,10 +15,15 @@ BAD = {  # what the user typed (after `florist`) -> what the one line must say
     "alpha zero": (["simulate", "--partition", "dirichlet:0"], "got 'dirichlet:0'"),
     "K above the classes": (["simulate", "--partition", "pathological:11"], "1 <= K <= 10"),
     "unknown model": (["simulate", "--run-config", 'model="resnet"'], "unknown model 'resnet'"),
-    "model for other images": (["simulate", "--strategy", "pefll", "--run-config", 'model="mobilenet_v2"'],
-                               "expects inputs of shape 3×H×W"),
+    "model for other images": (
+        ["simulate", "--strategy", "pefll", "--run-config", 'model="mobilenet_v2"'],
+        "expects inputs of shape 3×H×W",
+    ),
     "unknown shift": (["simulate", "--shift", "relabel"], "shift must be 'none', 'relabel:K' or 'rotate:K'"),
-    "unknown dataset": (["simulate", "--dataset", "cifar10"], "dataset must be 'digits', 'mnist5k', 'synthetic:ALPHA,BETA'"),
+    "unknown dataset": (
+        ["simulate", "--dataset", "cifar10"],
+        "dataset must be 'digits', 'mnist5k', 'synthetic:ALPHA,BETA'",
+    ),
     "synthetic into a CNN": (["simulate", "--dataset", "synthetic:1,1"], "model 'cnn' expects inputs of shape C×H×W"),
     "unknown strategy": (["simulate", "--run-config", 'strategy="knn"'], "unknown strategy 'knn'"),
     "unquoted string": (["simulate", "--run-config", "lr=abc"], "strings need quotes"),
@@ -30,13 +35,19 @@ BAD = {  # what the user typed (after `florist`) -> what the one line must say
     "unseen fraction": (["simulate", "--unseen-fraction", "1.5"], "unseen-fraction must be in [0, 1)"),
     "no clients": (["simulate", "--num-clients", "0"], "expected a whole number >= 1"),
     "not a number": (["simulate", "--seed", "abc"], "invalid int value: 'abc'"),
-    "fewer clients than min-nodes": (["simulate", "--num-clients", "2", "--run-config", "min-nodes=3"],
-                                     "min-nodes is 3"),
+    "fewer clients than min-nodes": (
+        ["simulate", "--num-clients", "2", "--run-config", "min-nodes=3"],
+        "min-nodes is 3",
+    ),
     "unpartitionable": (["simulate", "--num-clients", "200", "--partition", "dirichlet:0.05"], "cannot partition"),
-    "strategy setting": (["simulate", "--strategy", "perfed-ckt", "--run-config", "ckt-clusters=0"],
-                         "ckt-clusters must be >= 1"),
-    "a client model": (["simulate", "--strategy", "perfed-ckt", "--run-config", 'client-models="cnn,resnet"'],
-                       "unknown model 'resnet'"),
+    "strategy setting": (
+        ["simulate", "--strategy", "perfed-ckt", "--run-config", "ckt-clusters=0"],
+        "ckt-clusters must be >= 1",
+    ),
+    "a client model": (
+        ["simulate", "--strategy", "perfed-ckt", "--run-config", 'client-models="cnn,resnet"'],
+        "unknown model 'resnet'",
+    ),
     "results under a file": (["simulate", "--results-dir", "{file}/out"], "is a file, not a folder"),
     "results under /proc": (["simulate", "--results-dir", "/proc/florist-results"], "/proc refuses it"),
     "nothing to resume": (["simulate", "--resume", "{tmp}"], "checkpoint.pt does not exist"),
@@ -45,21 +56,30 @@ BAD = {  # what the user typed (after `florist`) -> what the one line must say
     "unknown executor": (["deploy-local", "--executor", "cold"], "invalid choice: 'cold'"),
     "join address": (["join", "--superlink", "nohost", "--data-dir", "{tmp}"], "must be HOST:PORT"),
     "join data": (["join", "--superlink", "127.0.0.1:9", "--data-dir", "{tmp}/missing"], "does not exist"),
-    "join CA file": (["join", "--superlink", "127.0.0.1:9", "--data-dir", "{data}", "--root-certificates",
-                      "{tmp}/ca.crt"], "no such file"),
+    "join CA file": (
+        ["join", "--superlink", "127.0.0.1:9", "--data-dir", "{data}", "--root-certificates", "{tmp}/ca.crt"],
+        "no such file",
+    ),
     "no datastore yet": (["datastore", "add", "--node-key", "x", "--data-dir", "{data}"], "no kNN-Per datastore"),
     "public set": (["public-hash", "{tmp}/missing"], "does not exist"),
     "unknown command": (["comparison"], "invalid choice: 'comparison'"),
     "device form": (["simulate", "--run-config", 'device="gpu"'], "device must be 'auto'"),
-    "absent device": (["simulate", "--run-config", 'device="cuda:99"'], "device 'cuda:99' is not available on this machine"),
-    "absent server device": (["simulate", "--strategy", "pefll", "--run-config", 'server-device="cuda:99"'],
-                             "server-device 'cuda:99' is not available"),
-    "join absent device": (["join", "--superlink", "127.0.0.1:9", "--data-dir", "{data}", "--device", "cuda:99"],
-                           "--device 'cuda:99' is not available"),
+    "absent device": (
+        ["simulate", "--run-config", 'device="cuda:99"'],
+        "device 'cuda:99' is not available on this machine",
+    ),
+    "absent server device": (
+        ["simulate", "--strategy", "pefll", "--run-config", 'server-device="cuda:99"'],
+        "server-device 'cuda:99' is not available",
+    ),
+    "join absent device": (
+        ["join", "--superlink", "127.0.0.1:9", "--data-dir", "{data}", "--device", "cuda:99"],
+        "--device 'cuda:99' is not available",
+    ),
     "too many cpus": (["simulate", "--cpus-per-client", "999"], "--cpus-per-client must be in (0,"),
     "absent gpus": (["compare", "--out", "{tmp}/c", "--gpus-per-client", "9"], "torch sees"),
     "augment": (["simulate", "--run-config", 'augment="rotate"'], "augment must be one of none, flip, crop-flip"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))
@@ -85,8 +105,12 @@ def test_a_mistake_is_one_line_and_exit_status_2(case, tmp_path, capsys):
 
 
 def test_a_real_process_prints_one_line_and_no_traceback(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "florist", "simulate", "--partition", "dirichlet", "--results-dir",
-                           str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "florist", "simulate", "--partition", "dirichlet", "--results-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "partition must be" in done.stderr
 
 
@@ -96,9 +120,11 @@ def test_a_ctrl_c_that_lands_in_exec_run_code_still_exits_130(tmp_path):
     (tmp_path / "interrupted.py").write_text(
         "import sys\nfrom florist import cli\n"
         "cli._certs = lambda args: exec('raise KeyboardInterrupt')\n"
-        f"sys.exit(cli.main(['certs', '--out', {str(tmp_path)!r}, '--hosts', 'localhost']))\n")  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "interrupted"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+        f"sys.exit(cli.main(['certs', '--out', {str(tmp_path)!r}, '--hosts', 'localhost']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "interrupted"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 130 and done.stderr == "florist: interrupted\n", done.stderr
 
 
@@ -123,8 +149,12 @@ def test_a_class_only_held_out_clients_have_is_named_before_the_run(tmp_path):
     warnings = check_run(cfg, 10)
     assert warnings and check_run(cfg.replace(partition="iid"), 10) == []
     held_out = data.unseen_partitions(10, cfg.unseen_fraction, cfg.seed)
-    clients = [data.embedded_client(i, 10, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
-                                    public_size=cfg.public_size) for i in range(10)]  # fmt: skip
+    clients = [
+        data.embedded_client(
+            i, 10, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction, public_size=cfg.public_size
+        )
+        for i in range(10)
+    ]
     trained = set().union(*(set(c.y_train) | set(c.y_val) for i, c in enumerate(clients) if i not in held_out))
     for warning in warnings:  # each names a digit no training client has, and the held-out clients that do
         digit, owners = re.match(r"digit (\d+) belongs only to held-out client\(s\) ([\d, ]+):", warning).groups()

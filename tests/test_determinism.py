@@ -11,9 +11,19 @@ from florist.server import inprocess
 from florist.server.inprocess import run_in_process
 
 # Two rounds on four clients, one held out; each strategy's costly knobs turned down.
-CHEAP = {"num-server-rounds": 2, "partition": "dirichlet:0.5", "seed": 13, "unseen-fraction": 0.25, "min-nodes": 4,
-         "eval-every": 0, "hn-local-steps": 5, "ckt-steps": 5, "ckt-public-batch": 32, "fedattn-warmup": 1,
-         "finetune-epochs": 1}  # fmt: skip
+CHEAP = {
+    "num-server-rounds": 2,
+    "partition": "dirichlet:0.5",
+    "seed": 13,
+    "unseen-fraction": 0.25,
+    "min-nodes": 4,
+    "eval-every": 0,
+    "hn-local-steps": 5,
+    "ckt-steps": 5,
+    "ckt-public-batch": 32,
+    "fedattn-warmup": 1,
+    "finetune-epochs": 1,
+}
 
 
 class ReplyOrderGrid(inprocess.InProcessGrid):

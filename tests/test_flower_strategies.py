@@ -8,8 +8,8 @@ import dataclasses
 import gc
 import json
 import re
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -136,15 +136,21 @@ CASES = {
     "Bulyan": Case(lambda: flower.Bulyan(**SAMPLE)),  # 4f + 3 = 3 replies with f = 0
     "QFedAvg": Case(lambda: flower.QFedAvg(RunConfig().lr, **SAMPLE)),  # its contract: test_qfedavg_...
     "DifferentialPrivacyServerSideFixedClipping": Case(
-        lambda: flower.DifferentialPrivacyServerSideFixedClipping(fedavg(), 0.01, CLIP, NODES)),
+        lambda: flower.DifferentialPrivacyServerSideFixedClipping(fedavg(), 0.01, CLIP, NODES)
+    ),
     "DifferentialPrivacyServerSideAdaptiveClipping": Case(
-        lambda: flower.DifferentialPrivacyServerSideAdaptiveClipping(fedavg(), 0.01, NODES)),
+        lambda: flower.DifferentialPrivacyServerSideAdaptiveClipping(fedavg(), 0.01, NODES)
+    ),
     "DifferentialPrivacyClientSideFixedClipping": Case(
         lambda: flower.DifferentialPrivacyClientSideFixedClipping(fedavg(), 0.01, CLIP, NODES),
-        node_config={"client-mods": "fixedclipping"}, check=updates_within_the_clipping_norm),
+        node_config={"client-mods": "fixedclipping"},
+        check=updates_within_the_clipping_norm,
+    ),
     "DifferentialPrivacyClientSideAdaptiveClipping": Case(
         lambda: flower.DifferentialPrivacyClientSideAdaptiveClipping(fedavg(), 0.01, NODES),
-        run_config={"client-mods": "adaptiveclipping_mod"}, check=norm_bits_reported),
+        run_config={"client-mods": "adaptiveclipping_mod"},
+        check=norm_bits_reported,
+    ),
 }
 OUT_OF_SCOPE = {"FedXgbBagging", "FedXgbCyclic"}  # XGBoost models as bytes, not torch arrays (README)
 
@@ -254,10 +260,11 @@ def test_the_readme_serverapp_runs_fedprox_against_florist_clients():
     section = readme.split("## Use Flower's own strategies", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict[str, Any] = {"__name__": "readme"}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 (our own README)
+    exec(compile(code, "README.md", "exec"), namespace)
     grid = RecordingGrid()
-    context = Context(run_id=grid.run_id, node_id=0, node_config={}, state=RecordDict(),
-                      run_config={"num-server-rounds": 1})  # fmt: skip
+    context = Context(
+        run_id=grid.run_id, node_id=0, node_config={}, state=RecordDict(), run_config={"num-server-rounds": 1}
+    )
     with server_identity(grid.run_id):
         namespace["app"](grid, context)
     assert len(grid.trained) == NODES and all(t.config["proximal-mu"] > 0 for t in grid.trained)

@@ -51,10 +51,22 @@ REPLIES_PER_TYPE = 1000  # malformed replies generated per message type, at leas
 REQUESTS_PER_TYPE = 40  # malformed requests per message type, at least (each followed by a good one: a handler run)
 HARMLESS = 0.1  # room for the harmless changes drawn beside the malformed ones (about 1 in 20)
 SETTINGS = {  # small and quick: 3 nodes of 12 digits partitions, an MLP, one local step where there are steps
-    "model": "mlp", "min-nodes": 3, "num-server-rounds": 1, "partition": "iid", "seed": 3, "unseen-fraction": 0.0,
-    "batch-size": 32, "fedattn-warmup": 0, "hn-hidden": 4, "hn-local-steps": 1, "hn-batch": 8, "ckt-steps": 1,
-    "ckt-clusters": 2, "public-size": 20, "finetune-epochs": 1,
-}  # fmt: skip
+    "model": "mlp",
+    "min-nodes": 3,
+    "num-server-rounds": 1,
+    "partition": "iid",
+    "seed": 3,
+    "unseen-fraction": 0.0,
+    "batch-size": 32,
+    "fedattn-warmup": 0,
+    "hn-hidden": 4,
+    "hn-local-steps": 1,
+    "hn-batch": 8,
+    "ckt-steps": 1,
+    "ckt-clusters": 2,
+    "public-size": 20,
+    "finetune-epochs": 1,
+}
 NODE_CONFIGS = [{"partition-id": i, "num-partitions": 12} for i in range(3)]
 FUZZ = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 COUNTED: collections.Counter[str] = collections.Counter()  # examples run: malformed by message type, all by kind
@@ -168,8 +180,9 @@ def record(spec: str, folder: Path) -> Federated:
 
         def recording_ask(exchange, requests, server_round, required, reference=None, side=None):
             replies = real_ask(exchange, requests, server_round, required, reference, side)
-            fed.calls[grid.phase, exchange.message_type] = Call(exchange, server_round, required, reference, side,
-                                                                replies)  # fmt: skip
+            fed.calls[grid.phase, exchange.message_type] = Call(
+                exchange, server_round, required, reference, side, replies
+            )
             return replies
 
         strategy.ask = recording_ask
@@ -200,8 +213,12 @@ class Federations(dict):
         if message_type == INFO.message_type:
             return [(spec, "info") for spec in SPECS]
         specs = [s.name for s in SPECS.values() if any(e.message_type == message_type for e in s.exchanges)]
-        return [(spec, phase) for spec in specs for phase in ("train", "evaluate")
-                if (phase, message_type) in self[spec].calls]  # fmt: skip
+        return [
+            (spec, phase)
+            for spec in specs
+            for phase in ("train", "evaluate")
+            if (phase, message_type) in self[spec].calls
+        ]
 
     def draw(self, data, message_type: str) -> tuple[Federated, str, int]:
         """A federation, phase and node that the recording sent `message_type` to."""
@@ -251,15 +268,33 @@ def _array_defect(data, draft: Draft) -> None:
     record = dict(draft.records[name])
     key = data.draw(st.sampled_from(sorted(record)))
     values = record[key].numpy()
-    how = data.draw(st.sampled_from(["missing", "extra", "shape", "dtype", "nonfinite", "huge", "scale", "corrupt",
-                                     "drop-record", "retype-record"]))  # fmt: skip
+    how = data.draw(
+        st.sampled_from(
+            [
+                "missing",
+                "extra",
+                "shape",
+                "dtype",
+                "nonfinite",
+                "huge",
+                "scale",
+                "corrupt",
+                "drop-record",
+                "retype-record",
+            ]
+        )
+    )
     if how == "missing":
         del record[key]
     elif how == "extra":
         record[key + ".extra"] = Array(np.zeros(3, np.float32))
     elif how == "shape":
-        shapes = {"flat+1": np.zeros(values.size + 1, values.dtype), "empty": np.zeros((0,), values.dtype),
-                  "extra-dim": values[None], "oversized": np.zeros(1 << 20, values.dtype)}  # fmt: skip
+        shapes = {
+            "flat+1": np.zeros(values.size + 1, values.dtype),
+            "empty": np.zeros((0,), values.dtype),
+            "extra-dim": values[None],
+            "oversized": np.zeros(1 << 20, values.dtype),
+        }
         record[key] = Array(shapes[data.draw(st.sampled_from(sorted(shapes)))])
     elif how == "dtype":
         dtype = data.draw(st.sampled_from([d for d in WRONG_DTYPES if np.dtype(d) != values.dtype]))
@@ -289,8 +324,21 @@ def _array_defect(data, draft: Draft) -> None:
 def _metric_defect(data, draft: Draft) -> None:
     metrics = dict(draft.records[protocol.METRICS])
     counts = [k for k in protocol.COUNTS if k in metrics]
-    how = data.draw(st.sampled_from(["drop", "nonfinite", "list", "extra-bad", "extra-ok", "huge", "drop-record",
-                                     "retype-record", *["count", "count-edge"] * bool(counts)]))  # fmt: skip
+    how = data.draw(
+        st.sampled_from(
+            [
+                "drop",
+                "nonfinite",
+                "list",
+                "extra-bad",
+                "extra-ok",
+                "huge",
+                "drop-record",
+                "retype-record",
+                *["count", "count-edge"] * bool(counts),
+            ]
+        )
+    )
     if how == "drop":
         del metrics[data.draw(st.sampled_from(draft.required))]
     elif how in ("nonfinite", "list", "huge"):
@@ -328,8 +376,12 @@ def _info_defect(data, draft: Draft) -> None:
     draft.label = f"info {key}"
 
 
-WRONG_TYPES = {bool: [1, "true", [True]], int: ["1", b"1", True, 1.5, [1]], float: ["0.5", b"", True, [0.5]],
-               str: [1, 1.5, True, b"x", ["x"]]}  # fmt: skip
+WRONG_TYPES = {
+    bool: [1, "true", [True]],
+    int: ["1", b"1", True, 1.5, [1]],
+    float: ["0.5", b"", True, [0.5]],
+    str: [1, 1.5, True, b"x", ["x"]],
+}
 ODD_VALUES = {bool: [], int: [-1], float: [math.nan, math.inf, -math.inf, -1.0, 0.0], str: ["", "?"]}
 
 
@@ -354,9 +406,11 @@ def _harmless(data, draft: Draft) -> None:
     record, no packing."""
     how = data.draw(st.sampled_from(["record", "timing", "unpacked"]))
     if how == "record":
-        junk = {"config": ConfigRecord({"x": "y"}), "metrics": MetricRecord({"accuracy": math.nan}),
-                "arrays": ArrayRecord({"a": Array(np.full(3, np.nan, np.float32)), "b": Array(np.ones(2))}),
-                }  # fmt: skip
+        junk = {
+            "config": ConfigRecord({"x": "y"}),
+            "metrics": MetricRecord({"accuracy": math.nan}),
+            "arrays": ArrayRecord({"a": Array(np.full(3, np.nan, np.float32)), "b": Array(np.ones(2))}),
+        }
         draft.records["junk"] = junk[data.draw(st.sampled_from(sorted(junk)))]
     elif how == "timing":
         seconds = data.draw(st.sampled_from([math.nan, -1.0, "x"]))
@@ -373,8 +427,23 @@ def _layout_defect(data, packed: RecordDict) -> tuple[RecordDict, str]:
     records = dict(packed.items())
     layout = {k: list(v) for k, v in records[name + packing.LAYOUT].items()}
     flat = dict(records[name])
-    how = data.draw(st.sampled_from(["short", "duplicate", "dtype", "shape", "field", "no-layout", "no-record",
-                                     "truncated", "longer", "2d", "bytes"]))  # fmt: skip
+    how = data.draw(
+        st.sampled_from(
+            [
+                "short",
+                "duplicate",
+                "dtype",
+                "shape",
+                "field",
+                "no-layout",
+                "no-record",
+                "truncated",
+                "longer",
+                "2d",
+                "bytes",
+            ]
+        )
+    )
     i = data.draw(st.integers(0, len(layout["keys"]) - 1))
     if how == "short":
         layout[data.draw(st.sampled_from(["keys", "dtypes", "shapes"]))].pop(i)
@@ -383,8 +452,9 @@ def _layout_defect(data, packed: RecordDict) -> tuple[RecordDict, str]:
     elif how == "dtype":
         layout["dtypes"][i] = data.draw(st.sampled_from(["float64", "int8", "nonsense", ""]))
     elif how == "shape":
-        layout["shapes"][i] = data.draw(st.sampled_from(["-1", "a", "1.5", "7,0", "99999999999,99999999999,99999999999",
-                                                         "4294967296,4294967296,1"]))  # fmt: skip
+        layout["shapes"][i] = data.draw(
+            st.sampled_from(["-1", "a", "1.5", "7,0", "99999999999,99999999999,99999999999", "4294967296,4294967296,1"])
+        )
     elif how == "field":
         layout[data.draw(st.sampled_from(["keys", "dtypes", "shapes"]))] = data.draw(st.sampled_from([5, "x", [1, 2]]))
     elif how == "no-layout":
@@ -397,22 +467,31 @@ def _layout_defect(data, packed: RecordDict) -> tuple[RecordDict, str]:
         if how == "bytes":
             flat[dtype] = Array(dtype=dtype, shape=values.shape, stype="numpy.ndarray", data=flat[dtype].data[:-4])
         else:
-            flat[dtype] = Array({"truncated": values[:-1], "longer": np.concatenate([values, values[:1]]),
-                                 "2d": values[: values.size // 2 * 2].reshape(2, -1)}[how])  # fmt: skip
+            flat[dtype] = Array(
+                {
+                    "truncated": values[:-1],
+                    "longer": np.concatenate([values, values[:1]]),
+                    "2d": values[: values.size // 2 * 2].reshape(2, -1),
+                }[how]
+            )
         records[name] = ArrayRecord(flat)
     if how not in ("no-layout", "no-record"):
         records[name + packing.LAYOUT] = ConfigRecord(layout)
     return RecordDict(records), f"layout {how}"
 
 
-def spoiled(data, wire: RecordDict, content: RecordDict, required: tuple[str, ...], defects: list[Callable]
-            ) -> tuple[str, RecordDict]:  # fmt: skip
+def spoiled(
+    data, wire: RecordDict, content: RecordDict, required: tuple[str, ...], defects: list[Callable]
+) -> tuple[str, RecordDict]:
     """(label, content) for a real content, as it travelled (`wire`) and unpacked, with one of
     `defects` that applies, a broken packing, no records at all, or (1 in 20) a harmless
     change; packed or not, as florist's replies and requests may be."""
     draft = Draft(dict(content.items()), required, packed=data.draw(st.booleans()))
-    applicable = [d for d in defects if {_array_defect: draft.arrays(), _metric_defect: protocol.METRICS
-                                         in draft.records}.get(d, True)]  # fmt: skip
+    applicable = [
+        d
+        for d in defects
+        if {_array_defect: draft.arrays(), _metric_defect: protocol.METRICS in draft.records}.get(d, True)
+    ]
     choice = data.draw(st.integers(0, 19))
     if choice == 0:
         return "empty", RecordDict()
@@ -453,10 +532,11 @@ def same(a: Any, b: Any) -> bool:
 
 def all_finite(value: Any) -> bool:
     return all(
-        bool(torch.isfinite(leaf).all()) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+        bool(torch.isfinite(leaf).all())
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
         else not isinstance(leaf, float) or math.isfinite(leaf)
         for _, leaf in leaves(value)
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -503,8 +583,15 @@ def check_reply(fed: Federated, phase: str, message_type: str, target: int, answ
             got = {n.node_id: n for n in discover(federation, fed.cfg, [*others, target])}
         else:
             call = fed.calls[phase, message_type]
-            got = type(fed.strategy).ask(fed.strategy, call.exchange, dict.fromkeys([*others, target], PLACEHOLDER),
-                                         call.server_round, call.required, call.reference, call.side)  # fmt: skip
+            got = type(fed.strategy).ask(
+                fed.strategy,
+                call.exchange,
+                dict.fromkeys([*others, target], PLACEHOLDER),
+                call.server_round,
+                call.required,
+                call.reference,
+                call.side,
+            )
     finally:
         fed.grid.answer = None
     return got, list(federation.failures)
@@ -513,8 +600,13 @@ def check_reply(fed: Federated, phase: str, message_type: str, target: int, answ
 # -- the server -------------------------------------------------------------------------------
 
 BAD, BENIGN, EXTREME = "bad", "benign", "extreme"  # must be refused / must change nothing / may pass
-REPLY_KINDS = {"harmless": BENIGN, "array scale": EXTREME, "metric extra-ok": EXTREME, "metric count-edge": EXTREME,
-               "metric huge": EXTREME}  # fmt: skip
+REPLY_KINDS = {
+    "harmless": BENIGN,
+    "array scale": EXTREME,
+    "metric extra-ok": EXTREME,
+    "metric count-edge": EXTREME,
+    "metric huge": EXTREME,
+}
 
 
 def misdirected(data, grid: FuzzGrid, content: RecordDict, to_other: bool) -> tuple[str, Answer]:
@@ -525,8 +617,9 @@ def misdirected(data, grid: FuzzGrid, content: RecordDict, to_other: bool) -> tu
     def answer(msg: Message, sent: dict[int, str]) -> list[Message]:
         reply = Message(content, reply_to=msg)
         other = next((i for n, i in sent.items() if n != msg.metadata.dst_node_id), "")
-        reply.metadata.__dict__["_reply_to_message_id"] = {"earlier": grid.first_id, "no": "",
-                                                           "another node's": other}[which]  # fmt: skip
+        reply.metadata.__dict__["_reply_to_message_id"] = {"earlier": grid.first_id, "no": "", "another node's": other}[
+            which
+        ]
         return [Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, "expired"), reply_to=msg), reply]
 
     return f"reply to {which} message", answer
@@ -580,8 +673,14 @@ def test_a_malformed_reply_is_refused_and_what_passes_the_checks_keeps_the_state
 # -- the node ---------------------------------------------------------------------------------
 
 REFUSED, GOOD, ANY = "refused", "good", "any"  # an error reply / a reply the server accepts / either, or garbage
-REQUEST_KINDS = {"harmless": GOOD, "array scale": ANY, "config value": ANY, "config drop-strategy": ANY,
-                 "empty": ANY, "other type": ANY}  # fmt: skip
+REQUEST_KINDS = {
+    "harmless": GOOD,
+    "array scale": ANY,
+    "config value": ANY,
+    "config drop-strategy": ANY,
+    "empty": ANY,
+    "other type": ANY,
+}
 UNKNOWN_TYPES = ("train.nope", "evaluate.nope", "query.nope")
 
 
@@ -607,8 +706,9 @@ def test_a_node_refuses_a_malformed_request_and_answers_the_next_good_one(federa
     @given(st.data())
     def check(data):
         fed, phase, node = federations.draw(data, message_type)
-        label, content = spoiled(data, *fed.travelled(phase, node, message_type, reply=False), (),
-                                 [_array_defect, _config_defect])  # fmt: skip
+        label, content = spoiled(
+            data, *fed.travelled(phase, node, message_type, reply=False), (), [_array_defect, _config_defect]
+        )
         sent_as = message_type
         if data.draw(st.integers(0, 7)) == 0:
             sent_as = data.draw(st.sampled_from([*UNKNOWN_TYPES, *(t for t in MESSAGE_TYPES if t != message_type)]))

@@ -14,9 +14,15 @@ from florist.common.config import RunConfig
 from florist.server.inprocess import run_in_process
 from florist.server.simulation import simulate
 
+
 def _run(tmp_path, name, client_app=None, runner=simulate, **overrides):
-    values = {"num-server-rounds": 3, "local-epochs": 2, "partition": "iid", "min-nodes": 6,
-              "results-dir": str(tmp_path / name)}
+    values = {
+        "num-server-rounds": 3,
+        "local-epochs": 2,
+        "partition": "iid",
+        "min-nodes": 6,
+        "results-dir": str(tmp_path / name),
+    }
     cfg = RunConfig.from_mapping(values | overrides)
     return runner(cfg, 6, client_app=client_app)
 
@@ -57,14 +63,23 @@ def test_same_seed_same_per_client_accuracies_in_process_as_in_simulation(fedavg
 def fail_in_round_two(msg: Message, context: Context, call_next):
     """A Flower mod: partition 2 crashes while training in round 2."""
     config = msg.content.config_records.get("config", {})
-    if context.node_config["partition-id"] == 2 and msg.metadata.message_type == "train" and config.get("server-round") == 2:
+    if (
+        context.node_config["partition-id"] == 2
+        and msg.metadata.message_type == "train"
+        and config.get("server-round") == 2
+    ):
         raise RuntimeError("disk on fire")
     return call_next(msg, context)
 
 
 def test_a_node_failing_mid_round_is_left_out_and_the_run_completes(tmp_path):
-    results = _run(tmp_path, "fail", client_app=build_client_app(mods=[fail_in_round_two]), runner=run_in_process,
-                   **{"unseen-fraction": 0.0})  # fmt: skip
+    results = _run(
+        tmp_path,
+        "fail",
+        client_app=build_client_app(mods=[fail_in_round_two]),
+        runner=run_in_process,
+        **{"unseen-fraction": 0.0},
+    )
     assert results["complete"] and len(results["rounds"]) == 3
     [failure] = results["failures"]
     assert failure["round"] == 2 and failure["message_type"] == "train"
@@ -75,8 +90,14 @@ def test_a_node_failing_mid_round_is_left_out_and_the_run_completes(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["local", "fedavg-ft", "knnper"])
 def test_personalized_strategies_score_every_client(tmp_path, strategy):
-    results = _run(tmp_path, strategy, runner=run_in_process, strategy=strategy, partition="pathological:2",
-                   **{"num-server-rounds": 2})  # fmt: skip
+    results = _run(
+        tmp_path,
+        strategy,
+        runner=run_in_process,
+        strategy=strategy,
+        partition="pathological:2",
+        **{"num-server-rounds": 2},
+    )
     assert results["summary"]["unseen"]["num_clients"] == 1
     assert all(c["accuracy"] is not None for c in results["clients"])
     if strategy in ("fedavg-ft", "knnper"):

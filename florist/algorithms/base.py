@@ -126,4 +126,3 @@ def coerce(key: str, value: Any, kind: type) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ValueError(f"run-config key {key!r} expects {kind.__name__}, got {value!r} ({type(value).__name__})")
     return value
-

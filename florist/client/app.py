@@ -23,9 +23,14 @@ def info(node: Node, request: Request) -> RecordDict:
     d = node.data
     return protocol.content(
         config={"node-key": node.key, "input-shape": list(d.input_shape), "device": str(node.device)},
-        metrics={"num-train": len(d.x_train), "num-val": len(d.x_val), "num-test": len(d.x_test),
-                 "seen": int(node.seen), "labelled": int(d.labelled)},
-    )  # fmt: skip
+        metrics={
+            "num-train": len(d.x_train),
+            "num-val": len(d.x_val),
+            "num-test": len(d.x_test),
+            "seen": int(node.seen),
+            "labelled": int(d.labelled),
+        },
+    )
 
 
 def frame(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:

@@ -82,9 +82,16 @@ class Node:
             raise ValueError(f"node {self.key}: this strategy needs labelled data, but the node's data has no y")
         cfg, d = self.cfg, self.data
         augment = training.augmenter(cfg.augment, d.input_shape, *self.seed(salt, 0xA6))
-        settings = {"epochs": epochs, "batch_size": cfg.batch_size, "lr": lr or cfg.lr, "momentum": cfg.momentum,
-                    "weight_decay": cfg.weight_decay, "generator": self.generator(salt), "augment": augment,
-                    "device": self.device}  # fmt: skip
+        settings = {
+            "epochs": epochs,
+            "batch_size": cfg.batch_size,
+            "lr": lr or cfg.lr,
+            "momentum": cfg.momentum,
+            "weight_decay": cfg.weight_decay,
+            "generator": self.generator(salt),
+            "augment": augment,
+            "device": self.device,
+        }
         return training.train(model, d.x_train, d.y_train, **settings | options)
 
     def seed(self, *salt: int) -> tuple[int, ...]:
@@ -123,11 +130,18 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
     source = f"the server's {msg.metadata.message_type!r} message"
     if "strategy" in config:  # florist's server: exactly the declared keys
         spec = spec_of(str(config["strategy"]))
-        expected = {"server-round", "run-id", *RunConfig.keys(True), *spec.settings.keys(True), *exchange.request.keys()}
+        expected = {
+            "server-round",
+            "run-id",
+            *RunConfig.keys(True),
+            *spec.settings.keys(True),
+            *exchange.request.keys(),
+        }
         unknown, missing = sorted(set(config) - expected), sorted(expected - set(config))
         if unknown or missing:
-            raise protocol.ProtocolError(f"{source} does not match strategy {spec.name!r}: "
-                                         f"unknown keys {unknown}, missing keys {missing}")  # fmt: skip
+            raise protocol.ProtocolError(
+                f"{source} does not match strategy {spec.name!r}: unknown keys {unknown}, missing keys {missing}"
+            )
         shared = {*RunConfig.keys(True), *spec.settings.keys(True)}
         cfg = RunConfig.from_mapping({k: v for k, v in config.items() if k in shared})
         request = exchange.request.from_mapping(config, strict=True)
@@ -162,6 +176,11 @@ def _cached_folder(data_dir: str, num_classes: int, seed: int, val_fraction: flo
     """The node's folder, decoded once per machine (`common/datacache.py`): keyed by its file
     listing, so a changed file is decoded again."""
     root = Path(data_dir).expanduser()
-    key = {"data-dir": str(root.absolute()), "files": datacache.folder_fingerprint(root), "num-classes": num_classes,
-           "seed": seed, "val-fraction": val_fraction}  # fmt: skip
+    key = {
+        "data-dir": str(root.absolute()),
+        "files": datacache.folder_fingerprint(root),
+        "num-classes": num_classes,
+        "seed": seed,
+        "val-fraction": val_fraction,
+    }
     return datacache.cached(key, lambda: data_lib.folder_client(data_dir, num_classes, seed, val_fraction))

@@ -39,9 +39,7 @@ class NodeState:
 
     def __init__(self, root: str | Path | None, node_key: str, namespace: str = "", memory: RecordDict | None = None):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", node_key):
-            raise ValueError(
-                f"node key {node_key!r} must be 1-128 characters of letters, digits, '.', '_' or '-'"
-            )
+            raise ValueError(f"node key {node_key!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
         self.key, self.namespace = node_key, namespace
         self.folder = Path(root or default_root()).expanduser() / node_key
         self.memory = RecordDict() if memory is None else memory
@@ -80,8 +78,9 @@ class NodeState:
         except (ValueError, OSError) as err:
             raise ValueError(f"node state file {path} is unreadable ({err}); delete it to rebuild") from err
 
-    def save_round(self, name: str, arrays: Mapping[str, np.ndarray], run_id: int, server_round: int,
-                   **meta: Any) -> None:  # fmt: skip
+    def save_round(
+        self, name: str, arrays: Mapping[str, np.ndarray], run_id: int, server_round: int, **meta: Any
+    ) -> None:
         """Keep `arrays` (and small JSON `meta`) as `name` after `server_round` of run `run_id`.
         Of this run's other versions only the newest before this round stays: a server that
         dies before it checkpoints this round resumes from that one; later rounds' (a resumed
@@ -90,9 +89,11 @@ class NodeState:
         versions = self._versions(name)
         older = [r for (run, r) in versions if run == run_id and r < server_round]
         keep = {(run_id, server_round)} | ({(run_id, max(older))} if older else set())
-        by_age = sorted({run for run, _ in versions} - {run_id}, key=lambda run: max(
-            versions[v].stat().st_mtime for v in versions if v[0] == run))  # fmt: skip
-        keep |= {v for v in versions if v[0] in by_age[len(by_age) - OTHER_RUNS:]}
+        by_age = sorted(
+            {run for run, _ in versions} - {run_id},
+            key=lambda run: max(versions[v].stat().st_mtime for v in versions if v[0] == run),
+        )
+        keep |= {v for v in versions if v[0] in by_age[len(by_age) - OTHER_RUNS :]}
         for version in set(versions) - keep:
             versions[version].unlink(missing_ok=True)
 

@@ -110,10 +110,15 @@ class RunConfig(Settings):
             (self.strategy in SPECS, f"unknown strategy {self.strategy!r}; choose one of {', '.join(SPECS)}"),
             (self.num_server_rounds >= 0, "num-server-rounds must be >= 0"),
             (_parses(parse_partition, self.partition), f"partition must be {PARTITIONS}, got {self.partition!r}"),
-            (_parses(scenarios.parse_dataset, self.dataset), f"dataset must be {scenarios.DATASETS}, got {self.dataset!r}"),
+            (
+                _parses(scenarios.parse_dataset, self.dataset),
+                f"dataset must be {scenarios.DATASETS}, got {self.dataset!r}",
+            ),
             (_parses(scenarios.parse_shift, self.shift), f"shift must be {scenarios.SHIFTS}, got {self.shift!r}"),
-            (not self.partition.startswith("natural:") or _parses(scenarios.parse_dataset, self.dataset, "hub"),
-             f"partition {self.partition!r} needs a Hugging Face dataset or folder with that column"),
+            (
+                not self.partition.startswith("natural:") or _parses(scenarios.parse_dataset, self.dataset, "hub"),
+                f"partition {self.partition!r} needs a Hugging Face dataset or folder with that column",
+            ),
             (0 < self.fraction_train <= 1, "fraction-train must be in (0, 1]"),
             (self.min_train_nodes >= 1, "min-train-nodes must be >= 1"),
             (self.min_nodes >= 1, "min-nodes must be >= 1"),

@@ -87,8 +87,10 @@ def load_embedded(dataset: str) -> tuple[np.ndarray, np.ndarray]:
     return load_digits() if dataset == "digits" else load_mnist5k()
 
 
-PARTITIONS = ("'iid', 'dirichlet:ALPHA' (ALPHA > 0), 'pathological:K' (K classes per client, 1 <= K <= 10) or "
-              "'natural:COLUMN' (a dataset's own grouping, e.g. natural:writer_id)")
+PARTITIONS = (
+    "'iid', 'dirichlet:ALPHA' (ALPHA > 0), 'pathological:K' (K classes per client, 1 <= K <= 10) or "
+    "'natural:COLUMN' (a dataset's own grouping, e.g. natural:writer_id)"
+)
 
 
 def parse_partition(spec: str) -> tuple[str, float | int | str | None]:
@@ -110,7 +112,9 @@ def parse_partition(spec: str) -> tuple[str, float | int | str | None]:
     raise ValueError(f"partition {spec!r} is not one of {PARTITIONS}")
 
 
-def make_partitioner(spec: str, num_partitions: int, seed: int, min_partition_size: int = 10, partition_by: str = "label"):
+def make_partitioner(
+    spec: str, num_partitions: int, seed: int, min_partition_size: int = 10, partition_by: str = "label"
+):
     """A flwr-datasets partitioner from `iid`, `dirichlet:ALPHA` or `pathological:K`."""
     from flwr_datasets.partitioner import (
         DirichletPartitioner,
@@ -156,7 +160,11 @@ def embedded_public(size: int, seed: int, dataset: str = "digits") -> np.ndarray
 
 @functools.cache
 def partition_indices(
-    spec: str, num_partitions: int, seed: int, min_partition_size: int = 10, public_size: int = 0,
+    spec: str,
+    num_partitions: int,
+    seed: int,
+    min_partition_size: int = 10,
+    public_size: int = 0,
     dataset: str = "digits",
 ) -> tuple[np.ndarray, ...]:
     """Indices into an embedded dataset for each partition, leaving out the `public_size`
@@ -276,9 +284,7 @@ def folder_client(data_dir: str | Path, num_classes: int, seed: int, val_fractio
             "train.npz and test.npz (arrays x, and y when labelled) or ImageFolder trees train/ and test/"
         )
     if x_test.shape[1:] != x_train.shape[1:]:
-        raise ValueError(
-            f"{root}: test samples have shape {x_test.shape[1:]} but train samples {x_train.shape[1:]}"
-        )
+        raise ValueError(f"{root}: test samples have shape {x_test.shape[1:]} but train samples {x_train.shape[1:]}")
     if (y_train is None) != (y_test is None):
         raise ValueError(f"{root}: train and test must both be labelled or both unlabeled")
     if len(x_train) < 2:
@@ -303,8 +309,9 @@ def folder_public(public_dir: str | Path, num_classes: int) -> np.ndarray:
     if (root / "public.npz").is_file():
         return _read_npz(root / "public.npz", num_classes)[0]
     if not root.is_dir():
-        raise FileNotFoundError(f"public-dir {str(root)!r} does not exist; expected a folder holding public.npz "
-                                "(array x) or images")  # fmt: skip
+        raise FileNotFoundError(
+            f"public-dir {str(root)!r} does not exist; expected a folder holding public.npz (array x) or images"
+        )
     return _read_image_folder(root, num_classes)[0]
 
 
@@ -347,8 +354,10 @@ def _read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.nda
         try:
             folder = ImageFolder(str(path))
         except (FileNotFoundError, RuntimeError) as err:
-            raise ValueError(f"{path} is not a valid ImageFolder tree (one sub-folder of images per class) nor a "
-                             f"folder of images: {err}") from err  # fmt: skip
+            raise ValueError(
+                f"{path} is not a valid ImageFolder tree (one sub-folder of images per class) nor a "
+                f"folder of images: {err}"
+            ) from err
         files, y = [f for f, _ in folder.samples], np.asarray(folder.targets)
     images = [_load_image(f) for f in files]
     shapes = {im.shape for im in images}

@@ -56,11 +56,16 @@ def verify() -> None:
     problems = [] if flwr.__version__ == PINNED else [f"version {flwr.__version__}"]
     source = inspect.getsource(sci)
     problems += [f"no `{s}` in start_client_internal" for s in ("time.sleep(3)", "time.sleep(0.5)") if s not in source]
-    problems += [f"no {n} in start_client_internal" for n in ("_pull_and_store_message", "_push_messages", "time")
-                 if not hasattr(sci, n)]  # fmt: skip
-    problems += [f"start_client_internal no longer calls {call}(... {keyword}=...)"
-                 for call, keyword in (("_pull_and_store_message", "receive"), ("_push_messages", "send"))
-                 if not re.search(rf"{call}\([^)]*\b{keyword}={keyword},", source)]  # fmt: skip
+    problems += [
+        f"no {n} in start_client_internal"
+        for n in ("_pull_and_store_message", "_push_messages", "time")
+        if not hasattr(sci, n)
+    ]
+    problems += [
+        f"start_client_internal no longer calls {call}(... {keyword}=...)"
+        for call, keyword in (("_pull_and_store_message", "receive"), ("_push_messages", "send"))
+        if not re.search(rf"{call}\([^)]*\b{keyword}={keyword},", source)
+    ]
     from flwr.supercore.inflatable import inflatable_utils
 
     for pull in (inflatable_utils.pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
@@ -84,15 +89,24 @@ def verify() -> None:
     from flwr.superlink.cli import flwr_serverapp
     from flwr.superlink.runtime import run_serverapp as flower_run_serverapp
 
-    expected = ["runtime_api_address", "log_queue", "token", "insecure", "certificates", "parent_pid",
-                "runtime_dependency_install"]  # fmt: skip
+    expected = [
+        "runtime_api_address",
+        "log_queue",
+        "token",
+        "insecure",
+        "certificates",
+        "parent_pid",
+        "runtime_dependency_install",
+    ]
     if list(inspect.signature(flower_run_serverapp).parameters) != expected:
         problems.append("run_serverapp's parameters changed")
     if "mirror_output_to_queue(log_queue)" not in inspect.getsource(flwr_serverapp):
         problems.append("flwr-serverapp no longer mirrors its output with mirror_output_to_queue")
     if problems:
-        raise RuntimeError(f"florist's deployment fast path was written for Flower {PINNED}; the installed Flower "
-                           f"{flwr.__version__} differs: {'; '.join(problems)}")  # fmt: skip
+        raise RuntimeError(
+            f"florist's deployment fast path was written for Flower {PINNED}; the installed Flower "
+            f"{flwr.__version__} differs: {'; '.join(problems)}"
+        )
 
 
 class _PacedTime:
@@ -123,8 +137,9 @@ def quick_object_pulls() -> None:
 _poll = threading.local()  # the bounds and hook of the `pull_replies` this thread runs
 
 
-def pull_replies(grid: Any, message_ids: list[str], until: float, at_least: float,
-                 on_objects: Callable[[], None] = lambda: None) -> list[Any]:  # fmt: skip
+def pull_replies(
+    grid: Any, message_ids: list[str], until: float, at_least: float, on_objects: Callable[[], None] = lambda: None
+) -> list[Any]:
     """`grid.pull_messages(message_ids)`, except that the deployment Grid gives up on a reply
     whose objects are not all there at `until` (`time.monotonic()`), though never sooner than
     `at_least` seconds after it starts pulling them, and calls `on_objects()` whenever it starts:
@@ -235,9 +250,11 @@ def runtime_client(address: str, root_certificates: str | None):
     from flwr.supercore.runtime import RuntimeHttpClient
 
     return RuntimeHttpClient.from_server_address(
-        server_address=address, insecure=root_certificates is None, root_certificates=root_certificates,
+        server_address=address,
+        insecure=root_certificates is None,
+        root_certificates=root_certificates,
         interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
-    )  # fmt: skip
+    )
 
 
 def acquire_task(client) -> tuple[str, Any] | None:
@@ -250,7 +267,7 @@ def acquire_task(client) -> tuple[str, Any] | None:
 
 
 def app_component(task) -> str | None:
-    """"clientapp" or "serverapp" (its key in [tool.flwr.app.components]) for a task that runs
+    """ "clientapp" or "serverapp" (its key in [tool.flwr.app.components]) for a task that runs
     one, None for any other (a simulation)."""
     from flwr.supercore.constant import TaskType
 
@@ -262,7 +279,13 @@ def stock_command(task, address: str, token: str, root_certificates: str | None,
     from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG, TASK_TYPE_TO_COMMAND, TaskType
 
     task_type = TaskType(task.type)
-    command = [TASK_TYPE_TO_COMMAND[task_type], TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[task_type], address, "--token", token]
+    command = [
+        TASK_TYPE_TO_COMMAND[task_type],
+        TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[task_type],
+        address,
+        "--token",
+        token,
+    ]
     command += ["--root-certificates", root_certificates] if root_certificates else ["--insecure"]
     return command + ["--parent-pid", str(parent_pid)]
 
@@ -274,8 +297,14 @@ def run_clientapp(address: str, token: str, root_certificates: str | None, paren
     from flwr.supernode.runtime.run_clientapp import run_clientapp as flower_run_clientapp
 
     certificates = Path(root_certificates).read_bytes() if root_certificates else None
-    flower_run_clientapp(runtime_api_address=address, token=token, insecure=certificates is None,
-                         certificates=certificates, parent_pid=parent_pid, runtime_dependency_install=False)  # fmt: skip
+    flower_run_clientapp(
+        runtime_api_address=address,
+        token=token,
+        insecure=certificates is None,
+        certificates=certificates,
+        parent_pid=parent_pid,
+        runtime_dependency_install=False,
+    )
 
 
 def run_serverapp(address: str, token: str, root_certificates: str | None, parent_pid: int) -> None:
@@ -293,9 +322,15 @@ def run_serverapp(address: str, token: str, root_certificates: str | None, paren
     mirror_output_to_queue(log_queue)
     certificates = Path(root_certificates).read_bytes() if root_certificates else None
     try:
-        flower_run_serverapp(runtime_api_address=address, log_queue=log_queue, token=token,
-                             insecure=certificates is None, certificates=certificates, parent_pid=parent_pid,
-                             runtime_dependency_install=False)  # fmt: skip
+        flower_run_serverapp(
+            runtime_api_address=address,
+            log_queue=log_queue,
+            token=token,
+            insecure=certificates is None,
+            certificates=certificates,
+            parent_pid=parent_pid,
+            runtime_dependency_install=False,
+        )
     finally:
         restore_output()
 
@@ -318,9 +353,11 @@ def online_node_ids(address: str, root_certificates: str | None) -> list[int]:
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
     client = ControlHttpClient.from_server_address(
-        server_address=address, insecure=root_certificates is None, root_certificates=root_certificates,
+        server_address=address,
+        insecure=root_certificates is None,
+        root_certificates=root_certificates,
         interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")],
-    )  # fmt: skip
+    )
     try:
         return sorted(n.node_id for n in client.ListNodes(ListNodesRequest()).nodes_info if n.status == "online")
     finally:
@@ -341,8 +378,11 @@ def publishable_files(root: Path) -> dict[str, Path]:
     files: dict[str, Path] = {}
     for folder, subfolders, names in os.walk(root):
         here = Path(folder).relative_to(root)
-        subfolders[:] = [d for d in subfolders
-                         if not Path(folder, d).is_symlink() and not ignored.match_file(f"{(here / d).as_posix()}/")]  # fmt: skip
+        subfolders[:] = [
+            d
+            for d in subfolders
+            if not Path(folder, d).is_symlink() and not ignored.match_file(f"{(here / d).as_posix()}/")
+        ]
         files |= {(here / n).as_posix(): Path(folder, n) for n in names if not Path(folder, n).is_symlink()}
     return filter_paths_for_publish(files)
 

@@ -47,9 +47,11 @@ def federated(spec: str, partition: str, num_partitions: int, seed: int, label_c
     source = str(Path(spec).expanduser()) if Path(spec).expanduser().exists() else spec
     try:
         return FederatedDataset(dataset=source, partitioners={"train": partitioner}, shuffle=True, seed=seed)
-    except Exception as err:  # noqa: BLE001 (datasets raises many kinds; each means the same to a user)
-        raise ValueError(f"dataset {spec!r} cannot be loaded ({type(err).__name__}: {err}); give a Hugging Face "
-                         "dataset id or a local folder that datasets.load_dataset reads") from None  # fmt: skip
+    except Exception as err:
+        raise ValueError(
+            f"dataset {spec!r} cannot be loaded ({type(err).__name__}: {err}); give a Hugging Face "
+            "dataset id or a local folder that datasets.load_dataset reads"
+        ) from None
 
 
 def columns(features: dict[str, Any], image_column: str, label_column: str) -> tuple[str, str]:
@@ -66,8 +68,9 @@ def columns(features: dict[str, Any], image_column: str, label_column: str) -> t
     return image, label
 
 
-def to_arrays(rows, image: str, label: str, report: Callable[[int], None] | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+def to_arrays(
+    rows, image: str, label: str, report: Callable[[int], None] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(x, y) of a `datasets.Dataset`: images as uint8 C×H×W (grayscale keeps one channel),
     numbers as float32; decoded `DECODE_CHUNK` rows at a time, `report(rows done)` after each."""
     parts = []
@@ -82,18 +85,31 @@ def to_arrays(rows, image: str, label: str, report: Callable[[int], None] | None
     return np.concatenate(parts), np.asarray(rows[label], dtype=np.int64)
 
 
-def hub_client(partition_id: int, num_partitions: int, cfg, report: Callable[[int, int], None] | None = None
-               ) -> data_lib.ClientData:  # fmt: skip
+def hub_client(
+    partition_id: int, num_partitions: int, cfg, report: Callable[[int, int], None] | None = None
+) -> data_lib.ClientData:
     """Client `partition_id`'s partition of `cfg.dataset`, split like the embedded digits and
     checked like a node's own folder; decoded once per machine (`common/datacache.py`), keyed by
     the dataset's id or the folder's file listing and everything the partition depends on.
     `report(done, total)` follows the decoding when it happens; a node logs it instead."""
     source = Path(cfg.dataset).expanduser()
     local = source.is_dir()
-    origin = {"folder": str(source.resolve()), "files": datacache.folder_fingerprint(source)} if local else {"hub": cfg.dataset}
-    key = origin | {"partition": cfg.partition, "num-partitions": num_partitions, "partition-id": partition_id,
-                    "seed": cfg.seed, "image-column": cfg.image_column, "label-column": cfg.label_column,
-                    "val-fraction": cfg.val_fraction, "test-fraction": cfg.test_fraction, "num-classes": cfg.num_classes}
+    origin = (
+        {"folder": str(source.resolve()), "files": datacache.folder_fingerprint(source)}
+        if local
+        else {"hub": cfg.dataset}
+    )
+    key = origin | {
+        "partition": cfg.partition,
+        "num-partitions": num_partitions,
+        "partition-id": partition_id,
+        "seed": cfg.seed,
+        "image-column": cfg.image_column,
+        "label-column": cfg.label_column,
+        "val-fraction": cfg.val_fraction,
+        "test-fraction": cfg.test_fraction,
+        "num-classes": cfg.num_classes,
+    }
     report = report or _logger(cfg.dataset, partition_id)
     return datacache.cached(key, lambda: _decode(partition_id, num_partitions, cfg, report))
 
@@ -116,10 +132,13 @@ def _decode(partition_id: int, num_partitions: int, cfg, report: Callable[[int, 
     try:
         rows = fds.load_partition(partition_id, "train")
     except (ValueError, KeyError) as err:
-        raise ValueError(f"dataset {cfg.dataset!r}: partition {partition_id} of {cfg.partition!r} cannot be loaded "
-                         f"({err})") from None  # fmt: skip
+        raise ValueError(
+            f"dataset {cfg.dataset!r}: partition {partition_id} of {cfg.partition!r} cannot be loaded ({err})"
+        ) from None
     image, label = columns(rows.features, cfg.image_column, cfg.label_column)
     x, y = to_arrays(rows, image, label, lambda done: report(done, len(rows)))
     x, y = data_lib.check_arrays(f"dataset {cfg.dataset!r}, partition {partition_id}", x, y, cfg.num_classes)
-    train, val, test = data_lib.split_indices(len(x), cfg.val_fraction, cfg.test_fraction, cfg.seed * 100_003 + partition_id)
+    train, val, test = data_lib.split_indices(
+        len(x), cfg.val_fraction, cfg.test_fraction, cfg.seed * 100_003 + partition_id
+    )
     return data_lib.ClientData(x[train], y[train], x[val], y[val], x[test], y[test], cfg.num_classes)

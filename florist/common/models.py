@@ -32,11 +32,15 @@ class SmallCNN(Net):
         super().__init__()
         channels, height, side = in_shape
         self.body = nn.Sequential(
-            nn.Conv2d(channels, width, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2), nn.Flatten(),
-            nn.Linear(2 * width * (height // 2) * (side // 2), hidden), nn.ReLU(),
-        )  # fmt: skip
+            nn.Conv2d(channels, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(2 * width * (height // 2) * (side // 2), hidden),
+            nn.ReLU(),
+        )
         self.head = nn.Linear(hidden, num_classes)
 
 
@@ -48,11 +52,18 @@ class LeNet(Net):
         channels, size, _ = in_shape
         side = ((size - 4) // 2 - 4) // 2
         self.body = nn.Sequential(
-            nn.Conv2d(channels, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-            nn.Linear(32 * side * side, 120), nn.ReLU(),
-            nn.Linear(120, 84), nn.ReLU(),
-        )  # fmt: skip
+            nn.Conv2d(channels, 16, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 5),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32 * side * side, 120),
+            nn.ReLU(),
+            nn.Linear(120, 84),
+            nn.ReLU(),
+        )
         self.head = nn.Linear(84, num_classes)
 
 
@@ -63,9 +74,11 @@ class MLP(Net):
         super().__init__()
         self.body = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(math.prod(in_shape), hidden[0]), nn.ReLU(),
-            nn.Linear(hidden[0], hidden[1]), nn.ReLU(),
-        )  # fmt: skip
+            nn.Linear(math.prod(in_shape), hidden[0]),
+            nn.ReLU(),
+            nn.Linear(hidden[0], hidden[1]),
+            nn.ReLU(),
+        )
         self.head = nn.Linear(hidden[1], num_classes)
 
 

@@ -77,7 +77,7 @@ def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayReco
     try:
         dims = [tuple(int(d) for d in str(shape).split(",") if d) for shape in shapes]
         flat = {dtype: array.numpy() for dtype, array in record.items()}
-    except Exception as err:  # noqa: BLE001 (int() on a shape, or whatever numpy raises on bytes that are no array)
+    except Exception as err:
         raise PackingError(f"{where}: shapes must be comma-separated integers and arrays decodable ({err})") from err
     if any(values.ndim != 1 for values in flat.values()):
         raise PackingError(f"{where}: packed arrays must be flat")
@@ -92,5 +92,7 @@ def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayReco
         arrays[str(key)] = Array(flat[dtype][offsets[dtype] : offsets[dtype] + size].reshape(shape).copy())
         offsets[dtype] += size
     if any(offsets[dtype] != values.size for dtype, values in flat.items()):
-        raise PackingError(f"{where}: {sum(v.size for v in flat.values())} values for a layout of {sum(offsets.values())}")
+        raise PackingError(
+            f"{where}: {sum(v.size for v in flat.values())} values for a layout of {sum(offsets.values())}"
+        )
     return ArrayRecord(arrays)

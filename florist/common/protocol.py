@@ -38,7 +38,7 @@ def tensors_of(record: ArrayRecord, source: str) -> dict[str, torch.Tensor]:
     """The arrays of `record` as tensors; ProtocolError when one does not decode."""
     try:
         return record.to_torch_state_dict()
-    except Exception as err:  # noqa: BLE001 (whatever numpy or torch raise on bytes that are no array)
+    except Exception as err:
         raise ProtocolError(f"{source}: an array does not decode ({type(err).__name__}: {err})") from err
 
 
@@ -123,7 +123,9 @@ def handler_seconds(reply: RecordDict, part: str = "handler") -> float:
 
 
 def content(
-    arrays: ArrayRecord | None = None, config: Mapping | None = None, metrics: Mapping | None = None,
+    arrays: ArrayRecord | None = None,
+    config: Mapping | None = None,
+    metrics: Mapping | None = None,
     side: ArrayRecord | None = None,
 ) -> RecordDict:
     """A RecordDict with the standard keys, leaving out what is None."""

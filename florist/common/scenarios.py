@@ -17,8 +17,10 @@ import numpy as np
 from florist.common import data as data_lib
 
 SHIFTS = "'none', 'relabel:K' or 'rotate:K' (K >= 1 clusters of clients)"
-DATASETS = ("'digits', 'mnist5k', 'synthetic:ALPHA,BETA' (ALPHA, BETA >= 0), a Hugging Face dataset id "
-            "(OWNER/NAME) or a local folder")
+DATASETS = (
+    "'digits', 'mnist5k', 'synthetic:ALPHA,BETA' (ALPHA, BETA >= 0), a Hugging Face dataset id "
+    "(OWNER/NAME) or a local folder"
+)
 SYNTHETIC_FEATURES, SYNTHETIC_CLASSES = 60, 10
 MAX_SYNTHETIC_SIZE = 5000  # FedProx's log-normal sizes have a heavy tail; a client holds at most this many
 
@@ -86,19 +88,26 @@ def shifted(data: data_lib.ClientData, shift: str, cluster: int, seed: int) -> d
     if kind == "relabel":
         pi = label_permutation(cluster, data.num_classes, seed)
         relabel = lambda y: None if y is None else pi[y]  # noqa: E731
-        return dataclasses.replace(data, y_train=relabel(data.y_train), y_val=relabel(data.y_val),
-                                   y_test=relabel(data.y_test), cluster=cluster)  # fmt: skip
+        return dataclasses.replace(
+            data, y_train=relabel(data.y_train), y_val=relabel(data.y_val), y_test=relabel(data.y_test), cluster=cluster
+        )
     if kind == "rotate":
         if len(data.input_shape) != 3:
             raise ValueError(f"shift {shift!r} rotates images, but the samples have shape {data.input_shape}")
         angle = cluster * 360.0 / clusters
-        return dataclasses.replace(data, x_train=rotate(data.x_train, angle), x_val=rotate(data.x_val, angle),
-                                   x_test=rotate(data.x_test, angle), cluster=cluster)  # fmt: skip
+        return dataclasses.replace(
+            data,
+            x_train=rotate(data.x_train, angle),
+            x_val=rotate(data.x_val, angle),
+            x_test=rotate(data.x_test, angle),
+            cluster=cluster,
+        )
     return data
 
 
-def synthetic_client(partition_id: int, alpha: float, beta: float, seed: int, val_fraction: float,
-                     test_fraction: float) -> data_lib.ClientData:  # fmt: skip
+def synthetic_client(
+    partition_id: int, alpha: float, beta: float, seed: int, val_fraction: float, test_fraction: float
+) -> data_lib.ClientData:
     """Client `partition_id` of Synthetic(α, β) (Li et al., FedProx, MLSys 2020, as in its
     data generator): its own softmax model W, b ~ N(u, 1) with u ~ N(0, α²), its own feature
     mean v ~ N(B, 1) with B ~ N(0, β²), x ~ N(v, Σ) with Σ_jj = j^(−1.2), y = argmax(Wx + b);
@@ -129,9 +138,17 @@ def client_data(partition_id: int, num_partitions: int, cfg) -> data_lib.ClientD
 
         data = hub_client(partition_id, num_partitions, cfg)
     else:
-        data = data_lib.embedded_client(partition_id, num_partitions, cfg.partition, cfg.seed, cfg.val_fraction,
-                                        cfg.test_fraction, cfg.min_partition_size, public_size=cfg.public_size,
-                                        dataset=cfg.dataset)  # fmt: skip
+        data = data_lib.embedded_client(
+            partition_id,
+            num_partitions,
+            cfg.partition,
+            cfg.seed,
+            cfg.val_fraction,
+            cfg.test_fraction,
+            cfg.min_partition_size,
+            public_size=cfg.public_size,
+            dataset=cfg.dataset,
+        )
     shift, clusters = parse_shift(cfg.shift)
     if shift == "none":
         return data

@@ -138,7 +138,9 @@ def batches(n: int, batch_size: int, generator: torch.Generator | None) -> Itera
 
 
 @torch.no_grad()
-def _outputs(model: nn.Module, x: np.ndarray, device: torch.device | str, batch_size: int, features: bool) -> np.ndarray:
+def _outputs(
+    model: nn.Module, x: np.ndarray, device: torch.device | str, batch_size: int, features: bool
+) -> np.ndarray:
     """`model(x)` (or `model.features(x)`) in chunks on `device`, as float32 numpy."""
     with on_device(model, device) as device:
         model.eval()
@@ -147,12 +149,16 @@ def _outputs(model: nn.Module, x: np.ndarray, device: torch.device | str, batch_
     return torch.cat(chunks).numpy().astype(np.float32)
 
 
-def predict_logits(model: nn.Module, x: np.ndarray, batch_size: int = 512, device: torch.device | str = "cpu") -> np.ndarray:
+def predict_logits(
+    model: nn.Module, x: np.ndarray, batch_size: int = 512, device: torch.device | str = "cpu"
+) -> np.ndarray:
     """The model's outputs before the softmax, float32 N×C."""
     return _outputs(model, x, device, batch_size, features=False)
 
 
-def predict_proba(model: nn.Module, x: np.ndarray, batch_size: int = 512, device: torch.device | str = "cpu") -> np.ndarray:
+def predict_proba(
+    model: nn.Module, x: np.ndarray, batch_size: int = 512, device: torch.device | str = "cpu"
+) -> np.ndarray:
     """Class probabilities, N×C."""
     return F.softmax(torch.from_numpy(predict_logits(model, x, batch_size, device)), dim=1).numpy()
 

@@ -17,8 +17,9 @@ VALID_DAYS = 365
 
 
 def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "florist"),
-                      x509.NameAttribute(NameOID.COMMON_NAME, common_name)])  # fmt: skip
+    return x509.Name(
+        [x509.NameAttribute(NameOID.ORGANIZATION_NAME, "florist"), x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    )
 
 
 def _san(host: str) -> x509.GeneralName:
@@ -36,36 +37,45 @@ def _write(path: Path, data: bytes, private: bool = False) -> Path:
 
 
 def _pem_key(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
-                             serialization.NoEncryption())  # fmt: skip
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+    )
 
 
 def make_ca_and_server(out: Path, hosts: list[str]) -> dict[str, Path]:
     """`ca.crt`/`ca.key` and `server.pem`/`server.key` valid for `hosts` (plus 127.0.0.1, which
     the SuperLink's own ServerApp process dials)."""
     hosts = list(dict.fromkeys([h.strip() for h in hosts if h.strip()] + ["127.0.0.1"]))
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
 
     ca_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     ca_cert = (
-        x509.CertificateBuilder().subject_name(_name("florist CA")).issuer_name(_name("florist CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(end)
+        x509.CertificateBuilder()
+        .subject_name(_name("florist CA"))
+        .issuer_name(_name("florist CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     server_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     server_cert = (
-        x509.CertificateBuilder().subject_name(_name(hosts[0])).issuer_name(ca_cert.subject)
-        .public_key(server_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(end)
+        x509.CertificateBuilder()
+        .subject_name(_name(hosts[0]))
+        .issuer_name(ca_cert.subject)
+        .public_key(server_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
         .add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     out.mkdir(parents=True, exist_ok=True)
     pem = serialization.Encoding.PEM
     return {
@@ -81,8 +91,11 @@ def covers(server_cert: Path, hosts: list[str]) -> bool:
     SAN: one made for another address (a network since remade) must be made again."""
     if not server_cert.exists():
         return False
-    names = x509.load_pem_x509_certificate(server_cert.read_bytes()).extensions.get_extension_for_class(
-        x509.SubjectAlternativeName).value  # fmt: skip
+    names = (
+        x509.load_pem_x509_certificate(server_cert.read_bytes())
+        .extensions.get_extension_for_class(x509.SubjectAlternativeName)
+        .value
+    )
     return all(_san(h) in names for h in hosts)
 
 
@@ -91,8 +104,9 @@ def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
     `flower-supernode --auth-supernode-private-key` read): `name` and `name.pub`."""
     key = ec.generate_private_key(ec.SECP384R1())
     out.mkdir(parents=True, exist_ok=True)
-    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                serialization.NoEncryption())  # fmt: skip
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     return _write(out / name, private, private=True), _write(out / f"{name}.pub", public + b"\n")
 

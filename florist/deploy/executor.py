@@ -59,8 +59,8 @@ from pathlib import Path
 
 from florist.client.deadline import DISPOSABLE
 from florist.common import flower_internals
-from florist.common.processes import send
 from florist.common.pacing import Backoff
+from florist.common.processes import send
 
 log = logging.getLogger("florist.executor")
 
@@ -137,12 +137,17 @@ class PreloadedApp:
             return f"its pyproject.toml is unreadable ({err!r})"
         if not ref.startswith(f"{self.package}."):  # every module of the package was imported
             return f"its {component} {ref!r} is not in the preloaded package {self.package}"
-        if self.distribution and (_normal(project[0]), project[1]) != (_normal(self.distribution[0]), self.distribution[1]):
+        if self.distribution and (_normal(project[0]), project[1]) != (
+            _normal(self.distribution[0]),
+            self.distribution[1],
+        ):
             return f"it is {project[0]} {project[1]}, the installed package is {' '.join(self.distribution)}"
         theirs = {p.relative_to(fab_dir).as_posix(): _digest(p) for p in (fab_dir / self.package).rglob("*.py")}
         changed = sorted(k for k in theirs.keys() | self.files.keys() if theirs.get(k) != self.files.get(k))
         if changed:
-            return f"{len(changed)} of its {self.package} files differ from the preloaded ones ({', '.join(changed[:3])})"
+            return (
+                f"{len(changed)} of its {self.package} files differ from the preloaded ones ({', '.join(changed[:3])})"
+            )
         return None
 
 
@@ -172,9 +177,16 @@ class Child:
 class WarmExecutor:
     """Acquires the SuperNode's tasks and runs each in a forked child or a stock process."""
 
-    def __init__(self, address: str, app: PreloadedApp, root_certificates: str | None = None,
-                 parent_pid: int | None = None, wake_fd: int | None = None, done_fd: int | None = None,
-                 lifeline: socket.socket | None = None):  # fmt: skip
+    def __init__(
+        self,
+        address: str,
+        app: PreloadedApp,
+        root_certificates: str | None = None,
+        parent_pid: int | None = None,
+        wake_fd: int | None = None,
+        done_fd: int | None = None,
+        lifeline: socket.socket | None = None,
+    ):
         """`wake_fd`: readable when the SuperNode has pulled a message (else the executor only
         polls); `done_fd`: where each child tells the SuperNode that its reply is there;
         `lifeline`: a connection the SuperNode holds while it wants this executor (a forked
@@ -240,8 +252,12 @@ class WarmExecutor:
             if fab is None:
                 return "its app bundle is not installed here yet"
             verdict = self.verdicts[key] = self.app.mismatch(fab, component)
-            log.info("app bundle %s (%s): %s", task.fab_hash[:8], fab.name,
-                     "the preloaded app, served warm" if verdict is None else f"not the preloaded app: {verdict}")
+            log.info(
+                "app bundle %s (%s): %s",
+                task.fab_hash[:8],
+                fab.name,
+                "the preloaded app, served warm" if verdict is None else f"not the preloaded app: {verdict}",
+            )
         if self.verdicts[key]:
             return "not the preloaded app"
         if (threads := os_threads()) > 1:
@@ -253,14 +269,21 @@ class WarmExecutor:
         if reason is None:
             pid, child = self.fork(token, task), Child(task.task_id, "warm")
         else:
-            command = flower_internals.stock_command(task, self.address, token, self.root_certificates,
-                                                     self.watched(task, os.getpid()))  # fmt: skip
+            command = flower_internals.stock_command(
+                task, self.address, token, self.root_certificates, self.watched(task, os.getpid())
+            )
             popen = subprocess.Popen(command, env=os.environ | {DISPOSABLE: "1"})
             pid, child = popen.pid, Child(task.task_id, "stock", popen)
         self.children[pid] = child
         self.served[child.kind] += 1
-        log.info("task %d of run %d: %s process %d%s", task.task_id, task.run_id, child.kind, pid,
-                 f" ({reason})" if reason else "")  # fmt: skip
+        log.info(
+            "task %d of run %d: %s process %d%s",
+            task.task_id,
+            task.run_id,
+            child.kind,
+            pid,
+            f" ({reason})" if reason else "",
+        )
 
     def fork(self, token: str, task) -> int:
         """A child that runs the task through Flower's ClientApp or ServerApp runtime and exits."""
@@ -276,7 +299,9 @@ class WarmExecutor:
             if self.lifeline is not None:  # a child holding it would keep its executor "alive"
                 self.lifeline.close()
             if flower_internals.app_component(task) == "serverapp":
-                flower_internals.run_serverapp(self.address, token, self.root_certificates, self.watched(task, os.getppid()))
+                flower_internals.run_serverapp(
+                    self.address, token, self.root_certificates, self.watched(task, os.getppid())
+                )
             else:
                 os.environ[DISPOSABLE] = "1"
                 flower_internals.run_clientapp(self.address, token, self.root_certificates, parent_pid=os.getppid())
@@ -306,7 +331,9 @@ class WarmExecutor:
                 status, cpu = child.popen.poll(), None
             else:
                 done, raw, usage = os.wait4(pid, os.WNOHANG)
-                status, cpu = (os.waitstatus_to_exitcode(raw), usage.ru_utime + usage.ru_stime) if done else (None, None)
+                status, cpu = (
+                    (os.waitstatus_to_exitcode(raw), usage.ru_utime + usage.ru_stime) if done else (None, None)
+                )
             if status is None:
                 continue
             del self.children[pid]
@@ -350,13 +377,21 @@ def _notify(fd: int) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m florist.deploy.executor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runtime-api-address", required=True, help="the SuperNode's (SuperLink's) Runtime API, HOST:PORT")
+    parser.add_argument(
+        "--runtime-api-address", required=True, help="the SuperNode's (SuperLink's) Runtime API, HOST:PORT"
+    )
     parser.add_argument("--root-certificates", help="CA of the Runtime API's TLS certificate (default: plain HTTP)")
-    parser.add_argument("--parent-pid", type=int, help="the SuperNode or SuperLink: a ServerApp's run ends with it; "
-                        "without a lifeline it must be our parent, and we exit when it is gone")  # fmt: skip
+    parser.add_argument(
+        "--parent-pid",
+        type=int,
+        help="the SuperNode or SuperLink: a ServerApp's run ends with it; "
+        "without a lifeline it must be our parent, and we exit when it is gone",
+    )
     parser.add_argument("--wake-fd", type=int, help="pipe that becomes readable when the SuperNode pulled a message")
     parser.add_argument("--done-fd", type=int, help="pipe to tell the SuperNode a reply is ready")
-    parser.add_argument("--app", default=DEFAULT_APP, help=f"the ClientApp to preload, module:attribute (default: {DEFAULT_APP})")
+    parser.add_argument(
+        "--app", default=DEFAULT_APP, help=f"the ClientApp to preload, module:attribute (default: {DEFAULT_APP})"
+    )
     return parser.parse_args(argv)
 
 
@@ -376,12 +411,19 @@ def preload(ref: str) -> PreloadedApp:
 
 def serve(args: argparse.Namespace, app: PreloadedApp, lifeline: socket.socket | None = None) -> int:
     """Serve the SuperNode that `args` name, with `app` preloaded, until stopped."""
-    executor = WarmExecutor(args.runtime_api_address, app, args.root_certificates, args.parent_pid, args.wake_fd,
-                            args.done_fd, lifeline)  # fmt: skip
+    executor = WarmExecutor(
+        args.runtime_api_address, app, args.root_certificates, args.parent_pid, args.wake_fd, args.done_fd, lifeline
+    )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, executor.stop)
-    log.info("warm executor for %s (process %d, %d thread(s)) serving %s%s", app.ref, os.getpid(), os_threads(),
-             args.runtime_api_address, ", forked by the fork server" if lifeline else "")  # fmt: skip
+    log.info(
+        "warm executor for %s (process %d, %d thread(s)) serving %s%s",
+        app.ref,
+        os.getpid(),
+        os_threads(),
+        args.runtime_api_address,
+        ", forked by the fork server" if lifeline else "",
+    )
     executor.serve()
     return 0
 

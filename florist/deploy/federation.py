@@ -20,9 +20,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 from florist.common import devices
@@ -42,11 +42,16 @@ def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
     # Flower starts `flower-superexec`, `flwr-serverapp` and `flwr-clientapp` by name: put this
     # environment's scripts first on PATH, so it works without an activated virtualenv.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return os.environ | ({"FLWR_HOME": str(flwr_home)} if flwr_home else {}) | {"PATH": path} | {
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    }
+    return (
+        os.environ
+        | ({"FLWR_HOME": str(flwr_home)} if flwr_home else {})
+        | {"PATH": path}
+        | {
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        }
+    )
 
 
 def free_port() -> int:
@@ -59,7 +64,11 @@ def supernode_command(executor: str, preload: str | None = None, fork_server: Pa
     """`florist supernode --executor EXECUTOR [--preload APP] [--fork-server SOCKET]`, run by
     this Python (no activated venv needed); `flower-supernode`'s options follow."""
     command = [sys.executable, "-m", "florist", "supernode", "--executor", executor]
-    return command + (["--preload", preload] if preload else []) + (["--fork-server", str(fork_server)] if fork_server else [])
+    return (
+        command
+        + (["--preload", preload] if preload else [])
+        + (["--fork-server", str(fork_server)] if fork_server else [])
+    )
 
 
 def flower_bin(name: str) -> str:
@@ -117,8 +126,9 @@ def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None, cw
     """Start `args` in its own session (so Ctrl-C reaches us first and `stop` can clean up its
     process group), output appended to `log_path`."""
     with open(log_path, "ab") as handle:
-        popen = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=env or flower_env(),
-                                 cwd=cwd, start_new_session=True)  # fmt: skip
+        popen = subprocess.Popen(
+            args, stdout=handle, stderr=subprocess.STDOUT, env=env or flower_env(), cwd=cwd, start_new_session=True
+        )
     return Process(log_path.stem, popen, log_path)
 
 
@@ -242,13 +252,31 @@ class LocalFederation:
             self.superexec.stop(grace=5.0)
             self.superexec = None
         security = (
-            ["--ssl-ca-certfile", str(self.certs / "ca.crt"), "--ssl-certfile", str(self.certs / "server.pem"),
-             "--ssl-keyfile", str(self.certs / "server.key")] if self.tls else ["--insecure"]
-        )  # fmt: skip
-        args = [flower_bin("flower-superlink"), *security, *(["--enable-supernode-auth"] if self.auth else []),
-                "--fleet-api-address", self.fleet_address, "--host", "127.0.0.1", "--port", str(self.control_port),
-                "--disable-runtime-dependency-installation", *(["--database", str(self.database)] if self.persistent else []),
-                *(["--isolation", "process"] if self.fork_socket else [])]  # fmt: skip
+            [
+                "--ssl-ca-certfile",
+                str(self.certs / "ca.crt"),
+                "--ssl-certfile",
+                str(self.certs / "server.pem"),
+                "--ssl-keyfile",
+                str(self.certs / "server.key"),
+            ]
+            if self.tls
+            else ["--insecure"]
+        )
+        args = [
+            flower_bin("flower-superlink"),
+            *security,
+            *(["--enable-supernode-auth"] if self.auth else []),
+            "--fleet-api-address",
+            self.fleet_address,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.control_port),
+            "--disable-runtime-dependency-installation",
+            *(["--database", str(self.database)] if self.persistent else []),
+            *(["--isolation", "process"] if self.fork_socket else []),
+        ]
         self.superlink = self._spawn("superlink", netns.SUPERLINK, args)
         self._wait_for_port("127.0.0.1", self.control_port, self.superlink, timeout)
         self._wait_for_port(self.host, self.fleet_port, self.superlink, timeout)
@@ -268,8 +296,15 @@ class LocalFederation:
             if not self.fork_server.alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the fork server did not start:\n{self.fork_server.tail()}")
             time.sleep(0.1)
-        argv = ["--runtime-api-address", self.control_address, "--parent-pid", str(self.superlink.pid),
-                "--app", self.preload or DEFAULT_APP, *self._runtime_tls()]  # fmt: skip
+        argv = [
+            "--runtime-api-address",
+            self.control_address,
+            "--parent-pid",
+            str(self.superlink.pid),
+            "--app",
+            self.preload or DEFAULT_APP,
+            *self._runtime_tls(),
+        ]
         try:
             with open(self.logs / "server-executor.log", "ab") as log_file:
                 self.server_executor = forkserver.request(str(self.fork_socket), argv, log_file.fileno())
@@ -286,8 +321,14 @@ class LocalFederation:
 
     def _serve_runs_stock(self, why: str) -> None:
         log.warning("%s: the SuperLink's runs go to Flower's own SuperExec", why)
-        args = [flower_bin("flower-superexec"), *(self._runtime_tls() or ["--insecure"]), "--runtime-api-address",
-                self.control_address, "--parent-pid", str(self.superlink.pid)]  # fmt: skip
+        args = [
+            flower_bin("flower-superexec"),
+            *(self._runtime_tls() or ["--insecure"]),
+            "--runtime-api-address",
+            self.control_address,
+            "--parent-pid",
+            str(self.superlink.pid),
+        ]
         self.superexec = self._spawn("superexec", netns.SUPERLINK, args)
 
     def _runtime_tls(self) -> list[str]:
@@ -311,8 +352,17 @@ class LocalFederation:
         from florist.deploy.executor import DEFAULT_APP, THREAD_ENV
 
         self.fork_socket = Path(tempfile.mkdtemp(prefix="florist-")) / "fork-server"
-        args = [sys.executable, "-m", "florist.deploy.forkserver", "--socket", str(self.fork_socket),
-                "--app", self.preload or DEFAULT_APP, "--parent-pid", str(os.getpid())]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "florist.deploy.forkserver",
+            "--socket",
+            str(self.fork_socket),
+            "--app",
+            self.preload or DEFAULT_APP,
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         self.fork_server = spawn(args, self.logs / "fork-server.log", env=self.env | THREAD_ENV, cwd=self.workdir)
         return self.fork_server
 
@@ -334,10 +384,17 @@ class LocalFederation:
 
     def start_node(self, i: int, *, private_key: Path | None = None, root_certificates: Path | None = None) -> Process:
         """Start SuperNode i (bounded reconnection, so it never retries forever)."""
-        args = [*supernode_command(self.executor, self.preload, self.fork_socket), "--superlink", self.fleet_address,
-                "--port", str(self.node_ports[i]),
-                "--node-config", toml_node_config(self.node_configs[i]),
-                "--max-wait-time", str(self.max_wait_time)]  # fmt: skip
+        args = [
+            *supernode_command(self.executor, self.preload, self.fork_socket),
+            "--superlink",
+            self.fleet_address,
+            "--port",
+            str(self.node_ports[i]),
+            "--node-config",
+            toml_node_config(self.node_configs[i]),
+            "--max-wait-time",
+            str(self.max_wait_time),
+        ]
         if self.tls:
             args += ["--root-certificates", str(root_certificates or self.certs / "ca.crt")]
             if self.auth:
@@ -350,8 +407,14 @@ class LocalFederation:
     # --- queries ---------------------------------------------------------------------------
     def flwr(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
         """Run the `flwr` CLI against this federation's private FLWR_HOME."""
-        return subprocess.run(self._in(netns.SUPERLINK, [flower_bin("flwr"), *args]), env=self.env, cwd=self.workdir,
-                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            self._in(netns.SUPERLINK, [flower_bin("flwr"), *args]),
+            env=self.env,
+            cwd=self.workdir,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def online_nodes(self) -> list[int]:
         """IDs of the SuperNodes the SuperLink lists as online (empty while it cannot answer)."""
@@ -372,7 +435,9 @@ class LocalFederation:
             if dead:
                 raise RuntimeError(f"{dead[0].name} exited (status {dead[0].popen.returncode}):\n{dead[0].tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {count} SuperNodes connected within {timeout:.0f} s; logs in {self.logs}")
+                raise TimeoutError(
+                    f"fewer than {count} SuperNodes connected within {timeout:.0f} s; logs in {self.logs}"
+                )
             time.sleep(0.5)
         self.ensure_runs_served()
 
@@ -398,17 +463,32 @@ class LocalFederation:
 
     def run_command(self, run_config: Mapping[str, Any]) -> list[str]:
         """`flwr run` of the florist app on this federation, streaming its log."""
-        return self._in(netns.SUPERLINK, [flower_bin("flwr"), "run", str(app_dir()), CONNECTION, "--stream",
-                                          "--run-config", toml_node_config(dict(run_config))])  # fmt: skip
+        return self._in(
+            netns.SUPERLINK,
+            [
+                flower_bin("flwr"),
+                "run",
+                str(app_dir()),
+                CONNECTION,
+                "--stream",
+                "--run-config",
+                toml_node_config(dict(run_config)),
+            ],
+        )
 
     def describe(self) -> str:
         """What a user needs to know: addresses, and how to submit a run."""
-        nodes = "\n".join(f"  SuperNode {i}: pid {n.pid}, runtime 127.0.0.1:{self.node_ports[i]}, node config "
-                          f"{toml_node_config(self.node_configs[i])}" for i, n in enumerate(self.nodes) if n)  # fmt: skip
+        nodes = "\n".join(
+            f"  SuperNode {i}: pid {n.pid}, runtime 127.0.0.1:{self.node_ports[i]}, node config "
+            f"{toml_node_config(self.node_configs[i])}"
+            for i, n in enumerate(self.nodes)
+            if n
+        )
         where = f"ip netns exec {self.network.namespace(netns.SUPERLINK)} " if self.network else ""
         return (
             f"SuperLink: pid {self.superlink.pid if self.superlink else '-'}\n"
-            f"  Fleet API (gRPC{', TLS' if self.tls else ''}{', node auth' if self.auth else ''}): {self.fleet_address}\n"
+            f"  Fleet API (gRPC{', TLS' if self.tls else ''}{', node auth' if self.auth else ''}): "
+            f"{self.fleet_address}\n"
             f"  Control + Runtime API (HTTP, loopback only): {self.control_address}\n"
             f"  state: {self.database if self.persistent else 'in memory'}\n{nodes}\n"
             + (f"{self.network.describe()}\n" if self.network else "")

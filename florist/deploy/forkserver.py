@@ -196,8 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         server = ForkServer(executor.preload(args.app), args.parent_pid)
         for sig in (signal.SIGTERM, signal.SIGINT):  # while preloading, they end it at once
             signal.signal(sig, server.stop)
-        log.info("fork server for %s: %d files preloaded in %.1f s, %d thread(s), listening on %s", args.app,
-                 len(server.app.files), time.monotonic() - start, executor.os_threads(), args.socket)  # fmt: skip
+        log.info(
+            "fork server for %s: %d files preloaded in %.1f s, %d thread(s), listening on %s",
+            args.app,
+            len(server.app.files),
+            time.monotonic() - start,
+            executor.os_threads(),
+            args.socket,
+        )
         server.serve(listener)
     finally:
         listener.close()

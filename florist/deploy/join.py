@@ -16,18 +16,32 @@ from florist.deploy.federation import Process, free_port, spawn, supernode_comma
 
 # (patterns in the SuperNode's output, what it means for the user), most specific first
 DIAGNOSES = [
-    (("CERTIFICATE_VERIFY_FAILED", "certificate signature failure", "SSL/TLS handshake error"),
-     "the SuperLink's TLS certificate does not verify against {ca}: wrong CA file, or the certificate was "
-     "not issued for the address {superlink} (check the --hosts given to `florist certs`)"),
-    (("[code: 2004]",), "this node's public key is not registered with the SuperLink. On the SuperLink's "
-     "machine run: flwr supernode register {pub} <connection>"),
-    (("[code: 2001]",), "the SuperLink requires SuperNode authentication: pass --auth-key with a private key "
-     "whose .pub is registered there (flwr supernode register KEY.pub <connection>)"),
-    (("WRONG_VERSION_NUMBER",), "TLS mismatch: the SuperLink speaks TLS but this node was started without "
-     "--root-certificates (or the other way round)"),
-    (("Connection attempt failed",), "cannot reach the SuperLink at {superlink} after retrying for {wait:.0f} s: "
-     "check the address, that the SuperLink runs, and that its Fleet port is open to this box"),
-]  # fmt: skip
+    (
+        ("CERTIFICATE_VERIFY_FAILED", "certificate signature failure", "SSL/TLS handshake error"),
+        "the SuperLink's TLS certificate does not verify against {ca}: wrong CA file, or the certificate was "
+        "not issued for the address {superlink} (check the --hosts given to `florist certs`)",
+    ),
+    (
+        ("[code: 2004]",),
+        "this node's public key is not registered with the SuperLink. On the SuperLink's "
+        "machine run: flwr supernode register {pub} <connection>",
+    ),
+    (
+        ("[code: 2001]",),
+        "the SuperLink requires SuperNode authentication: pass --auth-key with a private key "
+        "whose .pub is registered there (flwr supernode register KEY.pub <connection>)",
+    ),
+    (
+        ("WRONG_VERSION_NUMBER",),
+        "TLS mismatch: the SuperLink speaks TLS but this node was started without "
+        "--root-certificates (or the other way round)",
+    ),
+    (
+        ("Connection attempt failed",),
+        "cannot reach the SuperLink at {superlink} after retrying for {wait:.0f} s: "
+        "check the address, that the SuperLink runs, and that its Fleet port is open to this box",
+    ),
+]
 
 
 class JoinError(RuntimeError):
@@ -64,11 +78,15 @@ def tls_mismatch(superlink: str, tls: bool) -> str | None:
     finally:
         sock.close()
     if speaks_tls and not tls:
-        return (f"the SuperLink at {superlink} speaks TLS: pass --root-certificates with the CA certificate it was "
-                "issued by (ca.crt)")  # fmt: skip
+        return (
+            f"the SuperLink at {superlink} speaks TLS: pass --root-certificates with the CA certificate it was "
+            "issued by (ca.crt)"
+        )
     if tls and not speaks_tls:
-        return (f"the SuperLink at {superlink} does not speak TLS (it runs with --insecure): leave out "
-                "--root-certificates, or restart it with TLS")  # fmt: skip
+        return (
+            f"the SuperLink at {superlink} does not speak TLS (it runs with --insecure): leave out "
+            "--root-certificates, or restart it with TLS"
+        )
     return None
 
 
@@ -84,10 +102,21 @@ def supernode_args(
     executor: str = "warm",
     device: str | None = None,
 ) -> list[str]:
-    node_config = {"data-dir": str(data_dir), "node-key": node_key} | ({"state-dir": str(state_dir)} if state_dir else {})
+    node_config = {"data-dir": str(data_dir), "node-key": node_key} | (
+        {"state-dir": str(state_dir)} if state_dir else {}
+    )
     node_config |= {"device": device} if device else {}
-    args = [*supernode_command(executor), "--superlink", superlink, "--node-config", toml_node_config(node_config),
-            "--port", str(free_port()), "--max-wait-time", str(max_wait_time)]  # fmt: skip
+    args = [
+        *supernode_command(executor),
+        "--superlink",
+        superlink,
+        "--node-config",
+        toml_node_config(node_config),
+        "--port",
+        str(free_port()),
+        "--max-wait-time",
+        str(max_wait_time),
+    ]
     args += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     if auth_key:
         args += ["--auth-supernode-private-key", str(auth_key)]
@@ -143,13 +172,22 @@ def join(
         raise JoinError(mismatch)
     key = node_key or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "edge"
     args = supernode_args(
-        superlink, data_dir, root_certificates=Path(root_certificates) if root_certificates else None,
-        auth_key=Path(auth_key) if auth_key else None, state_dir=Path(state_dir) if state_dir else None,
-        node_key=key, max_wait_time=max_wait_time, executor=executor, device=device,
-    )  # fmt: skip
+        superlink,
+        data_dir,
+        root_certificates=Path(root_certificates) if root_certificates else None,
+        auth_key=Path(auth_key) if auth_key else None,
+        state_dir=Path(state_dir) if state_dir else None,
+        node_key=key,
+        max_wait_time=max_wait_time,
+        executor=executor,
+        device=device,
+    )
     labelled = "labelled" if client.labelled else "unlabeled"
-    print(f"florist join: node {key!r}, {len(client.x_train) + len(client.x_val)} train / {len(client.x_test)} test "
-          f"samples ({labelled}, shape {client.input_shape}) -> SuperLink {superlink}", flush=True)  # fmt: skip
+    print(
+        f"florist join: node {key!r}, {len(client.x_train) + len(client.x_val)} train / {len(client.x_test)} test "
+        f"samples ({labelled}, shape {client.input_shape}) -> SuperLink {superlink}",
+        flush=True,
+    )
     if not root_certificates:
         print("florist join: warning: no --root-certificates, traffic to the SuperLink is not encrypted", flush=True)
     log_path = NodeState(state_dir, key).path("supernode.log")
@@ -159,7 +197,12 @@ def join(
     output = follow(process, log_path)
     process.stop()  # also ends what the SuperNode left in its process group
     if process.popen.returncode not in (0, -2, -15):
-        reason = diagnose(output, superlink=superlink, ca=root_certificates, wait=max_wait_time,
-                          pub=f"{auth_key}.pub" if auth_key else "<key>.pub")  # fmt: skip
+        reason = diagnose(
+            output,
+            superlink=superlink,
+            ca=root_certificates,
+            wait=max_wait_time,
+            pub=f"{auth_key}.pub" if auth_key else "<key>.pub",
+        )
         raise JoinError(reason or f"the SuperNode exited with status {process.popen.returncode}; see its output above")
     return 0

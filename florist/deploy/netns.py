@@ -109,7 +109,9 @@ class Network:
         for host in self.hosts:
             namespace = self._add_namespace(self.namespace(host))
             # Both ends are made where they live: neither ever shows up in this machine's namespace.
-            _ip("-n", self.switch, "link", "add", "name", host, "type", "veth", "peer", "name", LINK, "netns", namespace)
+            _ip(
+                "-n", self.switch, "link", "add", "name", host, "type", "veth", "peer", "name", LINK, "netns", namespace
+            )
             _ip("-n", self.switch, "link", "set", "dev", host, "master", "switch", "up")
             _ip("-n", namespace, "addr", "add", f"{self.address(host)}/{self.subnet.prefixlen}", "dev", LINK)
             _ip("-n", namespace, "link", "set", "dev", LINK, "up")
@@ -150,8 +152,10 @@ def check_usable() -> None:
     if sys.platform != "linux":
         raise RuntimeError("--netns needs Linux (network namespaces)")
     if os.geteuid() != 0:
-        raise RuntimeError("--netns needs root: network namespaces and links are made with `ip netns` (run as root, "
-                           "or leave --netns out)")  # fmt: skip
+        raise RuntimeError(
+            "--netns needs root: network namespaces and links are made with `ip netns` (run as root, "
+            "or leave --netns out)"
+        )
     _ip_binary()
 
 
@@ -200,10 +204,16 @@ def _free_prefix() -> str:
 def _unused_subnet() -> ipaddress.IPv4Network:
     """The first 10.213.k.0/24 that overlaps no address or route of this machine: an address
     in a log then names one host only."""
-    used = [ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False)
-            for link in json.loads(_ip("-j", "-4", "addr") or "[]") for a in link.get("addr_info", [])]  # fmt: skip
-    used += [ipaddress.ip_network(r["dst"]) for r in json.loads(_ip("-j", "-4", "route") or "[]")
-             if r.get("dst", "default") != "default"]  # fmt: skip
+    used = [
+        ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False)
+        for link in json.loads(_ip("-j", "-4", "addr") or "[]")
+        for a in link.get("addr_info", [])
+    ]
+    used += [
+        ipaddress.ip_network(r["dst"])
+        for r in json.loads(_ip("-j", "-4", "route") or "[]")
+        if r.get("dst", "default") != "default"
+    ]
     for subnet in CANDIDATES:
         if not any(subnet.overlaps(u) for u in used):
             return subnet

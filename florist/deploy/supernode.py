@@ -21,8 +21,8 @@ import subprocess
 import sys
 import threading
 
-from florist.common.pacing import Backoff
 from florist.common import flower_internals
+from florist.common.pacing import Backoff
 from florist.deploy import forkserver
 from florist.deploy.executor import DEFAULT_APP, STOP_GRACE, THREAD_ENV
 
@@ -69,10 +69,13 @@ class SupervisedExecutor:
         its answer, so that the SuperNode connects while the fork server preloads)."""
         if self.fork_server and fork:
             try:
-                return forkserver.request(self.fork_server, self.options, sys.stderr.fileno(),
-                                          (self.task_read, self.done_write))  # fmt: skip
+                return forkserver.request(
+                    self.fork_server, self.options, sys.stderr.fileno(), (self.task_read, self.done_write)
+                )
             except OSError as err:
-                log.warning("no executor from the fork server at %s (%s): starting one of its own", self.fork_server, err)
+                log.warning(
+                    "no executor from the fork server at %s (%s): starting one of its own", self.fork_server, err
+                )
         return subprocess.Popen(self.command, env=os.environ | THREAD_ENV, pass_fds=(self.task_read, self.done_write))
 
     def _watch(self) -> None:
@@ -110,13 +113,24 @@ def executor_command(flower_args: list[str], preload: str) -> tuple[list[str], l
     `--isolation process`, so that the SuperNode leaves its tasks to the executor)."""
     options = _runtime_options(flower_args)
     if options.isolation not in (None, "process"):
-        raise ValueError(f"--executor warm runs the SuperNode with --isolation process, not {options.isolation!r}; "
-                         "use --executor flower for Flower's own executor")  # fmt: skip
+        raise ValueError(
+            f"--executor warm runs the SuperNode with --isolation process, not {options.isolation!r}; "
+            "use --executor flower for Flower's own executor"
+        )
     if options.superexec_auth_secret_file:
         raise ValueError("--superexec-auth-secret-file is not supported with --executor warm; use --executor flower")
     host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "[::]", "") else options.host
-    command = [sys.executable, "-m", "florist.deploy.executor", "--runtime-api-address", f"{host}:{options.port}",
-               "--parent-pid", str(os.getpid()), "--app", preload]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "florist.deploy.executor",
+        "--runtime-api-address",
+        f"{host}:{options.port}",
+        "--parent-pid",
+        str(os.getpid()),
+        "--app",
+        preload,
+    ]
     if options.ssl_ca_certfile:
         command += ["--root-certificates", options.ssl_ca_certfile]
     return command, flower_args + ([] if options.isolation else ["--isolation", "process"])

@@ -42,8 +42,9 @@ def discover(federation: Federation, cfg: RunConfig, node_ids: list[int]) -> lis
         except protocol.ProtocolError as err:
             federation.fail(node_id, INFO.message_type, 0, f"ill-formed info reply: {err}")
             continue
-        nodes.append(NodeInfo(node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]),
-                              shape))  # fmt: skip
+        nodes.append(
+            NodeInfo(node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]), shape)
+        )
     federation.names.update({n.node_id: str(n) for n in nodes})
     return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
 
@@ -60,8 +61,10 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     nodes = discover(federation, cfg, federation.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
     if not nodes:
         first = federation.failures[0] if federation.failures else {"node": "-", "reason": "-"}
-        raise RuntimeError(f"no node answered the info request ({len(federation.failures)} failed; the first, "
-                           f"{first['node']}: {first['reason']})")  # fmt: skip
+        raise RuntimeError(
+            f"no node answered the info request ({len(federation.failures)} failed; the first, "
+            f"{first['node']}: {first['reason']})"
+        )
     if len(shapes := {n.input_shape for n in nodes}) > 1:
         detail = ", ".join(f"{n.key}: {n.input_shape}" for n in nodes)
         raise ValueError(f"one input shape is needed across nodes, got {detail} ({len(shapes)} shapes)")
@@ -88,8 +91,15 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
         up, down = federation.take_bytes()
         extras = strategy.round_extras() | {"exchanges": federation.take_exchanges()}
         row = results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, extras)
-        checkpoint = Checkpoint(server_round, cfg.to_mapping(), federation.run_id, [n.key for n in nodes],
-                                strategy.state(), federation.failures, results.rounds)  # fmt: skip
+        checkpoint = Checkpoint(
+            server_round,
+            cfg.to_mapping(),
+            federation.run_id,
+            [n.key for n in nodes],
+            strategy.state(),
+            federation.failures,
+            results.rounds,
+        )
         results.checkpoint(checkpoint)
         (on_round or _log_round)(row)
 
@@ -100,8 +110,13 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     results.failures = federation.failures
     results.write()
     for group, summary in results.summary().items():
-        log.info("%s clients (%d): mean accuracy %.3f, bottom decile %.3f", group, summary["num_clients"],
-                 summary["mean_accuracy"], summary["bottom_decile_accuracy"])  # fmt: skip
+        log.info(
+            "%s clients (%d): mean accuracy %.3f, bottom decile %.3f",
+            group,
+            summary["num_clients"],
+            summary["mean_accuracy"],
+            summary["bottom_decile_accuracy"],
+        )
     log.info("results in %s", results.folder.resolve())
     return results
 
@@ -125,8 +140,12 @@ def serve_late_joiners(
         joined = []
         for node in discover(federation, cfg, new):
             if node.input_shape != strategy.input_shape:
-                federation.fail(node.node_id, INFO.message_type, 0, f"input shape {node.input_shape}, expected "
-                                f"{strategy.input_shape}")  # fmt: skip
+                federation.fail(
+                    node.node_id,
+                    INFO.message_type,
+                    0,
+                    f"input shape {node.input_shape}, expected {strategy.input_shape}",
+                )
                 continue
             joined.append(dataclasses.replace(node, seen=False))  # joined after training: unseen by definition
         log.info("serving %s", ", ".join(str(n) for n in joined) or "nobody (no valid node)")
@@ -142,8 +161,13 @@ def _mean_accuracy(metrics: Mapping[int, Mapping[str, float]]) -> float | None:
 
 
 def _log_round(row: dict[str, Any]) -> None:
-    log.info("round %d done in %.1f s: train loss %s, seen accuracy %s", row["round"], row["seconds"],
-             number(row["train_loss"], ".4f"), number(row["accuracy"], ".1%"))  # fmt: skip
+    log.info(
+        "round %d done in %.1f s: train loss %s, seen accuracy %s",
+        row["round"],
+        row["seconds"],
+        number(row["train_loss"], ".4f"),
+        number(row["accuracy"], ".1%"),
+    )
 
 
 def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundCallback | None = None) -> ServerApp:

@@ -24,8 +24,17 @@ VERSION = 2
 # Keys a resumed run may change: where and how long it waits, not what it computes.
 # Keys a resumed run may change. Where it computes is one of them (a run started on a GPU box may
 # go on on a CPU one); the resumed rounds then round differently: exact only on equal hardware.
-OPERATIONAL = ("resume-from", "results-dir", "round-timeout", "node-wait-timeout", "serve-seconds", "serve-count",
-               "device", "server-device", "torch-threads")
+OPERATIONAL = (
+    "resume-from",
+    "results-dir",
+    "round-timeout",
+    "node-wait-timeout",
+    "serve-seconds",
+    "serve-count",
+    "device",
+    "server-device",
+    "torch-threads",
+)
 
 
 @dataclasses.dataclass
@@ -49,12 +58,16 @@ class Checkpoint:
             raise FileNotFoundError(f"cannot resume: {path} does not exist (a run writes it after its first round)")
         try:
             saved = torch.load(path, weights_only=True, map_location="cpu")  # to whatever device the run uses now
-        except Exception as err:  # noqa: BLE001 (pickle, zip and torch errors alike mean an unusable file)
-            raise ValueError(f"cannot resume: {path} is not a readable checkpoint ({type(err).__name__}: {err})") from None
+        except Exception as err:
+            raise ValueError(
+                f"cannot resume: {path} is not a readable checkpoint ({type(err).__name__}: {err})"
+            ) from None
         if not isinstance(saved, dict) or saved.get("version") != VERSION:
             found = saved.get("version", 1) if isinstance(saved, dict) else "none"
-            raise ValueError(f"cannot resume from {path}: checkpoint format {found}, this florist reads format {VERSION} "
-                             "(written by a different florist version)")  # fmt: skip
+            raise ValueError(
+                f"cannot resume from {path}: checkpoint format {found}, this florist reads format {VERSION} "
+                "(written by a different florist version)"
+            )
         return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls)})
 
     def refuse_differences(self, values: Mapping[str, Any], folder: str | Path) -> None:
@@ -69,8 +82,10 @@ class Checkpoint:
         """Refuse to go on with another config or other nodes, naming what differs."""
         self.refuse_differences(cfg.to_mapping(), cfg.resume_from)
         if missing := sorted(set(self.nodes) - set(node_keys)):
-            raise ValueError(f"cannot resume from {cfg.resume_from}: node(s) {', '.join(missing)} of the run did not "
-                             "connect (a resumed run needs the nodes it started with)")  # fmt: skip
+            raise ValueError(
+                f"cannot resume from {cfg.resume_from}: node(s) {', '.join(missing)} of the run did not "
+                "connect (a resumed run needs the nodes it started with)"
+            )
 
 
 def resumed_config(folder: str | Path, given: Mapping[str, Any]) -> RunConfig:
@@ -80,5 +95,6 @@ def resumed_config(folder: str | Path, given: Mapping[str, Any]) -> RunConfig:
     checkpoint = Checkpoint.load(folder)
     checkpoint.refuse_differences(given, folder)
     operational = {k: v for k, v in given.items() if k in OPERATIONAL}
-    return RunConfig.from_mapping(checkpoint.config | {"results-dir": str(folder)} | operational
-                                  | {"resume-from": str(folder)})  # fmt: skip
+    return RunConfig.from_mapping(
+        checkpoint.config | {"results-dir": str(folder)} | operational | {"resume-from": str(folder)}
+    )

@@ -31,8 +31,13 @@ def run_folder(out: Path, strategy: str, seed: int) -> Path:
 
 def planned(out: Path, strategies: list[str], seeds: list[int], values: Mapping[str, Any]) -> list[RunConfig]:
     """The run configs of the comparison, checked before any run starts."""
-    return [RunConfig.from_mapping(dict(values) | {"strategy": s, "seed": seed, "results-dir": str(run_folder(out, s, seed))})
-            for s in strategies for seed in seeds]  # fmt: skip
+    return [
+        RunConfig.from_mapping(
+            dict(values) | {"strategy": s, "seed": seed, "results-dir": str(run_folder(out, s, seed))}
+        )
+        for s in strategies
+        for seed in seeds
+    ]
 
 
 def finished(cfg: RunConfig) -> dict[str, Any] | None:
@@ -58,8 +63,9 @@ def resumable(cfg: RunConfig) -> RunConfig:
     return cfg.replace(resume_from=str(folder))
 
 
-def compare(configs: list[RunConfig], num_clients: int, runner: Runner, on_run: Callable[[RunConfig, bool], None]
-            ) -> list[dict[str, Any]]:  # fmt: skip
+def compare(
+    configs: list[RunConfig], num_clients: int, runner: Runner, on_run: Callable[[RunConfig, bool], None]
+) -> list[dict[str, Any]]:
     """Run (or reuse) every config; `on_run(cfg, reused)` before each. Returns their results."""
     all_results = []
     for cfg in configs:
@@ -83,8 +89,11 @@ def table(all_results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 values = [r["summary"][group][figure] for r in runs if r["summary"][group]["num_clients"]]
                 row[f"{group}_{figure}"] = _mean_std(values)
         per_round = lambda key: float(np.mean([np.mean([x[key] for x in r["rounds"]]) for r in runs if r["rounds"]]))  # noqa: E731
-        row |= {"kb_up": per_round("bytes_up") / 1e3, "kb_down": per_round("bytes_down") / 1e3,
-                "seconds": per_round("seconds")}  # fmt: skip
+        row |= {
+            "kb_up": per_round("bytes_up") / 1e3,
+            "kb_down": per_round("bytes_down") / 1e3,
+            "seconds": per_round("seconds"),
+        }
         rows[strategy] = row
     return rows
 
@@ -94,14 +103,21 @@ def _mean_std(values: list[float]) -> list[float | None]:
 
 
 def markdown(rows: dict[str, dict[str, Any]], scenario: str) -> str:
-    lines = [f"# florist compare: {scenario}", "",
-             "Mean ± std over seeds of the per-run client means (%), costs per round.", "",
-             "| strategy | seeds | seen mean | seen bottom 10% | unseen mean | unseen bottom 10% | kB up | kB down | s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        f"# florist compare: {scenario}",
+        "",
+        "Mean ± std over seeds of the per-run client means (%), costs per round.",
+        "",
+        "| strategy | seeds | seen mean | seen bottom 10% | unseen mean | unseen bottom 10% | kB up | kB down | s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for strategy, row in rows.items():
         cells = [_pct(row[f"{g}_{f}"]) for g in GROUPS for f in FIGURES]
-        lines.append(f"| {strategy} | {len(row['seeds'])} | " + " | ".join(cells)
-                     + f" | {row['kb_up']:,.1f} | {row['kb_down']:,.1f} | {row['seconds']:.2f} |")  # fmt: skip
+        lines.append(
+            f"| {strategy} | {len(row['seeds'])} | "
+            + " | ".join(cells)
+            + f" | {row['kb_up']:,.1f} | {row['kb_down']:,.1f} | {row['seconds']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -31,8 +31,14 @@ class InProcessGrid:
     `start` makes (node ids, send and receive), answered at once by calling the ClientApp. A
     handler that raises gives an error reply, as Flower's runtimes do."""
 
-    def __init__(self, client_app: ClientApp, node_configs: Iterable[dict[str, Any]], run_id: int | None = None,
-                 run_config: dict[str, Any] | None = None, cpus_per_client: float = 1.0):  # fmt: skip
+    def __init__(
+        self,
+        client_app: ClientApp,
+        node_configs: Iterable[dict[str, Any]],
+        run_id: int | None = None,
+        run_config: dict[str, Any] | None = None,
+        cpus_per_client: float = 1.0,
+    ):
         """`run_id`: random unless given, as Flower's are (nodes key their run's state by it);
         `run_config`: what every node's context carries, as `flwr run --run-config` gives it;
         `cpus_per_client`: the cores each client's handler may use (one runs at a time), as
@@ -40,8 +46,13 @@ class InProcessGrid:
         self.app, self.run_id = client_app, random.getrandbits(63) if run_id is None else run_id
         self.cpus_per_client = cpus_per_client
         self.contexts = {
-            100 + i: Context(run_id=self.run_id, node_id=100 + i, node_config=dict(c), state=RecordDict(),
-                             run_config=dict(run_config or {}))  # fmt: skip
+            100 + i: Context(
+                run_id=self.run_id,
+                node_id=100 + i,
+                node_config=dict(c),
+                state=RecordDict(),
+                run_config=dict(run_config or {}),
+            )
             for i, c in enumerate(node_configs)
         }
         self.replies: dict[str, Message] = {}
@@ -69,7 +80,7 @@ class InProcessGrid:
         try:
             with devices.client_cpus(self.cpus_per_client):
                 reply = self.app(received, self.contexts[msg.metadata.dst_node_id])
-        except Exception as err:  # noqa: BLE001 (the runtimes turn any handler error into an error reply)
+        except Exception as err:
             return Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(err).__name__}: {err}"), reply_to=msg)
         if reply.has_content():  # a mod's error reply has none
             reply.content = _copy(reply.content)
@@ -88,15 +99,15 @@ def server_identity(run_id: int) -> Iterator[None]:
         TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
-def run_in_process(cfg: RunConfig, num_clients: int, client_app: ClientApp | None = None, on_round=None,
-                   cpus_per_client: float = 1.0) -> dict[str, Any]:  # fmt: skip
+def run_in_process(
+    cfg: RunConfig, num_clients: int, client_app: ClientApp | None = None, on_round=None, cpus_per_client: float = 1.0
+) -> dict[str, Any]:
     """Run `cfg` on `num_clients` embedded-digits partitions in this process; return the parsed
     results.json (the same file `florist simulate` writes). One client runs at a time, its
     torch on `cpus_per_client` threads (unless `torch-threads` says otherwise), as a
     simulated client with those CPUs would."""
     from florist.client.app import app as default_client_app
     from florist.server.app import run
-
 
     nodes = [{"partition-id": i, "num-partitions": num_clients} for i in range(num_clients)]
     grid = InProcessGrid(client_app or default_client_app, nodes, cpus_per_client=cpus_per_client)

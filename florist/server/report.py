@@ -37,14 +37,22 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
     rows = []
     for group, seen in (("seen", True), ("unseen", False)):
         s = results["summary"][group]
-        rows.append((results["strategy"], group, str(s["num_clients"]), pct(s["mean_accuracy"]),
-                     pct(s["bottom_decile_accuracy"])))  # fmt: skip
+        rows.append(
+            (
+                results["strategy"],
+                group,
+                str(s["num_clients"]),
+                pct(s["mean_accuracy"]),
+                pct(s["bottom_decile_accuracy"]),
+            )
+        )
         for field, label in SECONDARY.items():
             clients = [c for c in results["clients"] if c["seen"] == seen and c.get(field) is not None]
             if clients:
                 g = summarize([c[field] for c in clients], [c["num_test"] for c in clients])
-                rows.append((label, group, str(g["num_clients"]), pct(g["mean_accuracy"]),
-                             pct(g["bottom_decile_accuracy"])))  # fmt: skip
+                rows.append(
+                    (label, group, str(g["num_clients"]), pct(g["mean_accuracy"]), pct(g["bottom_decile_accuracy"]))
+                )
     return rows
 
 
@@ -54,7 +62,8 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
     lines = [
         f"# florist run: {results['strategy']}",
         "",
-        f"Dataset `{cfg.get('dataset', 'digits')}`, partition `{cfg['partition']}`, shift `{cfg.get('shift', 'none')}`, "
+        f"Dataset `{cfg.get('dataset', 'digits')}`, partition `{cfg['partition']}`, "
+        f"shift `{cfg.get('shift', 'none')}`, "
         f"model `{cfg.get('client-models') or cfg['model']}`, {plural(len(rounds), 'round')}, "
         f"seed {cfg['seed']}, unseen fraction {cfg['unseen-fraction']}.",
         "",
@@ -67,9 +76,17 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
     ]
     if results.get("failures"):
         lines += ["", f"{plural(len(results['failures']), 'node failure')} left out of their rounds:", ""]
-        lines += [f"- round {f['round']}, {f['node']}, `{f['message_type']}`: {f['reason']}" for f in results["failures"]]
+        lines += [
+            f"- round {f['round']}, {f['node']}, `{f['message_type']}`: {f['reason']}" for f in results["failures"]
+        ]
     lines += by_cluster(results) + exchange_times(results) + list(own_section)
-    lines += ["", "![accuracy per round](accuracy_per_round.png)", "", "![per-client accuracy](client_accuracy.png)", ""]
+    lines += [
+        "",
+        "![accuracy per round](accuracy_per_round.png)",
+        "",
+        "![per-client accuracy](client_accuracy.png)",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -79,8 +96,13 @@ def by_cluster(results: dict[str, Any]) -> list[str]:
     clients = [c for c in results["clients"] if c.get("shift_cluster") is not None and c["accuracy"] is not None]
     if not clients:
         return []
-    lines = ["", f"Accuracy per cluster of shift `{results['config']['shift']}`:", "",
-             "| cluster | seen clients | seen mean (%) | unseen clients | unseen mean (%) |", "|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        f"Accuracy per cluster of shift `{results['config']['shift']}`:",
+        "",
+        "| cluster | seen clients | seen mean (%) | unseen clients | unseen mean (%) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
     for cluster in sorted({c["shift_cluster"] for c in clients}):
         cells = []
         for seen in (True, False):
@@ -101,13 +123,20 @@ def exchange_times(results: dict[str, Any]) -> list[str]:
             by_type.setdefault(exchange["type"], []).append(exchange)
     if not by_type:
         return []
-    lines = ["", "Exchanges per round (medians over rounds, seconds):", "",
-             "| message type | exchanges | nodes | exchange | slowest handler | overhead |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        "Exchanges per round (medians over rounds, seconds):",
+        "",
+        "| message type | exchanges | nodes | exchange | slowest handler | overhead |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for kind, rows in by_type.items():
         med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
         overhead = statistics.median(r["seconds"] - r["handler_seconds_max"] for r in rows)
-        lines.append(f"| `{kind}` | {len(rows)} | {med('nodes'):g} | {med('seconds'):.2f} | "
-                     f"{med('handler_seconds_max'):.2f} | {overhead:.2f} |")  # fmt: skip
+        lines.append(
+            f"| `{kind}` | {len(rows)} | {med('nodes'):g} | {med('seconds'):.2f} | "
+            f"{med('handler_seconds_max'):.2f} | {overhead:.2f} |"
+        )
     return lines
 
 
@@ -133,8 +162,10 @@ def write_report(results: dict[str, Any], folder: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     groups = [("seen", True), ("unseen", False)]
-    data = [[100 * c["accuracy"] for c in results["clients"] if c["seen"] == s and c["accuracy"] is not None]
-            for _, s in groups]  # fmt: skip
+    data = [
+        [100 * c["accuracy"] for c in results["clients"] if c["seen"] == s and c["accuracy"] is not None]
+        for _, s in groups
+    ]
     jitter = np.random.default_rng(0)  # spread the dots sideways: clients with equal scores stay visible
     for i, values in enumerate(data):
         ax.scatter(i + 1 + jitter.uniform(-0.12, 0.12, len(values)), values, alpha=0.6, s=14, zorder=3)

@@ -29,12 +29,24 @@ class Results:
         self.failures: list[dict[str, Any]] = []
 
     def add_round(
-        self, server_round: int, seconds: float, up: int, down: int, loss: float | None, accuracy: float | None,
+        self,
+        server_round: int,
+        seconds: float,
+        up: int,
+        down: int,
+        loss: float | None,
+        accuracy: float | None,
         extras: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Record a round; `extras` are the strategy's own figures for it."""
-        row = {"round": server_round, "seconds": round(seconds, 4), "bytes_up": up, "bytes_down": down,
-               "train_loss": loss, "accuracy": accuracy} | (extras or {})  # fmt: skip
+        row = {
+            "round": server_round,
+            "seconds": round(seconds, 4),
+            "bytes_up": up,
+            "bytes_down": down,
+            "train_loss": loss,
+            "accuracy": accuracy,
+        } | (extras or {})
         self.rounds.append(row)
         return row
 
@@ -44,8 +56,13 @@ class Results:
         self.clients = []
         for node in nodes:
             values = metrics.get(node.node_id)
-            row = {"client": node.key, "seen": node.seen, "num_train": node.num_train,
-                   "num_test": node.num_test, "accuracy": (values or {}).get("accuracy")}  # fmt: skip
+            row = {
+                "client": node.key,
+                "seen": node.seen,
+                "num_train": node.num_train,
+                "num_test": node.num_test,
+                "accuracy": (values or {}).get("accuracy"),
+            }
             extra = {k.replace("-", "_"): v for k, v in (values or {}).items() if k not in STANDARD_CLIENT_KEYS}
             self.clients.append(row | extra)
 
@@ -57,9 +74,15 @@ class Results:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"strategy": self.cfg.strategy, "config": self.cfg.to_mapping(), "complete": bool(self.clients),
-                "rounds": self.rounds, "clients": self.clients, "summary": self.summary(),
-                "failures": self.failures}  # fmt: skip
+        return {
+            "strategy": self.cfg.strategy,
+            "config": self.cfg.to_mapping(),
+            "complete": bool(self.clients),
+            "rounds": self.rounds,
+            "clients": self.clients,
+            "summary": self.summary(),
+            "failures": self.failures,
+        }
 
     def checkpoint(self, checkpoint: Checkpoint) -> None:
         """Save the checkpoint, then results.json (called after every round): a crash between
@@ -93,4 +116,3 @@ def _dumps(value: Any) -> bytes:
         return v
 
     return json.dumps(clean(value), indent=2).encode()
-

@@ -75,8 +75,9 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-def simulate(cfg: RunConfig, num_clients: int, on_round=None, client_app=None, resources: dict[str, float] | None = None
-             ) -> dict[str, Any]:  # fmt: skip
+def simulate(
+    cfg: RunConfig, num_clients: int, on_round=None, client_app=None, resources: dict[str, float] | None = None
+) -> dict[str, Any]:
     """Run `cfg` on `num_clients` simulated SuperNodes, each given `resources` (by default
     `client_resources()`); return the parsed results.json. A client's torch uses as many
     threads as it has CPUs, unless `torch-threads` says otherwise."""
@@ -96,15 +97,21 @@ def simulate(cfg: RunConfig, num_clients: int, on_round=None, client_app=None, r
             num_supernodes=num_clients,
             backend_config={
                 "client_resources": resources,
-                "init_args": {"num_cpus": os.cpu_count() or 1, "num_gpus": gpus, "logging_level": "ERROR",
-                              "log_to_driver": False},  # fmt: skip
+                "init_args": {
+                    "num_cpus": os.cpu_count() or 1,
+                    "num_gpus": gpus,
+                    "logging_level": "ERROR",
+                    "log_to_driver": False,
+                },
             },
         )
     return json.loads((Path(cfg.results_dir).expanduser() / "results.json").read_text())
 
 
 def simulate_in_child(
-    cfg: RunConfig, num_clients: int, on_round: Callable[[dict[str, Any]], None] | None = None,
+    cfg: RunConfig,
+    num_clients: int,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
     resources: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """`simulate` in a child process in a session of its own, so that Ctrl-C (KeyboardInterrupt
@@ -121,8 +128,14 @@ def simulate_in_child(
     resources = resources or client_resources()
     command = [sys.executable, "-m", __name__, json.dumps(cfg.to_mapping()), str(num_clients), json.dumps(resources)]
     with open(log_path, "wb") as log_file:
-        child = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=os.environ | {MARKER: token}, start_new_session=True)  # fmt: skip
+        child = subprocess.Popen(
+            command,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=os.environ | {MARKER: token},
+            start_new_session=True,
+        )
     shown = 0
 
     def report_new_rounds() -> None:
@@ -143,7 +156,9 @@ def simulate_in_child(
     if child.returncode != 0:
         lines = log_path.read_text(errors="replace").splitlines()
         error = next((line for line in reversed(lines) if line.startswith("florist: error: ")), None)
-        reason = error.removeprefix("florist: error: ") if error else f"the simulation exited with status {child.returncode}"
+        reason = (
+            error.removeprefix("florist: error: ") if error else f"the simulation exited with status {child.returncode}"
+        )
         raise RuntimeError(f"{reason} (full log: {log_path})")
     return json.loads(results_file.read_text())
 

@@ -62,7 +62,9 @@ class Federation:
         self.names: dict[int, str] = {}
         self.bytes_up = self.bytes_down = 0
         self.failures: list[dict[str, Any]] = []
-        self.exchanges: list[dict[str, Any]] = []  # per exchange: type, seconds, nodes, handler_seconds_max, data_seconds_max
+        self.exchanges: list[
+            dict[str, Any]
+        ] = []  # per exchange: type, seconds, nodes, handler_seconds_max, data_seconds_max
 
     def name(self, node_id: int) -> str:
         return self.names.get(node_id, f"node {node_id}")
@@ -79,7 +81,9 @@ class Federation:
             time.sleep(0.5)
         return nodes
 
-    def exchange(self, requests: Mapping[int, RecordDict], message_type: str, server_round: int) -> dict[int, RecordDict]:
+    def exchange(
+        self, requests: Mapping[int, RecordDict], message_type: str, server_round: int
+    ) -> dict[int, RecordDict]:
         """Send `requests[node]` to each node and return the good replies by node id.
 
         A node that replies with an error, or not within the timeout, is logged, recorded in
@@ -89,10 +93,15 @@ class Federation:
             return {}
         # The time-to-live is the round timeout: a handler still running after it is stopped (client/deadline.py).
         messages = [
-            Message(packing.pack(content), dst_node_id=node, message_type=message_type, group_id=str(server_round),
-                    ttl=self.timeout)
+            Message(
+                packing.pack(content),
+                dst_node_id=node,
+                message_type=message_type,
+                group_id=str(server_round),
+                ttl=self.timeout,
+            )
             for node, content in requests.items()
-        ]  # fmt: skip
+        ]
         self.bytes_down += sum(protocol.nbytes(m.content) for m in messages)
         start = time.monotonic()
         replies = self._send_and_receive(messages)
@@ -128,10 +137,19 @@ class Federation:
         for node, reason in failed.items():
             good.pop(node, None)
             self.fail(node, message_type, server_round, reason)
-        slowest = {part: round(max((protocol.handler_seconds(r, part) for r in good.values()), default=0.0), 4)
-                   for part in ("handler", "data")}  # fmt: skip
-        self.exchanges.append({"type": message_type, "seconds": round(seconds, 4), "nodes": len(requests),
-                               "handler_seconds_max": slowest["handler"], "data_seconds_max": slowest["data"]})  # fmt: skip
+        slowest = {
+            part: round(max((protocol.handler_seconds(r, part) for r in good.values()), default=0.0), 4)
+            for part in ("handler", "data")
+        }
+        self.exchanges.append(
+            {
+                "type": message_type,
+                "seconds": round(seconds, 4),
+                "nodes": len(requests),
+                "handler_seconds_max": slowest["handler"],
+                "data_seconds_max": slowest["data"],
+            }
+        )
         # In request order, not arrival order (which varies): float sums over replies then repeat exactly.
         return {node: good[node] for node in requests if node in good}
 
@@ -178,8 +196,15 @@ class Federation:
     def fail(self, node: int, message_type: str, server_round: int, reason: str) -> None:
         """Record that `node` dropped out of this exchange, and say so in the log."""
         log.warning("%s left out of %s in round %d: %s", self.name(node), message_type, server_round, reason)
-        self.failures.append({"round": server_round, "node_id": node, "node": self.name(node),
-                              "message_type": message_type, "reason": reason})  # fmt: skip
+        self.failures.append(
+            {
+                "round": server_round,
+                "node_id": node,
+                "node": self.name(node),
+                "message_type": message_type,
+                "reason": reason,
+            }
+        )
 
     def take_bytes(self) -> tuple[int, int]:
         """(bytes up, bytes down) since the last call."""
@@ -211,7 +236,8 @@ def _not_found(reply: Message) -> bool:
     """Whether `reply` is the SuperLink's error for a message it no longer has (expired, or its
     reply taken by another poll), not the node's error or the Grid's for a half upload."""
     return reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE and not reply.error.reason.startswith(
-        flower_internals.HALF_UPLOADED)
+        flower_internals.HALF_UPLOADED
+    )
 
 
 class Reply(NamedTuple):
@@ -257,7 +283,11 @@ class Strategy:
         return [nodes[i] for i in sorted(rng.choice(len(nodes), self.sample_size(len(nodes)), replace=False))]
 
     def request(
-        self, exchange: Exchange, server_round: int, arrays: ArrayRecord | None = None, side: ArrayRecord | None = None,
+        self,
+        exchange: Exchange,
+        server_round: int,
+        arrays: ArrayRecord | None = None,
+        side: ArrayRecord | None = None,
         **values: Any,
     ) -> RecordDict:
         """A request of `exchange`: the records, the settings that travel, and the exchange's
@@ -266,8 +296,13 @@ class Strategy:
         return protocol.content(arrays, config, side=side)
 
     def ask(
-        self, exchange: Exchange, requests: Mapping[int, RecordDict], server_round: int, required: tuple[str, ...],
-        reference: Mapping[str, torch.Tensor] | None = None, side: Mapping[str, torch.Tensor] | None = None,
+        self,
+        exchange: Exchange,
+        requests: Mapping[int, RecordDict],
+        server_round: int,
+        required: tuple[str, ...],
+        reference: Mapping[str, torch.Tensor] | None = None,
+        side: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[int, Reply]:
         """Send `requests[node]` to each node; return, by node, the replies whose `metrics`
         carry the `required` ones and, when a `reference` (or `side`) is given, whose `arrays`
@@ -288,8 +323,13 @@ class Strategy:
         return good
 
     def broadcast(
-        self, exchange: Exchange, nodes: list[NodeInfo], server_round: int, content: RecordDict,
-        required: tuple[str, ...], reference: Mapping[str, torch.Tensor] | None = None,
+        self,
+        exchange: Exchange,
+        nodes: list[NodeInfo],
+        server_round: int,
+        content: RecordDict,
+        required: tuple[str, ...],
+        reference: Mapping[str, torch.Tensor] | None = None,
         side: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[int, Reply]:
         """`ask` with the same `content` for every node."""
@@ -329,8 +369,7 @@ class Strategy:
         return {}
 
 
-def message_config(cfg: RunConfig, exchange: Exchange, server_round: int, run_id: int, **values: Any
-                   ) -> dict[str, Any]:  # fmt: skip
+def message_config(cfg: RunConfig, exchange: Exchange, server_round: int, run_id: int, **values: Any) -> dict[str, Any]:
     """A request's `config` record: the run's settings that travel (the common ones and the
     strategy's section), the round and run id, and the exchange's own settings, by its dataclass."""
     own = exchange.request(**values).to_mapping()

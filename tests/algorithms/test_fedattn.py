@@ -58,8 +58,16 @@ def test_the_server_step_from_client_gradients_equals_autograd_of_the_clients_lo
 
 
 def test_fedattn_personalizes_seen_and_held_out_clients(tmp_path):
-    cfg = RunConfig.from_mapping({"strategy": "fedattn", "num-server-rounds": 4, "min-nodes": 6, "fedattn-warmup": 1,
-                                  "fedattn-k": 3, "results-dir": str(tmp_path / "out")})  # fmt: skip
+    cfg = RunConfig.from_mapping(
+        {
+            "strategy": "fedattn",
+            "num-server-rounds": 4,
+            "min-nodes": 6,
+            "fedattn-warmup": 1,
+            "fedattn-k": 3,
+            "results-dir": str(tmp_path / "out"),
+        }
+    )
     results = run_in_process(cfg, 6)
     assert results["complete"] and not results["failures"]
     clients = results["clients"]

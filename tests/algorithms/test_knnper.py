@@ -15,8 +15,15 @@ def knn_node(make_node):
     def make(**config) -> Node:
         values = {"strategy": "knnper", "partition": "pathological:2"} | config
         node = make_node(values)
-        client = data.embedded_client(4, 10, node.cfg.partition, node.cfg.seed, node.cfg.val_fraction,
-                                      node.cfg.test_fraction, public_size=node.cfg.public_size)  # fmt: skip
+        client = data.embedded_client(
+            4,
+            10,
+            node.cfg.partition,
+            node.cfg.seed,
+            node.cfg.val_fraction,
+            node.cfg.test_fraction,
+            public_size=node.cfg.public_size,
+        )
         node.data = client
         return node
 
@@ -95,7 +102,9 @@ def test_datastore_add_command_embeds_new_samples_under_fifo(tmp_path, knn_node)
     for split in ("train", "test"):
         np.savez(new / f"{split}.npz", x=x[:25], y=y[:25])
     state_dir = str(node.state.folder.parent)
-    assert main(["datastore", "add", "--state-dir", state_dir, "--node-key", "partition-4", "--data-dir", str(new)]) == 0
+    assert (
+        main(["datastore", "add", "--state-dir", state_dir, "--node-key", "partition-4", "--data-dir", str(new)]) == 0
+    )
     store = Datastore.load(node.state)
     assert len(store) == 60  # the newest 60 kept: the folder's 25 train samples last, its test split not at all
     found = ((store.embeddings[-25:, None] - training.embed(model, x[:25])[None]) ** 2).sum(-1).argmin(1)
@@ -103,4 +112,6 @@ def test_datastore_add_command_embeds_new_samples_under_fifo(tmp_path, knn_node)
 
 
 def test_datastore_add_without_a_datastore_says_so(tmp_path):
-    assert main(["datastore", "add", "--state-dir", str(tmp_path), "--node-key", "n1", "--data-dir", str(tmp_path)]) == 2
+    assert (
+        main(["datastore", "add", "--state-dir", str(tmp_path), "--node-key", "n1", "--data-dir", str(tmp_path)]) == 2
+    )

@@ -40,12 +40,18 @@ def test_a_stored_point_finds_its_own_label(index_type):
 
 
 def _add(store, start, count):
-    store.add(np.full((count, 2), start, dtype=np.float32) + np.arange(count, dtype=np.float32)[:, None],
-              np.arange(start, start + count))  # fmt: skip
+    store.add(
+        np.full((count, 2), start, dtype=np.float32) + np.arange(count, dtype=np.float32)[:, None],
+        np.arange(start, start + count),
+    )
 
 
 def test_policies_and_capacity():
-    fifo, fixed, concat = Datastore(2, capacity=5, policy="fifo"), Datastore(2, capacity=5, policy="fixed"), Datastore(2)
+    fifo, fixed, concat = (
+        Datastore(2, capacity=5, policy="fifo"),
+        Datastore(2, capacity=5, policy="fixed"),
+        Datastore(2),
+    )
     for store in (fifo, fixed, concat):
         _add(store, 0, 4)
         _add(store, 100, 4)
@@ -106,15 +112,27 @@ def _marked_store(node, model) -> int:
 
 def _another_partition(node):
     cfg = node.cfg
-    return data_lib.embedded_client(3, 5, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
-                                    cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip
+    return data_lib.embedded_client(
+        3,
+        5,
+        cfg.partition,
+        cfg.seed,
+        cfg.val_fraction,
+        cfg.test_fraction,
+        cfg.min_partition_size,
+        public_size=cfg.public_size,
+    )
 
 
 def _first_train_point_moved_to_test(node):
     d = node.data
-    return dataclasses.replace(d, x_train=d.x_train[1:], y_train=d.y_train[1:],
-                               x_test=np.concatenate([d.x_train[:1], d.x_test]),
-                               y_test=np.concatenate([d.y_train[:1], d.y_test]))  # fmt: skip
+    return dataclasses.replace(
+        d,
+        x_train=d.x_train[1:],
+        y_train=d.y_train[1:],
+        x_test=np.concatenate([d.x_train[:1], d.x_test]),
+        y_test=np.concatenate([d.y_train[:1], d.y_test]),
+    )
 
 
 def _relabelled(node):

@@ -25,11 +25,16 @@ def test_sigma_is_the_gaussian_mechanism_for_a_mean_of_unit_vectors():
     assert gaussian_sigma(math.inf, 1e-5, 50) == 0.0
 
 
-@pytest.mark.parametrize(("epsilon", "delta", "size", "message"), [
-    (0.0, 1e-5, 10, "dp-epsilon must be > 0"), (-1.0, 1e-5, 10, "dp-epsilon must be > 0"),
-    (1.0, 0.0, 10, r"dp-delta must be in \(0, 1\)"), (1.0, 1.0, 10, r"dp-delta must be in \(0, 1\)"),
-    (1.0, 1e-5, 0, r"\|D\| = 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("epsilon", "delta", "size", "message"),
+    [
+        (0.0, 1e-5, 10, "dp-epsilon must be > 0"),
+        (-1.0, 1e-5, 10, "dp-epsilon must be > 0"),
+        (1.0, 0.0, 10, r"dp-delta must be in \(0, 1\)"),
+        (1.0, 1.0, 10, r"dp-delta must be in \(0, 1\)"),
+        (1.0, 1e-5, 0, r"\|D\| = 0"),
+    ],
+)
 def test_invalid_privacy_settings_are_refused_by_name(epsilon, delta, size, message):
     with pytest.raises(ValueError, match=message):
         gaussian_sigma(epsilon, delta, size)
@@ -100,8 +105,15 @@ def test_without_privacy_the_served_descriptor_is_the_clean_encoding(tmp_path, m
 
 
 def test_odpfl_serves_held_out_clients_from_their_unlabeled_data(tmp_path):
-    values = {"strategy": "odpfl", "num-server-rounds": 5, "partition": "pathological:2", "min-nodes": 6,
-              "eval-every": 0, "dp-epsilon": 3.0, "results-dir": str(tmp_path / "run")}  # fmt: skip
+    values = {
+        "strategy": "odpfl",
+        "num-server-rounds": 5,
+        "partition": "pathological:2",
+        "min-nodes": 6,
+        "eval-every": 0,
+        "dp-epsilon": 3.0,
+        "results-dir": str(tmp_path / "run"),
+    }
     results = run_in_process(RunConfig.from_mapping(values), 6)
     [novel] = [c for c in results["clients"] if not c["seen"]]
     assert novel["dp_epsilon"] == 3.0 and novel["descriptor_size"] == novel["num_train"] and novel["dp_analytic"] == 1

@@ -19,8 +19,9 @@ from florist.common.models import build_model
 from florist.server.inprocess import run_in_process
 
 
-@pytest.mark.parametrize(("model", "shape"), [("cnn", (1, 8, 8)), ("lenet", (1, 28, 28)), ("lenet", (3, 32, 32)),
-                                              ("mlp", (64,))])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model", "shape"), [("cnn", (1, 8, 8)), ("lenet", (1, 28, 28)), ("lenet", (3, 32, 32)), ("mlp", (64,))]
+)
 def test_hypernetwork_outputs_every_parameter_of_the_client_model(model, shape):
     target = build_model(model, shape, 10)
     hyper = HyperNetwork(target, embed_dim=5)
@@ -46,8 +47,15 @@ def test_two_clients_get_different_descriptors_and_models():
 
 
 def _simulate(tmp_path, name, num_clients, client_app=None, **overrides):
-    values = {"strategy": "pefll", "num-server-rounds": 1, "partition": "iid", "unseen-fraction": 0.0,
-              "min-nodes": num_clients, "eval-every": 0, "results-dir": str(tmp_path / name)} | overrides  # fmt: skip
+    values = {
+        "strategy": "pefll",
+        "num-server-rounds": 1,
+        "partition": "iid",
+        "unseen-fraction": 0.0,
+        "min-nodes": num_clients,
+        "eval-every": 0,
+        "results-dir": str(tmp_path / name),
+    } | overrides
     cfg = RunConfig.from_mapping(values)
     results = run_in_process(cfg, num_clients, client_app=client_app)
     return cfg, results, torch.load(tmp_path / name / "checkpoint.pt")["state"]
@@ -60,14 +68,30 @@ def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradi
     (OD-PFL's encoder reads x only: v(X; η_v))."""
     alpha = 1.0
     cfg, results, after = _simulate(
-        tmp_path, "chain", 1, strategy=strategy, lr=alpha, **{"hn-local-steps": 1, "batch-size": 4096, "hn-batch": 4096,
-        "hn-l2-hyper": 0.0, "hn-l2-embed": 0.0, "hn-l2-model": 0.0, "hn-optimizer": "sgd",
-        "hn-server-lr": 1.0, "min-train-nodes": 1, "hn-embed-dim": 3})  # fmt: skip
+        tmp_path,
+        "chain",
+        1,
+        strategy=strategy,
+        lr=alpha,
+        **{
+            "hn-local-steps": 1,
+            "batch-size": 4096,
+            "hn-batch": 4096,
+            "hn-l2-hyper": 0.0,
+            "hn-l2-embed": 0.0,
+            "hn-l2-model": 0.0,
+            "hn-optimizer": "sgd",
+            "hn-server-lr": 1.0,
+            "min-train-nodes": 1,
+            "hn-embed-dim": 3,
+        },
+    )
     assert results["complete"] and not results["failures"]
 
     server = spec_of(strategy).load_server()(cfg, None, (1, 8, 8), 1)  # the same seed: the networks before the round
-    client = data_lib.embedded_client(0, 1, "iid", cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size,
-                                      public_size=cfg.public_size)
+    client = data_lib.embedded_client(
+        0, 1, "iid", cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size, public_size=cfg.public_size
+    )
     x, y = torch.from_numpy(client.x_train), torch.from_numpy(client.y_train)
     theta = server.hyper(server.embed.describe(x, y))
     loss = F.cross_entropy(torch.func.functional_call(build_model("cnn", (1, 8, 8), 10), theta, (x,)), y)
@@ -85,8 +109,11 @@ def fail_in_message(message_type: str):
 
     def mod(msg: Message, context: Context, call_next):
         config = msg.content.config_records.get(protocol.CONFIG, {})
-        if (context.node_config["partition-id"] == 2 and msg.metadata.message_type == message_type
-                and config.get("server-round") == 1):  # fmt: skip
+        if (
+            context.node_config["partition-id"] == 2
+            and msg.metadata.message_type == message_type
+            and config.get("server-round") == 1
+        ):
             raise RuntimeError("power cut")
         return call_next(msg, context)
 
@@ -111,8 +138,9 @@ def test_the_default_descriptor_size_is_one_plus_a_quarter_of_the_training_clien
     gives 1 and counting the 4 unseen clients too gives 3. Both networks are built for it and
     every node, seen or unseen, sends descriptors of that length."""
     sizes: dict[int, set[int]] = {}
-    _, results, after = _simulate(tmp_path, "l", 8, build_client_app([record_descriptor_sizes(sizes)]),
-                                  **{"unseen-fraction": 0.5})  # fmt: skip
+    _, results, after = _simulate(
+        tmp_path, "l", 8, build_client_app([record_descriptor_sizes(sizes)]), **{"unseen-fraction": 0.5}
+    )
     assert results["summary"]["seen"]["num_clients"] == 4 and results["summary"]["unseen"]["num_clients"] == 4
     assert after["hyper"]["body.0.weight"].shape[1] == 2 and after["embed"]["head.2.weight"].shape[0] == 2
     assert sizes == {i: {2} for i in range(8)}
@@ -121,10 +149,12 @@ def test_the_default_descriptor_size_is_one_plus_a_quarter_of_the_training_clien
 def test_a_client_failing_in_exchange_three_is_left_out_of_the_update(tmp_path):
     """The update with a client lost in exchange 3 equals the update without it (lost in 1)."""
     settings = {"hn-local-steps": 5, "hn-embed-dim": 2}
-    _, late, after_late = _simulate(tmp_path, "late", 3, build_client_app([fail_in_message(TRAIN_ENCODER.message_type)]),
-                                    **settings)
-    _, early, after_early = _simulate(tmp_path, "early", 3, build_client_app([fail_in_message(DESCRIBE.message_type)]),
-                                      **settings)
+    _, late, after_late = _simulate(
+        tmp_path, "late", 3, build_client_app([fail_in_message(TRAIN_ENCODER.message_type)]), **settings
+    )
+    _, early, after_early = _simulate(
+        tmp_path, "early", 3, build_client_app([fail_in_message(DESCRIBE.message_type)]), **settings
+    )
     [failure] = late["failures"]
     assert failure["message_type"] == TRAIN_ENCODER.message_type and "partition-2" in failure["node"]
     assert "power cut" in failure["reason"]
@@ -136,8 +166,12 @@ def test_a_client_failing_in_exchange_three_is_left_out_of_the_update(tmp_path):
 
 
 def test_pefll_serves_unseen_clients_and_reports_masked_accuracy(tmp_path):
-    _, results, _ = _simulate(tmp_path, "run", 6, **{"num-server-rounds": 5, "partition": "pathological:2",
-                                                     "unseen-fraction": 0.2, "mask-classes": True})  # fmt: skip
+    _, results, _ = _simulate(
+        tmp_path,
+        "run",
+        6,
+        **{"num-server-rounds": 5, "partition": "pathological:2", "unseen-fraction": 0.2, "mask-classes": True},
+    )
     assert results["summary"]["seen"]["num_clients"] == 5 and results["summary"]["unseen"]["num_clients"] == 1
     for row in results["rounds"]:
         assert row["bytes_up"] > 0 and row["bytes_down"] > 0 and math.isfinite(row["train_loss"])

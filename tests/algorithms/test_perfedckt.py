@@ -63,8 +63,16 @@ def test_the_distillation_gradient_matches_the_closed_form():
 
 def _node(make_node, key="partition-0", run_id=1, node_config=None, **changes) -> Node:
     cfg = _cfg(**changes)
-    client = data_lib.embedded_client(0, 10, cfg.partition, cfg.seed, cfg.val_fraction, cfg.test_fraction,
-                                      cfg.min_partition_size, public_size=cfg.public_size)  # fmt: skip
+    client = data_lib.embedded_client(
+        0,
+        10,
+        cfg.partition,
+        cfg.seed,
+        cfg.val_fraction,
+        cfg.test_fraction,
+        cfg.min_partition_size,
+        public_size=cfg.public_size,
+    )
     node_config = {"partition-id": 0, "num-partitions": 10} | (node_config or {})
     return make_node(cfg.to_mapping(), key, client, node_config, run_id=run_id)
 
@@ -106,8 +114,11 @@ def test_a_node_whose_public_set_differs_refuses_to_train(tmp_path, make_node):
     other.mkdir()
     np.savez(other / "public.npz", x=data_lib.load_digits()[0][:200])  # 200 digits, but not the same ones
     node = _node(make_node, node_config={"public-dir": str(other)})  # the node's own P, by its node config
-    with pytest.raises(ValueError, match=r"node partition-0: its public set P \(from public-dir .*\) has fingerprint "
-                       r"200-[0-9a-f]{16}, but the server expects 200-"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"node partition-0: its public set P \(from public-dir .*\) has fingerprint "
+        r"200-[0-9a-f]{16}, but the server expects 200-",
+    ):
         client_half.train(node, _request(_cfg()))
     assert client_half._owned_model(node, 1)[1] is None  # nothing trained, nothing saved
     # The same folder named on the server (or its fingerprint in public-hash) is accepted.
@@ -133,8 +144,14 @@ def test_clients_are_sampled_in_proportion_to_their_data():
 
 
 def test_three_architectures_train_together(tmp_path):
-    cfg = _cfg(num_server_rounds=3, min_nodes=6, fraction_train=0.5, eval_every=1, client_models="cnn,mlp,cnn-wide",
-               results_dir=str(tmp_path / "out"))  # fmt: skip
+    cfg = _cfg(
+        num_server_rounds=3,
+        min_nodes=6,
+        fraction_train=0.5,
+        eval_every=1,
+        client_models="cnn,mlp,cnn-wide",
+        results_dir=str(tmp_path / "out"),
+    )
     results = run_in_process(cfg, 6)
     clients = results["clients"]
     assert not results["failures"] and all(c["accuracy"] is not None for c in clients)

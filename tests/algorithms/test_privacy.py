@@ -36,8 +36,9 @@ def hockey_stick(sigma: float, epsilon: float, sensitivity: float) -> float:
 
 @pytest.mark.parametrize(("sigma", "epsilon"), [(0.05, 1.0), (0.02, 3.0), (0.2, 0.5), (0.02, 10.0)])
 def test_the_closed_form_is_the_definition(sigma, epsilon):
-    assert exact_delta(sigma, epsilon, SENSITIVITY) == pytest.approx(hockey_stick(sigma, epsilon, SENSITIVITY),
-                                                                     rel=1e-4, abs=1e-12)  # fmt: skip
+    assert exact_delta(sigma, epsilon, SENSITIVITY) == pytest.approx(
+        hockey_stick(sigma, epsilon, SENSITIVITY), rel=1e-4, abs=1e-12
+    )
 
 
 @pytest.mark.parametrize(("epsilon", "delta"), GRID)

@@ -26,7 +26,8 @@ ALGORITHMS = Path(florist.algorithms.__file__).parent
 def _imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
-        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
 
 
 @pytest.mark.parametrize("half", ["client", "server"])
@@ -54,8 +55,9 @@ def _message(config: dict, message_type: str) -> Message:
 
 
 def _context() -> Context:
-    return Context(run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 4}, state=RecordDict(),
-                   run_config={})  # fmt: skip
+    return Context(
+        run_id=1, node_id=5, node_config={"partition-id": 0, "num-partitions": 4}, state=RecordDict(), run_config={}
+    )
 
 
 def test_a_florist_message_must_carry_exactly_the_declared_keys():
@@ -67,8 +69,11 @@ def test_a_florist_message_must_carry_exactly_the_declared_keys():
         typo = {("knn-kz" if k == "knn-ks" else k): v for k, v in config.items()}
         parse(_message(typo, "evaluate.knnper"), _context(), EVALUATE_KNNPER)
     with pytest.raises(protocol.ProtocolError, match=r"missing keys \['server-round'\]"):
-        parse(_message({k: v for k, v in config.items() if k != "server-round"}, "evaluate.knnper"), _context(),
-              EVALUATE_KNNPER)  # fmt: skip
+        parse(
+            _message({k: v for k, v in config.items() if k != "server-round"}, "evaluate.knnper"),
+            _context(),
+            EVALUATE_KNNPER,
+        )
 
 
 def test_a_standard_message_from_a_flower_strategy_uses_the_run_config():

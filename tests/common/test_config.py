@@ -15,7 +15,8 @@ def test_pyproject_run_config_lists_every_declared_setting_with_its_default():
     declared = all_settings()
     wrong = {k: v for k, v in declared.items() if listed.get(k, object()) != v}
     assert not wrong, "pyproject.toml [tool.flwr.app.config] needs:\n" + "\n".join(
-        toml_node_config({k: v}) for k, v in wrong.items())
+        toml_node_config({k: v}) for k, v in wrong.items()
+    )
     assert set(listed) == set(declared), f"not declared anywhere: {sorted(set(listed) - set(declared))}"
 
 

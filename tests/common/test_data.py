@@ -9,7 +9,7 @@ from florist.common import data
 def test_digits_are_the_real_bundled_set():
     x, y = data.load_digits()
     assert x.shape == (1797, 1, 8, 8) and x.dtype == np.float32
-    assert 0.0 <= x.min() and x.max() <= 1.0
+    assert x.min() >= 0.0 and x.max() <= 1.0
     assert sorted(set(y.tolist())) == list(range(10))
 
 

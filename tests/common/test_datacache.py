@@ -11,8 +11,15 @@ def _client(labelled=True):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (30, 1, 4, 4), dtype=np.uint8)
     y = rng.integers(0, 3, 30) if labelled else None
-    return ClientData(x[:20], None if y is None else y[:20], x[20:25], None if y is None else y[20:25], x[25:],
-                      None if y is None else y[25:], 3)  # fmt: skip
+    return ClientData(
+        x[:20],
+        None if y is None else y[:20],
+        x[20:25],
+        None if y is None else y[20:25],
+        x[25:],
+        None if y is None else y[25:],
+        3,
+    )
 
 
 def _fresh(monkeypatch):
@@ -27,8 +34,11 @@ def test_an_entry_comes_back_as_it_went_in_labelled_or_not(monkeypatch):
         _fresh(monkeypatch)
         again = datacache.cached({"case": labelled}, lambda: built.append(1) or original)
         assert built == [1] and again.num_classes == 3 and (again.y_train is None) == (not labelled)
-        assert all(np.array_equal(getattr(again, k), getattr(original, k)) for k in datacache.ARRAYS
-                   if getattr(original, k) is not None)  # fmt: skip
+        assert all(
+            np.array_equal(getattr(again, k), getattr(original, k))
+            for k in datacache.ARRAYS
+            if getattr(original, k) is not None
+        )
         assert isinstance(again.x_train, np.memmap) and not again.x_train.flags.writeable
 
 

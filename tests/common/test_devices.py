@@ -18,8 +18,10 @@ def _accuracies(results):
 def test_device_cpu_and_auto_give_identical_results_on_a_machine_without_gpu(tmp_path):
     if torch.cuda.is_available() or torch.backends.mps.is_available():
         pytest.skip("auto picks the GPU on this machine; the test is for one without")
-    runs = [run_in_process(RunConfig.from_mapping(RUN | {"device": d, "results-dir": str(tmp_path / d)}), 3)
-            for d in ("cpu", "auto")]  # fmt: skip
+    runs = [
+        run_in_process(RunConfig.from_mapping(RUN | {"device": d, "results-dir": str(tmp_path / d)}), 3)
+        for d in ("cpu", "auto")
+    ]
     assert _accuracies(runs[0]) == _accuracies(runs[1]) and all(a is not None for _, a in _accuracies(runs[0]))
 
 

@@ -113,8 +113,9 @@ class GridWithObjectsThatNeverArrive:
             raise inflatable_utils.ObjectUnavailableError(object_id)
 
         try:  # retries every 10 ms, for ever: only `max_time` ends it (Flower's own is 2 h)
-            http_grid.pull_objects(["a" * 64], never_there, initial_backoff=0.01, backoff_cap=0.01,
-                                   max_tries_per_object=None)  # fmt: skip
+            http_grid.pull_objects(
+                ["a" * 64], never_there, initial_backoff=0.01, backoff_cap=0.01, max_tries_per_object=None
+            )
         except inflatable_utils.ObjectPullError:
             return [f"gave up on {message_ids}"]
         return []
@@ -123,13 +124,16 @@ class GridWithObjectsThatNeverArrive:
 def test_pull_replies_gives_up_on_missing_objects_at_the_deadline_and_says_when_it_started_on_them():
     started = []
     start = time.monotonic()
-    replies = flower_internals.pull_replies(GridWithObjectsThatNeverArrive(), ["m"], start + 0.3, 0.0,
-                                            lambda: started.append(time.monotonic()))  # fmt: skip
+    replies = flower_internals.pull_replies(
+        GridWithObjectsThatNeverArrive(), ["m"], start + 0.3, 0.0, lambda: started.append(time.monotonic())
+    )
     assert replies == ["gave up on ['m']"] and len(started) == 1
     assert 0.3 <= time.monotonic() - start < 3
 
 
 def test_pull_replies_past_its_deadline_still_gives_a_reply_at_least_its_minimum():
     start = time.monotonic()
-    assert flower_internals.pull_replies(GridWithObjectsThatNeverArrive(), ["m"], start - 5, 0.3) == ["gave up on ['m']"]
+    assert flower_internals.pull_replies(GridWithObjectsThatNeverArrive(), ["m"], start - 5, 0.3) == [
+        "gave up on ['m']"
+    ]
     assert 0.3 <= time.monotonic() - start < 3

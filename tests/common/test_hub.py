@@ -2,7 +2,6 @@
 `datasets.load_dataset` reads (parquet here; a Hugging Face id goes the same way with a
 connection), images converted with torchvision, partitioned by label or by a natural id."""
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,9 @@ def folder(tmp_path_factory):
     writers = [f"w{i % WRITERS}" for i in range(400)]
     features = Features({"image": Image(), "label": ClassLabel(num_classes=10), "writer_id": Value("string")})
     path = tmp_path_factory.mktemp("hub")
-    Dataset.from_dict({"image": images, "label": y[:400].tolist(), "writer_id": writers}, features=features
-                      ).to_parquet(str(path / "train.parquet"))  # fmt: skip
+    Dataset.from_dict({"image": images, "label": y[:400].tolist(), "writer_id": writers}, features=features).to_parquet(
+        str(path / "train.parquet")
+    )
     return path
 
 
@@ -43,16 +43,24 @@ def test_a_folder_partitioned_by_writer_gives_each_client_its_writers_images(fol
 
 
 def test_a_run_on_a_folder_dataset_completes(folder, tmp_path):
-    cfg = RunConfig.from_mapping({"dataset": str(folder), "partition": "iid", "num-server-rounds": 2, "min-nodes": 4,
-                                  "results-dir": str(tmp_path)})  # fmt: skip
+    cfg = RunConfig.from_mapping(
+        {
+            "dataset": str(folder),
+            "partition": "iid",
+            "num-server-rounds": 2,
+            "min-nodes": 4,
+            "results-dir": str(tmp_path),
+        }
+    )
     results = run_in_process(cfg, 4)
     assert results["complete"] and len(results["clients"]) == 4 and not results["failures"]
 
 
 def test_dataset_mistakes_are_named(folder):
     with pytest.raises(ValueError, match="label-column to the label column"):
-        scenarios.client_data(0, 2, RunConfig.from_mapping({"dataset": str(folder), "partition": "iid",
-                                                             "label-column": "digit"}))  # fmt: skip
+        scenarios.client_data(
+            0, 2, RunConfig.from_mapping({"dataset": str(folder), "partition": "iid", "label-column": "digit"})
+        )
     with pytest.raises(ValueError, match="needs a Hugging Face dataset or folder with that column"):
         RunConfig.from_mapping({"partition": "natural:writer_id"})
 

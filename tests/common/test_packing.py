@@ -12,8 +12,14 @@ def model_record() -> RecordDict:
     state = build_model("cnn", (1, 8, 8), 10).state_dict()
     arrays = {k: Array(v.numpy()) for k, v in state.items()}
     arrays |= {"count": Array(np.array(7, dtype=np.int64)), "empty": Array(np.zeros((0, 3), np.float32))}
-    return RecordDict({"arrays": ArrayRecord(arrays), "config": ConfigRecord({"lr": 0.1}),
-                       "metrics": MetricRecord({"num-examples": 3}), "side": ArrayRecord({"z": Array(np.ones(4))})})
+    return RecordDict(
+        {
+            "arrays": ArrayRecord(arrays),
+            "config": ConfigRecord({"lr": 0.1}),
+            "metrics": MetricRecord({"num-examples": 3}),
+            "side": ArrayRecord({"z": Array(np.ones(4))}),
+        }
+    )
 
 
 def test_a_packed_record_restores_every_array_bit_for_bit():
@@ -46,13 +52,16 @@ def tampered(**layout_changes) -> RecordDict:
     return packed
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"keys": ["only-one"]}, "equal length"),
-    ({"dtypes": ["float64"] * 10}, "no float64 values"),
-    ({"shapes": ["99999"] * 10}, "too few float32 values"),
-    ({"shapes": ["a,b"] * 10}, "comma-separated integers"),
-    ({"shapes": ["1"] * 10}, "values for a layout of"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"keys": ["only-one"]}, "equal length"),
+        ({"dtypes": ["float64"] * 10}, "no float64 values"),
+        ({"shapes": ["99999"] * 10}, "too few float32 values"),
+        ({"shapes": ["a,b"] * 10}, "comma-separated integers"),
+        ({"shapes": ["1"] * 10}, "values for a layout of"),
+    ],
+)
 def test_a_layout_that_does_not_fit_its_arrays_is_refused_naming_the_source(changes, message):
     with pytest.raises(packing.PackingError, match=f"node 7: packed record 'arrays': .*{message}"):
         packing.unpack(tampered(**changes), "node 7")

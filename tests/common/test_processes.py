@@ -20,8 +20,9 @@ time.sleep(60)
 def test_stopping_a_marked_process_stops_the_unmarked_processes_below_it():
     tag = uuid.uuid4().hex
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # ours, but not marked
-    child = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
-                             env=os.environ | {"FLORIST_TEST_TAG": tag})  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=os.environ | {"FLORIST_TEST_TAG": tag}
+    )
     try:
         grandchild = int(child.stdout.readline())
         assert descendants([child.pid]) == [grandchild]
@@ -51,8 +52,12 @@ job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], en
 print(job.pid, flush=True)
 print(subprocess.run([sys.executable, "-c", {caller!r}, {tag!r}], capture_output=True, text=True).stdout, flush=True)
 """
-    run, job = subprocess.Popen([sys.executable, "-c", shell], stdout=subprocess.PIPE, text=True,
-                                env=os.environ | {"FLORIST_TEST_TAG": tag}), None  # fmt: skip
+    run, job = (
+        subprocess.Popen(
+            [sys.executable, "-c", shell], stdout=subprocess.PIPE, text=True, env=os.environ | {"FLORIST_TEST_TAG": tag}
+        ),
+        None,
+    )
     try:
         job = int(run.stdout.readline())
         assert run.stdout.readline().strip() == "done" and alive(job)

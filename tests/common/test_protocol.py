@@ -22,14 +22,15 @@ def test_mobilenet_round_trip_keeps_integer_buffers():
 def test_wrong_shape_and_nan_are_refused_with_the_source():
     reference = build_model("cnn", (1, 8, 8), 10).state_dict()
     bad = dict(reference) | {"head.weight": torch.zeros(3, 3)}
-    with pytest.raises(protocol.ProtocolError, match=r"node 7: array 'head.weight' has shape \(3, 3\), expected \(10, 128\)"):
+    with pytest.raises(
+        protocol.ProtocolError, match=r"node 7: array 'head.weight' has shape \(3, 3\), expected \(10, 128\)"
+    ):
         protocol.state_of(protocol.ArrayRecord(bad), reference, "node 7")
     nan = dict(reference) | {"head.bias": torch.full((10,), float("nan"))}
     with pytest.raises(protocol.ProtocolError, match="'head.bias' contains NaN"):
         protocol.state_of(protocol.ArrayRecord(nan), reference, "node 7")
     with pytest.raises(protocol.ProtocolError, match="missing"):
         protocol.state_of(protocol.ArrayRecord({"head.bias": reference["head.bias"]}), reference, "node 7")
-
 
 
 def test_other_dtypes_are_refused_unless_converting_for_flowers_strategies():
@@ -44,6 +45,7 @@ def test_other_dtypes_are_refused_unless_converting_for_flowers_strategies():
     huge = dict(wide) | {"head.bias": torch.full((10,), 1e300, dtype=torch.float64)}
     with pytest.raises(protocol.ProtocolError, match="'head.bias' has values beyond"):
         protocol.state_of(protocol.ArrayRecord(huge), reference, "node 2", convert=True)
+
 
 def test_metrics_must_be_present_and_finite():
     reply = protocol.content(metrics={"accuracy": float("inf"), "num-examples": 3})

@@ -50,26 +50,31 @@ def test_synthetic_clients_follow_fedprox_generator_and_differ_in_size():
     sizes = [len(c.x_train) + len(c.x_val) + len(c.x_test) for c in clients]
     assert min(sizes) >= 50 and max(sizes) <= scenarios.MAX_SYNTHETIC_SIZE and len(set(sizes)) > 40
     assert all(c.input_shape == (60,) and c.num_classes == 10 for c in clients)
-    assert all(0 <= c.y_train.min() and c.y_train.max() < 10 for c in clients)
+    assert all(c.y_train.min() >= 0 and c.y_train.max() < 10 for c in clients)
     # Σ_jj = j^−1.2: within a client, feature 1 varies more than feature 60 by a factor ≈ 60^0.6.
     big = max(clients, key=lambda c: len(c.x_train))
     ratio = big.x_train[:, 0].std() / big.x_train[:, -1].std()
     assert 60**0.6 / 2 < ratio < 60**0.6 * 2
+
     # β spreads the clients' feature means B_k ~ N(0, β²): their mean features drift apart.
     def spread(beta):
         cfg = _cfg(dataset=f"synthetic:1,{beta}")
         return np.std([scenarios.client_data(i, 30, cfg).x_train.mean() for i in range(30)])
+
     assert spread(10) > 5 * spread(0)
     again = scenarios.client_data(7, 50, cfg)
     np.testing.assert_array_equal(again.x_train, clients[7].x_train)  # seeded
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("shift", "relabel", "shift must be 'none', 'relabel:K' or 'rotate:K'"),
-    ("shift", "rotate:0", "shift must be"),
-    ("dataset", "synthetic:1", "dataset must be 'digits', 'mnist5k', 'synthetic:ALPHA,BETA'"),
-    ("dataset", "cifar", "dataset must be"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("shift", "relabel", "shift must be 'none', 'relabel:K' or 'rotate:K'"),
+        ("shift", "rotate:0", "shift must be"),
+        ("dataset", "synthetic:1", "dataset must be 'digits', 'mnist5k', 'synthetic:ALPHA,BETA'"),
+        ("dataset", "cifar", "dataset must be"),
+    ],
+)
 def test_a_wrong_scenario_is_refused_by_name(key, value, message):
     with pytest.raises(ValueError, match=message):
         RunConfig.from_mapping({key: value})

@@ -53,8 +53,9 @@ def submit(fed: LocalFederation, results: Path, **overrides) -> dict:
 def streaming_run(fed: LocalFederation, config: dict) -> Iterator[subprocess.Popen]:
     """`flwr run` of `config` on `fed`, its output piped. A block that fails stops the run on the
     SuperLink too: on a federation that tests share, its ServerApp would reach into the next test."""
-    run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)  # fmt: skip
+    run = subprocess.Popen(
+        fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         yield run
     except BaseException:

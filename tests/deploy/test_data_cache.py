@@ -12,12 +12,12 @@ import re
 import numpy as np
 import pytest
 from datasets import ClassLabel, Dataset, Features, Image
+from processes import RUN, submit
 
 from florist.common import data as data_lib
 from florist.common.config import RunConfig
 from florist.deploy.federation import LocalFederation
 from florist.server.inprocess import run_in_process
-from processes import RUN, submit
 
 NODES, ROUNDS = 3, 3
 
@@ -30,13 +30,16 @@ def folder(tmp_path_factory):
     features = Features({"image": Image(), "label": ClassLabel(num_classes=10)})
     path = tmp_path_factory.mktemp("folder")
     Dataset.from_dict({"image": images, "label": y[:400].tolist()}, features=features).to_parquet(
-        str(path / "train.parquet"))  # fmt: skip
+        str(path / "train.parquet")
+    )
     return path
 
 
 def test_nodes_decode_a_folder_dataset_once_and_learn_as_in_process(folder, tmp_path, monkeypatch):
-    configs = [{"partition-id": i, "num-partitions": NODES, "state-dir": str(tmp_path / "state"), "torch-threads": 1}
-               for i in range(NODES)]  # fmt: skip
+    configs = [
+        {"partition-id": i, "num-partitions": NODES, "state-dir": str(tmp_path / "state"), "torch-threads": 1}
+        for i in range(NODES)
+    ]
     values = {"dataset": str(folder), "num-server-rounds": ROUNDS}
     with LocalFederation(tmp_path / "fed", configs) as fed:
         results = submit(fed, tmp_path / "out", **values)

@@ -8,21 +8,34 @@ import json
 import time
 
 import pytest
+from processes import labelled_folder
 
 from florist.cli import main
 from florist.common.processes import marked
 from florist.deploy.federation import free_port
 from florist.deploy.join import JoinError, join
 
-from processes import labelled_folder
-
 
 def test_deploy_local_with_flowers_own_executor_runs_fedavg_over_grpc(tmp_path):
     """`--executor flower`: Flower's own runtime, a process per message (6-8 CPU-s each here), so
     1 node, 1 round. (florist's warm executor under `deploy-local`: test_interrupt.py.)"""
-    args = ["deploy-local", "--strategy", "fedavg", "--num-nodes", "1", "--rounds", "1", "--partition", "iid",
-            "--results-dir", str(tmp_path / "out"), "--run-config", "unseen-fraction=0.0 local-epochs=2 eval-every=0",
-            "--executor", "flower"]  # fmt: skip
+    args = [
+        "deploy-local",
+        "--strategy",
+        "fedavg",
+        "--num-nodes",
+        "1",
+        "--rounds",
+        "1",
+        "--partition",
+        "iid",
+        "--results-dir",
+        str(tmp_path / "out"),
+        "--run-config",
+        "unseen-fraction=0.0 local-epochs=2 eval-every=0",
+        "--executor",
+        "flower",
+    ]
     assert main(args) == 0
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["complete"] and len(results["rounds"]) == 1 and not results["failures"]

@@ -17,7 +17,9 @@ HADOLINT = Path(sys.executable).parent / "hadolint"
 
 def compose_config(compose_file: Path, certs: Path) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "FLORIST_CERTS": str(certs)}
-    return subprocess.run([str(COMPOSE), "-f", str(compose_file), "config", "-q"], capture_output=True, text=True, env=env)
+    return subprocess.run(
+        [str(COMPOSE), "-f", str(compose_file), "config", "-q"], capture_output=True, text=True, env=env
+    )
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
-
-from florist.deploy import forkserver
-from florist.deploy.executor import PreloadedApp
-from florist.common.processes import marked
-from florist.deploy.bundle import app_dir, checkout
-from florist.deploy.federation import LocalFederation
 from processes import EXPIRY, node_configs, started_tasks
 from processes import submit as run_submit
+
+from florist.common.processes import marked
+from florist.deploy import forkserver
+from florist.deploy.bundle import app_dir, checkout
+from florist.deploy.executor import PreloadedApp
+from florist.deploy.federation import LocalFederation
 
 APPS = Path(__file__).parent / "apps"
 
@@ -67,7 +67,8 @@ def test_only_a_bundle_with_exactly_the_preloaded_code_is_served_warm(florist_ap
         (fab / "pyproject.toml").write_text(text.replace('clientapp = "florist.client.app:app"', 'clientapp = "x:app"'))
 
     assert "its clientapp 'x:app' is not in the preloaded package florist" in florist_app.mismatch(
-        bundle(tmp_path / "other", other_app))
+        bundle(tmp_path / "other", other_app)
+    )
 
     def other_server(fab):
         text = (fab / "pyproject.toml").read_text()
@@ -132,8 +133,11 @@ def test_a_handler_that_raises_or_hangs_leaves_its_node_serving_the_next_round(t
 def _forked(fed: LocalFederation) -> list[tuple[int, int]]:
     """(executor PID, node) of each SuperNode's executor the fork server has forked, in order."""
     log = (fed.logs / "fork-server.log").read_text()
-    return [(int(pid), fed.node_ports.index(int(port))) for pid, port in re.findall(r"executor (\d+) forked for [\d.]+:(\d+)", log)
-            if int(port) in fed.node_ports]  # fmt: skip
+    return [
+        (int(pid), fed.node_ports.index(int(port)))
+        for pid, port in re.findall(r"executor (\d+) forked for [\d.]+:(\d+)", log)
+        if int(port) in fed.node_ports
+    ]
 
 
 def test_a_forked_executor_is_known_refused_when_the_fork_server_closes_without_forking(tmp_path):
@@ -181,7 +185,9 @@ def test_one_fork_server_preloads_for_every_node_and_forks_an_executor_again_whe
         assert _forked(fed)[-1][1] == 0
         results = run_submit(fed, tmp_path / "out", **{"num-server-rounds": 1, "local-epochs": 1})
         assert not results["failures"] and results["summary"]["seen"]["num_clients"] == 2
-        os.kill(fed.server_executor.pid, signal.SIGKILL)  # runs must not then wait forever: Flower's SuperExec takes over
+        os.kill(
+            fed.server_executor.pid, signal.SIGKILL
+        )  # runs must not then wait forever: Flower's SuperExec takes over
         assert _until(lambda: fed.ensure_runs_served() or fed.superexec is not None, 10.0)
         again = run_submit(fed, tmp_path / "again", **{"num-server-rounds": 1, "local-epochs": 1})
         assert not again["failures"] and again["summary"]["seen"]["num_clients"] == 2

@@ -13,13 +13,12 @@ import sys
 import uuid
 
 import pytest
+from processes import started_tasks, wait_for_rounds
 
 from florist.cli import main
 from florist.common.config import RunConfig
 from florist.common.processes import alive, descendants, marked
 from florist.server.inprocess import run_in_process
-
-from processes import started_tasks, wait_for_rounds
 
 
 def _interrupt(command: list[str], progress, tmp_path) -> tuple[subprocess.CompletedProcess, str, list[int]]:
@@ -29,8 +28,13 @@ def _interrupt(command: list[str], progress, tmp_path) -> tuple[subprocess.Compl
     below it at the Ctrl-C (some of Ray's do not carry the tag)."""
     tag, log = uuid.uuid4().hex, tmp_path / "output.txt"
     with open(log, "w") as out:  # a file, not a pipe: nothing blocks on a full pipe
-        run = subprocess.Popen([sys.executable, "-m", "florist", *command], stdout=out, stderr=subprocess.STDOUT,
-                               text=True, env=os.environ | {"FLORIST_TEST_TAG": tag})  # fmt: skip
+        run = subprocess.Popen(
+            [sys.executable, "-m", "florist", *command],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=os.environ | {"FLORIST_TEST_TAG": tag},
+        )
     try:
         wait_for_rounds(run, progress, 1, timeout=300)
         below = descendants([run.pid])
@@ -50,9 +54,14 @@ def test_ctrl_c_stops_the_run_and_keeps_the_finished_rounds(command, tmp_path):
     out = tmp_path / "out"
     # One SuperNode has the process tree a Ctrl-C must end (its executor and ClientApps); each more costs a start.
     # The simulation is resumed below: 12 rounds (0.6 s each after the first), most left after the Ctrl-C.
-    nodes = ["--num-clients", "3", "--rounds", "12"] if command == "simulate" else ["--num-nodes", "1", "--rounds", "100"]
-    done, tag, below = _interrupt([command, *nodes, "--partition", "iid", "--results-dir", str(out),
-                                  "--run-config", "unseen-fraction=0.0"], out / "results.json", tmp_path)  # fmt: skip
+    nodes = (
+        ["--num-clients", "3", "--rounds", "12"] if command == "simulate" else ["--num-nodes", "1", "--rounds", "100"]
+    )
+    done, tag, below = _interrupt(
+        [command, *nodes, "--partition", "iid", "--results-dir", str(out), "--run-config", "unseen-fraction=0.0"],
+        out / "results.json",
+        tmp_path,
+    )
     assert done.returncode == 130, done.stdout[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("florist: interrupted after ") and str(out) in last and "Traceback" not in done.stdout
@@ -74,4 +83,5 @@ def test_ctrl_c_stops_the_run_and_keeps_the_finished_rounds(command, tmp_path):
         assert resumed["complete"] and [r["round"] for r in resumed["rounds"]] == list(range(1, 13))
         whole = run_in_process(RunConfig.from_mapping(results["config"] | {"results-dir": str(tmp_path / "whole")}), 3)
         assert {c["client"]: c["accuracy"] for c in resumed["clients"]} == {
-            c["client"]: c["accuracy"] for c in whole["clients"]}
+            c["client"]: c["accuracy"] for c in whole["clients"]
+        }

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from processes import EXPIRY, RUN, node_configs, streaming_run, wait_for_rounds
 
 from florist.algorithms.knnper.client import LAMBDA_GRID
 from florist.common.data import load_digits
 from florist.common.models import build_model
 from florist.deploy.federation import LocalFederation
-from processes import EXPIRY, RUN, node_configs, streaming_run, wait_for_rounds
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +63,9 @@ def run_with_late_joiner(fed: LocalFederation, tmp_path: Path, late: dict | None
 
 
 def test_knnper_personalizes_a_node_that_joins_after_training(federation, tmp_path):
-    results = run_with_late_joiner(federation, tmp_path, strategy="knnper", partition="pathological:2",
-                                   **{"num-server-rounds": 1})  # fmt: skip
+    results = run_with_late_joiner(
+        federation, tmp_path, strategy="knnper", partition="pathological:2", **{"num-server-rounds": 1}
+    )
     [late] = [c for c in results["clients"] if c["client"] == "partition-3"]
     assert results["summary"]["unseen"]["num_clients"] == 1  # scored
     kept = federation.workdir / "state" / "partition-3" / "knnper"  # in its state folder: its train split
@@ -80,11 +81,22 @@ def test_odpfl_serves_a_late_node_that_has_no_labels(federation, tmp_path):
     np.savez(folder / "train.npz", x=x[:80])  # no y anywhere: nothing to train or score with
     np.savez(folder / "test.npz", x=x[80:100])
     late = {"data-dir": str(folder), "node-key": "newcomer", "state-dir": str(tmp_path / "state"), "dp-epsilon": 3.0}
-    results = run_with_late_joiner(federation, tmp_path, late, strategy="odpfl", partition="pathological:2",
-                                   **{"num-server-rounds": 1, "hn-local-steps": 10})  # fmt: skip
+    results = run_with_late_joiner(
+        federation,
+        tmp_path,
+        late,
+        strategy="odpfl",
+        partition="pathological:2",
+        **{"num-server-rounds": 1, "hn-local-steps": 10},
+    )
     assert math.isfinite(results["rounds"][0]["train_loss"])  # the three exchanges of a round completed
     assert [e["type"] for e in results["rounds"][0]["exchanges"]] == [
-        "query.describe", "train.generated", "train.encoder", "query.describe", "evaluate.generated"]
+        "query.describe",
+        "train.generated",
+        "train.encoder",
+        "query.describe",
+        "evaluate.generated",
+    ]
     [newcomer] = [c for c in results["clients"] if c["client"] == "newcomer"]
     assert newcomer["accuracy"] is None and newcomer["dp_epsilon"] == 3.0 and newcomer["dp_sigma"] > 0
     assert newcomer["descriptor_size"] == newcomer["num_train"]
@@ -95,8 +107,13 @@ def test_odpfl_serves_a_late_node_that_has_no_labels(federation, tmp_path):
 
 def test_perfed_ckt_nodes_with_three_architectures_share_only_soft_decisions(federation, tmp_path):
     late = node_configs(4, federation.workdir)[3] | {"model": "mlp"}  # node config wins over client-models
-    results = run_with_late_joiner(federation, tmp_path, late, strategy="perfed-ckt", **{
-        "num-server-rounds": 2, "eval-every": 0, "client-models": "cnn,mlp,cnn-wide", "ckt-steps": 10})  # fmt: skip
+    results = run_with_late_joiner(
+        federation,
+        tmp_path,
+        late,
+        strategy="perfed-ckt",
+        **{"num-server-rounds": 2, "eval-every": 0, "client-models": "cnn,mlp,cnn-wide", "ckt-steps": 10},
+    )
     clients = {c["client"]: c for c in results["clients"]}
     assert not results["failures"] and all(c["accuracy"] is not None for c in clients.values())
     assert len({clients[f"partition-{i}"]["num_params"] for i in range(3)}) == 3
@@ -108,8 +125,12 @@ def test_perfed_ckt_nodes_with_three_architectures_share_only_soft_decisions(fed
 
 
 def test_fedattn_personalizes_a_late_joiner_from_its_nearest_clients(federation, tmp_path):
-    results = run_with_late_joiner(federation, tmp_path, strategy="fedattn", **{
-        "num-server-rounds": 1, "eval-every": 0, "fedattn-warmup": 0, "fedattn-k": 2})  # fmt: skip
+    results = run_with_late_joiner(
+        federation,
+        tmp_path,
+        strategy="fedattn",
+        **{"num-server-rounds": 1, "eval-every": 0, "fedattn-warmup": 0, "fedattn-k": 2},
+    )
     clients = {c["client"]: c for c in results["clients"]}
     assert not results["failures"] and all(c["accuracy"] is not None for c in clients.values())
     assert clients["partition-3"]["neighbours"] == 2 and 0.5 <= clients["partition-3"]["attention_max"] <= 1
@@ -118,8 +139,13 @@ def test_fedattn_personalizes_a_late_joiner_from_its_nearest_clients(federation,
 
 def test_a_supernode_killed_mid_run_is_left_out(federation, tmp_path):
     fed = federation
-    config = RUN | {"min-nodes": 3, "num-server-rounds": 2, "round-timeout": EXPIRY, "eval-every": 0,
-                    "results-dir": str(tmp_path / "out")}  # each exchange with the dead node waits out the timeout
+    config = RUN | {
+        "min-nodes": 3,
+        "num-server-rounds": 2,
+        "round-timeout": EXPIRY,
+        "eval-every": 0,
+        "results-dir": str(tmp_path / "out"),
+    }  # each exchange with the dead node waits out the timeout
     progress = tmp_path / "out" / "results.json"
     with streaming_run(fed, config) as run:
         wait_for_rounds(run, progress, 1, timeout=300)

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from processes import RUN, node_configs, submit, wait_for_rounds
 
 from florist.cli import main
 from florist.common.config import RunConfig
@@ -27,8 +28,6 @@ from florist.common.processes import marked
 from florist.deploy import netns
 from florist.deploy.federation import LocalFederation
 from florist.server.inprocess import run_in_process
-
-from processes import RUN, node_configs, submit, wait_for_rounds
 
 NODES = 2
 
@@ -75,9 +74,16 @@ def test_a_node_whose_link_goes_down_is_left_out_and_comes_back(federation, trai
     down, fires after round 3's timeout; round 5 is the margin."""
     fed, network, timeout = federation, federation.network, 8.0
     out = tmp_path / "out"
-    config = RUN | {"min-nodes": NODES, "num-server-rounds": 5, "round-timeout": timeout, "eval-every": 0,
-                    "results-dir": str(out)}  # fmt: skip
-    run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    config = RUN | {
+        "min-nodes": NODES,
+        "num-server-rounds": 5,
+        "round-timeout": timeout,
+        "eval-every": 0,
+        "results-dir": str(out),
+    }
+    run = subprocess.Popen(
+        fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         wait_for_rounds(run, out / "results.json", 1, timeout=300)
         network.set_link(netns.node(1), up=False)
@@ -132,11 +138,17 @@ def test_from_another_namespace_only_the_superlinks_fleet_port_answers(federatio
             listening[host] = listening_ports()
     # No other listener: the Runtime API the ServerApp uses (ServerAppIo) is the Control port's.
     assert listening == {netns.SUPERLINK: {fed.fleet_port, fed.control_port}} | {
-        netns.node(i): {fed.node_ports[i]} for i in range(NODES)}  # fmt: skip
+        netns.node(i): {fed.node_ports[i]} for i in range(NODES)
+    }
     for client in network.hosts:
         with network.inside(client):
-            answered = {(host, port) for host, ports in listening.items() if host != client
-                        for port in ports if reachable(network.address(host), port)}  # fmt: skip
+            answered = {
+                (host, port)
+                for host, ports in listening.items()
+                if host != client
+                for port in ports
+                if reachable(network.address(host), port)
+            }
             if client != netns.SUPERLINK:
                 assert not reachable("127.0.0.1", fed.control_port)  # a loopback of its own, not the SuperLink's
         assert answered == ({(netns.SUPERLINK, fed.fleet_port)} if client != netns.SUPERLINK else set()), client
@@ -150,11 +162,27 @@ def test_from_another_namespace_only_the_superlinks_fleet_port_answers(federatio
 def test_ctrl_c_removes_every_namespace_link_and_process(usable, tmp_path):
     """`florist deploy-local --netns`, Ctrl-C'd once its SuperLink is up and its SuperNode starting."""
     tag, log, out = uuid.uuid4().hex, tmp_path / "output.txt", tmp_path / "out"
-    command = ["deploy-local", "--netns", "--num-nodes", "1", "--rounds", "1", "--partition", "iid",
-               "--results-dir", str(out), "--run-config", "unseen-fraction=0.0"]  # fmt: skip
+    command = [
+        "deploy-local",
+        "--netns",
+        "--num-nodes",
+        "1",
+        "--rounds",
+        "1",
+        "--partition",
+        "iid",
+        "--results-dir",
+        str(out),
+        "--run-config",
+        "unseen-fraction=0.0",
+    ]
     with open(log, "w") as output:
-        run = subprocess.Popen([sys.executable, "-m", "florist", *command], stdout=output, stderr=subprocess.STDOUT,
-                               env=os.environ | {"FLORIST_TEST_TAG": tag})  # fmt: skip
+        run = subprocess.Popen(
+            [sys.executable, "-m", "florist", *command],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"FLORIST_TEST_TAG": tag},
+        )
     try:
         deadline = time.monotonic() + 120
         while not (out / "federation" / "logs" / "supernode-0.log").exists():
@@ -202,8 +230,18 @@ def test_ctrl_c_while_a_network_is_made_leaves_nothing(usable, delay):
 
 def test_netns_without_root_is_refused_in_one_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    args = ["deploy-local", "--netns", "--num-nodes", "1", "--partition", "iid", "--results-dir", str(tmp_path),
-            "--run-config", "unseen-fraction=0.0"]  # fmt: skip
+    args = [
+        "deploy-local",
+        "--netns",
+        "--num-nodes",
+        "1",
+        "--partition",
+        "iid",
+        "--results-dir",
+        str(tmp_path),
+        "--run-config",
+        "unseen-fraction=0.0",
+    ]
     assert main(args) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("florist: error: --netns needs ")

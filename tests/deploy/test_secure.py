@@ -2,11 +2,11 @@
 connection, and the refusals a wrong key or CA get."""
 
 import pytest
+from processes import connected_pids, labelled_folder, node_configs, submit
 
 from florist.deploy.certs import make_ca_and_server, make_node_key
 from florist.deploy.federation import LocalFederation
 from florist.deploy.join import JoinError, join
-from processes import connected_pids, labelled_folder, node_configs, submit
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +29,25 @@ def test_tls_auth_federation_trains_over_the_fleet_connection(secure_federation,
 def test_unregistered_key_is_refused_clearly(secure_federation, tmp_path):
     stranger, _ = make_node_key(tmp_path, "stranger")
     with pytest.raises(JoinError, match="not registered.*flwr supernode register"):
-        join(secure_federation.fleet_address, labelled_folder(tmp_path / "data"),
-             root_certificates=secure_federation.certs / "ca.crt", auth_key=stranger, max_wait_time=20)  # fmt: skip
+        join(
+            secure_federation.fleet_address,
+            labelled_folder(tmp_path / "data"),
+            root_certificates=secure_federation.certs / "ca.crt",
+            auth_key=stranger,
+            max_wait_time=20,
+        )
 
 
 def test_node_without_the_right_ca_cannot_connect(secure_federation, tmp_path):
     other_ca = make_ca_and_server(tmp_path / "other", ["localhost"])["ca"]
     with pytest.raises(JoinError, match="does not verify"):
-        join(secure_federation.fleet_address, labelled_folder(tmp_path / "data"), root_certificates=other_ca,
-             auth_key=secure_federation.node_key(0)[0], max_wait_time=20)  # fmt: skip
+        join(
+            secure_federation.fleet_address,
+            labelled_folder(tmp_path / "data"),
+            root_certificates=other_ca,
+            auth_key=secure_federation.node_key(0)[0],
+            max_wait_time=20,
+        )
 
 
 def test_joining_a_tls_superlink_without_a_ca_says_it_needs_tls(secure_federation, tmp_path):

@@ -8,11 +8,11 @@ import os
 import signal
 import subprocess
 
+from processes import RUN, node_configs, stop_runs, submit, wait_for_rounds
+
 from florist.common.config import RunConfig
 from florist.deploy.federation import LocalFederation
 from florist.server.inprocess import run_in_process
-
-from processes import RUN, node_configs, stop_runs, submit, wait_for_rounds
 
 
 def test_a_run_whose_superlink_is_killed_resumes_from_its_checkpoint_exactly(tmp_path):
@@ -24,8 +24,9 @@ def test_a_run_whose_superlink_is_killed_resumes_from_its_checkpoint_exactly(tmp
     config = RUN | {"num-server-rounds": 2, "partition": "dirichlet:0.5", "min-nodes": 2, "results-dir": str(out)}
     with LocalFederation(tmp_path, node_configs(2, tmp_path), persistent=True) as fed:
         before = fed.online_nodes()
-        run = subprocess.Popen(fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)  # fmt: skip
+        run = subprocess.Popen(
+            fed.run_command(config), env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         try:
             wait_for_rounds(run, out / "results.json", 1, timeout=300)
             os.killpg(fed.superlink.pid, signal.SIGKILL)
@@ -42,4 +43,6 @@ def test_a_run_whose_superlink_is_killed_resumes_from_its_checkpoint_exactly(tmp
         resumed = submit(fed, out, **config, **{"resume-from": str(out)})
     assert resumed["complete"] and [r["round"] for r in resumed["rounds"]] == [1, 2]
     whole = run_in_process(RunConfig.from_mapping(config | {"results-dir": str(tmp_path / "whole")}), 2)
-    assert {c["client"]: c["accuracy"] for c in resumed["clients"]} == {c["client"]: c["accuracy"] for c in whole["clients"]}
+    assert {c["client"]: c["accuracy"] for c in resumed["clients"]} == {
+        c["client"]: c["accuracy"] for c in whole["clients"]
+    }

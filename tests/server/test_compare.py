@@ -9,9 +9,28 @@ from florist.cli import main
 
 
 def _compare(out, *extra):
-    return main(["compare", "--strategies", "fedavg,local", "--seeds", "1,2", "--num-clients", "4", "--rounds", "1",
-                 "--shift", "relabel:2", "--out", str(out), "--runtime", "in-process", "--run-config", "eval-every=0",
-                 *extra])  # fmt: skip
+    return main(
+        [
+            "compare",
+            "--strategies",
+            "fedavg,local",
+            "--seeds",
+            "1,2",
+            "--num-clients",
+            "4",
+            "--rounds",
+            "1",
+            "--shift",
+            "relabel:2",
+            "--out",
+            str(out),
+            "--runtime",
+            "in-process",
+            "--run-config",
+            "eval-every=0",
+            *extra,
+        ]
+    )
 
 
 def test_compare_writes_the_table_of_every_strategy_and_seed_and_keeps_finished_runs(tmp_path, capsys):

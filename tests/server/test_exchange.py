@@ -172,4 +172,6 @@ class SlowPollsAndAFailingNode(SuperLinkGrid):
 
 def test_a_reply_or_a_nodes_own_error_beats_not_found_from_a_poll_beside_the_one_that_took_it():
     good, failed = _exchange(SlowPollsAndAFailingNode(client_app, NODES, run_id=5), 2.0)
-    assert list(good) == [100] and failed == {CUT: f"error code {ErrorCode.CLIENT_APP_RAISED_EXCEPTION}: injected fault"}
+    assert list(good) == [100] and failed == {
+        CUT: f"error code {ErrorCode.CLIENT_APP_RAISED_EXCEPTION}: injected fault"
+    }

@@ -40,11 +40,24 @@ def _nodes():
 
 
 def _cfg(tmp_path, strategy: str, name: str) -> RunConfig:
-    return RunConfig.from_mapping({
-        "strategy": strategy, "num-server-rounds": 4, "min-nodes": NUM_CLIENTS, "fraction-train": 0.75,
-        "min-train-nodes": 2, "partition": "dirichlet:0.5", "seed": 3, "results-dir": str(tmp_path / name),
-        "fedattn-warmup": 1, "eval-every": 2, "model": "mlp", "ckt-steps": 5, "public-size": 100, "hn-local-steps": 10,
-    })  # fmt: skip  (small models and few steps: exactness does not need long training)
+    return RunConfig.from_mapping(
+        {
+            "strategy": strategy,
+            "num-server-rounds": 4,
+            "min-nodes": NUM_CLIENTS,
+            "fraction-train": 0.75,
+            "min-train-nodes": 2,
+            "partition": "dirichlet:0.5",
+            "seed": 3,
+            "results-dir": str(tmp_path / name),
+            "fedattn-warmup": 1,
+            "eval-every": 2,
+            "model": "mlp",
+            "ckt-steps": 5,
+            "public-size": 100,
+            "hn-local-steps": 10,
+        }
+    )  # fmt: skip  (small models and few steps: exactness does not need long training)
 
 
 def _accuracies(results):

@@ -19,7 +19,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from florist.algorithms.fedattn.spec import BIAS_GRAD, REPRESENT, TRAIN_ATTN, Z, Attention
+from florist.algorithms.fedattn.spec import BIAS_GRAD, REPRESENT, TRAIN_ATTN, Attention, Z
 from florist.algorithms.fedavg.server import FedAvg, weighted_average
 from florist.algorithms.fedavg.spec import EVALUATE
 from florist.common import protocol
@@ -153,8 +153,12 @@ class FedAttn(FedAvg):
             self.backprop([m_tilde[n.node_id] for n in attended], gradients, m_bar)
             self.step()
         states = [replies[n.node_id].arrays for n in done]
-        self.remember({node.key: (replies[node.node_id].side[Z], flat_biases(state, self.biases))
-                       for node, state in zip(done, states)})  # fmt: skip
+        self.remember(
+            {
+                node.key: (replies[node.node_id].side[Z], flat_biases(state, self.biases))
+                for node, state in zip(done, states)
+            }
+        )
         self.model.load_state_dict(weighted_average(states, [replies[n.node_id].metrics["num-examples"] for n in done]))
         return mean_loss(replies[n.node_id].metrics for n in done)
 
@@ -165,8 +169,9 @@ class FedAttn(FedAvg):
         if self.attending(server_round):
             request = self.request(REPRESENT, server_round, protocol.to_record(self.model))
             unknown = [n for n in nodes if n.node_id not in z]
-            described = self.broadcast(REPRESENT, unknown, server_round, request, ("num-examples",),
-                                       side={Z: torch.zeros(self.z_dim)})  # fmt: skip
+            described = self.broadcast(
+                REPRESENT, unknown, server_round, request, ("num-examples",), side={Z: torch.zeros(self.z_dim)}
+            )
             z |= {node: reply.side[Z] for node, reply in described.items()}
         requests, extra = {}, {}
         for node in nodes:
@@ -175,8 +180,11 @@ class FedAttn(FedAvg):
                 with torch.no_grad():
                     m, weights = self.personalize(z[node.node_id])
                 state = self.with_biases(m)
-                extra[node.node_id] = {"neighbours": len(weights), "attention-max": float(weights.max(0).values)
-                                       if len(weights) else 0.0, "bias-shift": float((m.cpu() - self.mean_biases()).norm())}
+                extra[node.node_id] = {
+                    "neighbours": len(weights),
+                    "attention-max": float(weights.max(0).values) if len(weights) else 0.0,
+                    "bias-shift": float((m.cpu() - self.mean_biases()).norm()),
+                }
             requests[node.node_id] = self.request(EVALUATE, server_round, ArrayRecord(state))
         replies = self.ask(EVALUATE, requests, server_round, TESTED)
         return {node: reply.metrics | extra.get(node, {}) for node, reply in replies.items()}

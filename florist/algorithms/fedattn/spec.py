@@ -26,15 +26,24 @@ class Attention(Settings):
     residual: bool = setting(True, server=True)  # attend over deviations: M̃ = M̄ + Σ a·W_V(M − M̄)
 
     def checks(self):
-        return [(self.k >= 1 and self.key_dim >= 1, "fedattn-k and fedattn-key-dim must be >= 1"),
-                (self.lr > 0, "fedattn-lr must be > 0"),
-                (min(self.warmup, self.clip, self.reg) >= 0,
-                 "fedattn-warmup, fedattn-clip and fedattn-reg must be >= 0 (0: off)")]  # fmt: skip
+        return [
+            (self.k >= 1 and self.key_dim >= 1, "fedattn-k and fedattn-key-dim must be >= 1"),
+            (self.lr > 0, "fedattn-lr must be > 0"),
+            (
+                min(self.warmup, self.clip, self.reg) >= 0,
+                "fedattn-warmup, fedattn-clip and fedattn-reg must be >= 0 (0: off)",
+            ),
+        ]
 
 
 CLIENT = "florist.algorithms.fedattn.client"
 TRAIN_ATTN = Exchange("train.attn", f"{CLIENT}:train")  # G + M̃_i down; G, M_i, and Z_i, ∂L/∂M̃_i beside, up
 REPRESENT = Exchange("query.represent", f"{CLIENT}:represent")  # a model down, Z up
 
-FEDATTN = Spec("fedattn", "FedAttn: attention over the nearest clients' bias vectors",
-               "florist.algorithms.fedattn.server:FedAttn", (TRAIN_ATTN, REPRESENT, EVALUATE), Attention)  # fmt: skip
+FEDATTN = Spec(
+    "fedattn",
+    "FedAttn: attention over the nearest clients' bias vectors",
+    "florist.algorithms.fedattn.server:FedAttn",
+    (TRAIN_ATTN, REPRESENT, EVALUATE),
+    Attention,
+)

@@ -21,10 +21,13 @@ def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]
     total = float(sum(weights))
     heaviest = states[max(range(len(weights)), key=weights.__getitem__)]
     return {
-        key: (sum(s[key].double() * (w / total) for s, w in zip(states, weights)).to(ref.dtype)
-              if ref.is_floating_point() else heaviest[key].clone())
+        key: (
+            sum(s[key].double() * (w / total) for s, w in zip(states, weights)).to(ref.dtype)
+            if ref.is_floating_point()
+            else heaviest[key].clone()
+        )
         for key, ref in states[0].items()
-    }  # fmt: skip
+    }
 
 
 def exchange_bytes(model: Net, config: Mapping[str, Any]) -> tuple[int, int]:
@@ -50,7 +53,9 @@ class FedAvg(Strategy):
         replies = self.broadcast(TRAIN, nodes, server_round, request, TRAINED, self.model.state_dict())
         done = [replies[n.node_id] for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
         if done:
-            self.model.load_state_dict(weighted_average([r.arrays for r in done], [r.metrics["num-examples"] for r in done]))
+            self.model.load_state_dict(
+                weighted_average([r.arrays for r in done], [r.metrics["num-examples"] for r in done])
+            )
         return mean_loss(r.metrics for r in done)
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:

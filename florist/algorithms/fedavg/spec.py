@@ -25,5 +25,10 @@ class Finetune(Settings):
 
 
 FEDAVG = Spec("fedavg", "FedAvg: one global model", "florist.algorithms.fedavg.server:FedAvg", (TRAIN, EVALUATE))
-FEDAVG_FT = Spec("fedavg-ft", "FedAvg+: the global model fine-tuned on each client",
-                 "florist.algorithms.fedavg.server:FedAvg", (TRAIN, EVALUATE), Finetune)  # fmt: skip
+FEDAVG_FT = Spec(
+    "fedavg-ft",
+    "FedAvg+: the global model fine-tuned on each client",
+    "florist.algorithms.fedavg.server:FedAvg",
+    (TRAIN, EVALUATE),
+    Finetune,
+)

@@ -55,9 +55,7 @@ class Choice:
     loss: float
 
 
-def select(
-    p_global: np.ndarray, p_knn_by_k: dict[int, np.ndarray], y: np.ndarray, lambdas=LAMBDA_GRID
-) -> Choice:
+def select(p_global: np.ndarray, p_knn_by_k: dict[int, np.ndarray], y: np.ndarray, lambdas=LAMBDA_GRID) -> Choice:
     """The (λ, k) with the best validation accuracy; ties broken by the lower validation
     log-loss, then by the smaller λ and k.
 
@@ -82,15 +80,22 @@ def datastore_for(node: Node, model: Net, version: str) -> Datastore:
     so the hash of the train split covers every sample of this node's splits in it."""
     cfg, knn, d = node.cfg, node.cfg.settings, node.data
     if not d.labelled:
-        raise ValueError(f"node {node.key}: kNN-Per's datastore holds (embedding, label) pairs, but the node's data "
-                         "has no y")  # fmt: skip
+        raise ValueError(
+            f"node {node.key}: kNN-Per's datastore holds (embedding, label) pairs, but the node's data has no y"
+        )
     dim = training.embed(model, d.x_train[:1]).shape[1]  # on the CPU: one sample
-    built_from = {"model_version": version, "train_data": train_fingerprint(d.x_train, d.y_train),
-                  "index_type": knn.index, "policy": knn.policy, "capacity": knn.capacity}  # fmt: skip
+    built_from = {
+        "model_version": version,
+        "train_data": train_fingerprint(d.x_train, d.y_train),
+        "index_type": knn.index,
+        "policy": knn.policy,
+        "capacity": knn.capacity,
+    }
     store = Datastore.load(node.state, dim=dim, **built_from)
     if store is None:
-        store = Datastore(dim, **built_from, model=cfg.model, input_shape=list(d.input_shape),
-                          num_classes=cfg.num_classes)  # fmt: skip
+        store = Datastore(
+            dim, **built_from, model=cfg.model, input_shape=list(d.input_shape), num_classes=cfg.num_classes
+        )
         store.add(training.embed(model, d.x_train, device=node.device), d.y_train)
         store.save(node.state)
         node.state.save_arrays(GLOBAL_MODEL, {k: v.numpy() for k, v in model.state_dict().items()})
@@ -117,12 +122,16 @@ def personalize(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID) -
     """Choose λ and k on the validation split against `store` (the train split's), then score
     the test split against a copy of it with the validation pairs added under the store's policy."""
     d = node.data
-    emb_val = training.embed(model, d.x_val, device=node.device)  # once: searched for every k, then stored for the test split
+    emb_val = training.embed(
+        model, d.x_val, device=node.device
+    )  # once: searched for every k, then stored for the test split
     by_k = {k: stored_proba(node, store, emb_val, k) for k in node.cfg.settings.k_grid}
     choice = select(training.predict_proba(model, d.x_val, device=node.device), by_k, d.y_val, lambdas)
     whole = store.joined(emb_val, d.y_val)
     p_global = training.predict_proba(model, d.x_test, device=node.device)
-    mixed = mix(stored_proba(node, whole, training.embed(model, d.x_test, device=node.device), choice.k), p_global, choice.lam)
+    mixed = mix(
+        stored_proba(node, whole, training.embed(model, d.x_test, device=node.device), choice.k), p_global, choice.lam
+    )
     return Scored(mixed, p_global, choice, len(whole))
 
 
@@ -132,8 +141,12 @@ def evaluate(node: Node, request: Request) -> RecordDict:
     model = node.received_model(request)
     store = datastore_for(node, model, request.content.array_records[protocol.ARRAYS].object_id)
     scored = personalize(node, model, store)
-    extra = {"global-accuracy": float((scored.p_global.argmax(1) == node.data.y_test).mean()),
-             "lambda": scored.choice.lam, "k": scored.choice.k, "datastore-size": scored.datastore_size}  # fmt: skip
+    extra = {
+        "global-accuracy": float((scored.p_global.argmax(1) == node.data.y_test).mean()),
+        "lambda": scored.choice.lam,
+        "k": scored.choice.k,
+        "datastore-size": scored.datastore_size,
+    }
     return node.score_reply(scored.mixed, **extra)
 
 
@@ -153,8 +166,10 @@ def add_samples(state: NodeState, data_dir: str, seed: int = 0) -> tuple[int, in
     if not new.labelled:
         raise ValueError(f"{data_dir}: datastore entries need labels (array y)")
     if new.input_shape != tuple(store.meta["input_shape"]):
-        raise ValueError(f"{data_dir}: samples have shape {new.input_shape}, the datastore's model expects "
-                         f"{tuple(store.meta['input_shape'])}")  # fmt: skip
+        raise ValueError(
+            f"{data_dir}: samples have shape {new.input_shape}, the datastore's model expects "
+            f"{tuple(store.meta['input_shape'])}"
+        )
     model = build_model(store.meta["model"], new.input_shape, store.meta["num_classes"])
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
     before = len(store)

@@ -110,10 +110,20 @@ class Datastore:
 
     # --- persistence -----------------------------------------------------------------------
     def save(self, state: NodeState) -> None:
-        state.save_arrays(FILE, {"embeddings": self.embeddings, "labels": self.labels,
-                                 "index": faiss.serialize_index(self.index)})  # fmt: skip
-        state.save_json(META, {"dim": self.dim, "index_type": self.index_type, "capacity": self.capacity,
-                               "policy": self.policy, "size": len(self)} | self.meta)  # fmt: skip
+        state.save_arrays(
+            FILE, {"embeddings": self.embeddings, "labels": self.labels, "index": faiss.serialize_index(self.index)}
+        )
+        state.save_json(
+            META,
+            {
+                "dim": self.dim,
+                "index_type": self.index_type,
+                "capacity": self.capacity,
+                "policy": self.policy,
+                "size": len(self),
+            }
+            | self.meta,
+        )
 
     @classmethod
     def load(cls, state: NodeState, **expected) -> Datastore | None:
@@ -125,15 +135,23 @@ class Datastore:
             return None
         stale = {k: (meta.get(k), v) for k, v in expected.items() if meta.get(k) != v}
         if stale:
-            log.info("node %s: datastore is stale (%s), rebuilding", state.key,
-                     ", ".join(f"{k} {old!r} != {new!r}" for k, (old, new) in stale.items()))  # fmt: skip
+            log.info(
+                "node %s: datastore is stale (%s), rebuilding",
+                state.key,
+                ", ".join(f"{k} {old!r} != {new!r}" for k, (old, new) in stale.items()),
+            )
             return None
         arrays = state.load_arrays(FILE)
         if arrays is None:
             return None
         known = {"dim", "index_type", "capacity", "policy", "size"}
-        store = cls(meta["dim"], meta["index_type"], meta["capacity"], meta["policy"],
-                    **{k: v for k, v in meta.items() if k not in known})  # fmt: skip
+        store = cls(
+            meta["dim"],
+            meta["index_type"],
+            meta["capacity"],
+            meta["policy"],
+            **{k: v for k, v in meta.items() if k not in known},
+        )
         store.embeddings, store.labels = arrays["embeddings"], arrays["labels"]
         store.index = faiss.deserialize_index(arrays["index"])
         if store.index.ntotal != len(store.labels):

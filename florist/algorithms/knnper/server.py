@@ -21,8 +21,12 @@ def report(results: dict[str, Any], folder: Path) -> list[str]:
     for name, seen in (("seen", True), ("unseen", False)):
         rows = [c for c in results["clients"] if c["seen"] == seen and c.get("lambda") is not None]
         ax.scatter([c["num_train"] for c in rows], [c["lambda"] for c in rows], label=name, alpha=0.7)
-    ax.set(xlabel="local training samples", ylabel="λ chosen on validation", ylim=(-0.05, 1.05),
-           title=f"{results['strategy']}: λ vs local data size")  # fmt: skip
+    ax.set(
+        xlabel="local training samples",
+        ylabel="λ chosen on validation",
+        ylim=(-0.05, 1.05),
+        title=f"{results['strategy']}: λ vs local data size",
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

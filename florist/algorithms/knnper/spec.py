@@ -33,17 +33,24 @@ class Knn(Settings):
     def checks(self):
         return [
             (self.sigma > 0, "knn-sigma must be > 0"),
-            (all(p.strip().isdigit() and int(p) >= 1 for p in self.ks.split(",")),
-             "knn-ks must list positive integers, e.g. \"5,10\""),
+            (
+                all(p.strip().isdigit() and int(p) >= 1 for p in self.ks.split(",")),
+                'knn-ks must list positive integers, e.g. "5,10"',
+            ),
             (self.index in INDEX_TYPES, f"knn-index must be one of {', '.join(INDEX_TYPES)}"),
             (self.policy in POLICIES, f"knn-policy must be one of {', '.join(POLICIES)}"),
             (self.policy == "concat" or self.capacity >= 1, "knn-policy fifo/fixed needs knn-capacity >= 1"),
-        ]  # fmt: skip
+        ]
 
 
 # The global model down; the mixture's test metrics up, with the chosen λ and k.
 EVALUATE_KNNPER = Exchange("evaluate.knnper", "florist.algorithms.knnper.client:evaluate")
 
-KNNPER = Spec("knnper", "kNN-Per: FedAvg's model mixed with a local FAISS kNN",
-              "florist.algorithms.knnper.server:KnnPer", (TRAIN, EVALUATE_KNNPER), Knn,
-              report="florist.algorithms.knnper.server:report")  # fmt: skip
+KNNPER = Spec(
+    "knnper",
+    "kNN-Per: FedAvg's model mixed with a local FAISS kNN",
+    "florist.algorithms.knnper.server:KnnPer",
+    (TRAIN, EVALUATE_KNNPER),
+    Knn,
+    report="florist.algorithms.knnper.server:report",
+)

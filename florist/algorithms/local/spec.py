@@ -17,5 +17,6 @@ class Scratch(Settings):
 TRAIN_LOCAL = Exchange("train.local", "florist.algorithms.local.client:train")  # nothing down, metrics up
 EVALUATE_LOCAL = Exchange("evaluate.local", "florist.algorithms.local.client:evaluate", Scratch)
 
-LOCAL = Spec("local", "Local: each client trains alone", "florist.algorithms.local.server:Local",
-             (TRAIN_LOCAL, EVALUATE_LOCAL))  # fmt: skip
+LOCAL = Spec(
+    "local", "Local: each client trains alone", "florist.algorithms.local.server:Local", (TRAIN_LOCAL, EVALUATE_LOCAL)
+)

@@ -116,7 +116,9 @@ def evaluate(node: Node, request: Request) -> RecordDict:
     model = node.received_model(request)
     node.state.save_arrays(MODEL_FILE, {k: v.numpy() for k, v in model.state_dict().items()})
     if node.data.y_test is None:  # an unlabeled node: it gets its model, nobody can score it
-        return protocol.content(metrics={"num-examples": 0, "num-train": len(node.data.x_train), "seen": int(node.seen)})
+        return protocol.content(
+            metrics={"num-examples": 0, "num-train": len(node.data.x_train), "seen": int(node.seen)}
+        )
     return node.test_reply(model)
 
 
@@ -158,6 +160,7 @@ def analytic_sigma(epsilon: float, delta: float, sensitivity: float) -> float:
     """The least σ with `gaussian_delta(σ) <= δ` (the analytic Gaussian mechanism, Balle & Wang
     2018, Algorithm 1), by bisection on σ itself since δ falls as σ grows; the value returned
     is on the private side of the root, within a relative 1e-12 of it."""
+
     def private(sigma: float) -> bool:
         return gaussian_delta(sigma, epsilon, sensitivity) <= delta
 

@@ -20,9 +20,14 @@ def _trunk(in_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
     2×2, so any image size works), flattening for vectors. Returns the module and its width."""
     if len(in_shape) == 3:
         convs = nn.Sequential(
-            nn.Conv2d(in_shape[0], 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
-        )  # fmt: skip
+            nn.Conv2d(in_shape[0], 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+        )
         return convs, 32 * 2 * 2
     return nn.Flatten(), math.prod(in_shape)
 

@@ -10,8 +10,14 @@ import torch
 from flwr.app import ArrayRecord
 
 from florist.algorithms.pefll.networks import ENCODERS, Encoder, HyperNetwork, default_embed_dim
-from florist.algorithms.pefll.spec import (DESCRIBE, DESCRIPTOR, EVALUATE_GENERATED, TRAIN_ENCODER, TRAIN_GENERATED,
-                                           HyperNet)  # fmt: skip
+from florist.algorithms.pefll.spec import (
+    DESCRIBE,
+    DESCRIPTOR,
+    EVALUATE_GENERATED,
+    TRAIN_ENCODER,
+    TRAIN_GENERATED,
+    HyperNet,
+)
 from florist.common.devices import moved
 from florist.common.models import build_model, seeded
 from florist.server.report import pct
@@ -37,13 +43,16 @@ class PeFLL(Strategy):
         # Both optimizers take the pseudo-gradient −mean Δη. SGD with learning rate β and weight
         # decay 2λ is then η ← (1 − 2βλ)η + β·mean Δη: Algorithm 2's η ← (1 − 2βλ)η + mean Δη when
         # β = 1 (the clients' Δη carry their own step size). AdamW decays alike before Adam's step.
-        groups = [{"params": list(self.hyper.parameters()), "weight_decay": 2 * hn.l2_hyper},
-                  {"params": list(self.embed.parameters()), "weight_decay": 2 * hn.l2_embed}]  # fmt: skip
+        groups = [
+            {"params": list(self.hyper.parameters()), "weight_decay": 2 * hn.l2_hyper},
+            {"params": list(self.embed.parameters()), "weight_decay": 2 * hn.l2_embed},
+        ]
         optimizer = torch.optim.SGD if hn.optimizer == "sgd" else torch.optim.AdamW
         self.optimizer = optimizer(groups, lr=hn.server_lr)
 
-    def describe(self, server_round: int, nodes: list[NodeInfo], predict: bool = False, serve: bool = False
-                 ) -> dict[int, Reply]:  # fmt: skip
+    def describe(
+        self, server_round: int, nodes: list[NodeInfo], predict: bool = False, serve: bool = False
+    ) -> dict[int, Reply]:
         """η_v down, each node's descriptor v up (over its whole train split with `predict`)."""
         encoder = ArrayRecord(moved(self.embed.state_dict(), "cpu"))
         request = self.request(DESCRIBE, server_round, encoder, embed_dim=self.embed_dim, predict=predict, serve=serve)
@@ -54,16 +63,25 @@ class PeFLL(Strategy):
         described = self.describe(server_round, nodes)
         v = {node: r.arrays[DESCRIPTOR].to(self.device).clone().requires_grad_() for node, r in described.items()}
         theta = {node: self.hyper(v[node]) for node in v}
-        requests = {node: self.request(TRAIN_GENERATED, server_round, ArrayRecord(moved(t, "cpu")))
-                    for node, t in theta.items()}  # fmt: skip
+        requests = {
+            node: self.request(TRAIN_GENERATED, server_round, ArrayRecord(moved(t, "cpu"))) for node, t in theta.items()
+        }
         trained = self.ask(TRAIN_GENERATED, requests, server_round, TRAINED, self.template)
         delta = {node: moved(r.arrays, self.device) for node, r in trained.items()}
         # Δv_i = (∂θ_i/∂v_i)ᵀ Δθ_i, a vector-Jacobian product through h.
-        dv = {node: torch.autograd.grad(_inner(theta[node], d), v[node], retain_graph=True)[0] for node, d in delta.items()}
-        requests = {node: self.request(TRAIN_ENCODER, server_round, ArrayRecord({DESCRIPTOR: g.cpu()}),
-                                       embed_dim=self.embed_dim) for node, g in dv.items()}  # fmt: skip
-        embedded = self.ask(TRAIN_ENCODER, requests, server_round, ("num-examples",),
-                            moved(self.embed.state_dict(), "cpu"))  # fmt: skip
+        dv = {
+            node: torch.autograd.grad(_inner(theta[node], d), v[node], retain_graph=True)[0]
+            for node, d in delta.items()
+        }
+        requests = {
+            node: self.request(
+                TRAIN_ENCODER, server_round, ArrayRecord({DESCRIPTOR: g.cpu()}), embed_dim=self.embed_dim
+            )
+            for node, g in dv.items()
+        }
+        embedded = self.ask(
+            TRAIN_ENCODER, requests, server_round, ("num-examples",), moved(self.embed.state_dict(), "cpu")
+        )
         # Only clients that completed all three exchanges count; fixed order: same seed, same sums.
         done = [n.node_id for n in nodes if n.node_id in embedded]
         if done:
@@ -91,7 +109,9 @@ class PeFLL(Strategy):
         carries the descriptor's sample count and, when noised, its privacy settings."""
         described = self.describe(server_round, nodes, predict=True, serve=serve)
         with torch.no_grad():
-            theta = {node: moved(self.hyper(r.arrays[DESCRIPTOR].to(self.device)), "cpu") for node, r in described.items()}
+            theta = {
+                node: moved(self.hyper(r.arrays[DESCRIPTOR].to(self.device)), "cpu") for node, r in described.items()
+            }
         requests = {node: self.request(EVALUATE_GENERATED, server_round, ArrayRecord(t)) for node, t in theta.items()}
         scored = self.ask(EVALUATE_GENERATED, requests, server_round, ("num-examples",) if serve else TESTED)
         return {node: reply.metrics | _descriptor_fields(described[node].metrics) for node, reply in scored.items()}
@@ -117,10 +137,17 @@ def report(results: dict[str, Any], folder: Path) -> list[str]:
     lines: list[str] = []
     private = [c for c in results["clients"] if c.get("dp_sigma")]
     if private:
-        lines += ["", "Descriptors sent with Gaussian noise for (ε, δ)-differential privacy:", "",
-                  "| client | \\|D\\| | ε | δ | σ | σ calibration | accuracy (%) |",
-                  "|---|---:|---:|---:|---:|---|---:|"]  # fmt: skip
-        lines += [f"| {c['client']} | {c['descriptor_size']} | {c['dp_epsilon']:g} | {c['dp_delta']:g} | "
-                  f"{c['dp_sigma']:.4f} | {'analytic' if c.get('dp_analytic') else 'classic'} | "
-                  f"{pct(c['accuracy'])} |" for c in private]  # fmt: skip
+        lines += [
+            "",
+            "Descriptors sent with Gaussian noise for (ε, δ)-differential privacy:",
+            "",
+            "| client | \\|D\\| | ε | δ | σ | σ calibration | accuracy (%) |",
+            "|---|---:|---:|---:|---:|---|---:|",
+        ]
+        lines += [
+            f"| {c['client']} | {c['descriptor_size']} | {c['dp_epsilon']:g} | {c['dp_delta']:g} | "
+            f"{c['dp_sigma']:.4f} | {'analytic' if c.get('dp_analytic') else 'classic'} | "
+            f"{pct(c['accuracy'])} |"
+            for c in private
+        ]
     return lines

@@ -38,7 +38,10 @@ class HyperNet(Settings):
     def checks(self):
         return [
             (self.embed_dim >= 0, "hn-embed-dim must be >= 0 (0: 1 + n/4)"),
-            (min(self.batch, self.local_steps, self.hidden) >= 1, "hn-batch, hn-local-steps and hn-hidden must be >= 1"),
+            (
+                min(self.batch, self.local_steps, self.hidden) >= 1,
+                "hn-batch, hn-local-steps and hn-hidden must be >= 1",
+            ),
             (self.optimizer in ("sgd", "adam"), "hn-optimizer must be sgd or adam"),
             (self.server_lr > 0, "hn-server-lr must be > 0"),
             (min(self.l2_hyper, self.l2_embed, self.l2_model) >= 0, "hn-l2-* must be >= 0"),
@@ -54,8 +57,10 @@ class OnDemand(HyperNet):
     dp_delta: float = setting(1e-5, key="dp-delta", node=True)  # δ
 
     def checks(self):
-        return super().checks() + [(self.dp_epsilon > 0, "dp-epsilon must be > 0 (inf: no noise)"),
-                                   (0 < self.dp_delta < 1, "dp-delta must be in (0, 1)")]  # fmt: skip
+        return super().checks() + [
+            (self.dp_epsilon > 0, "dp-epsilon must be > 0 (inf: no noise)"),
+            (0 < self.dp_delta < 1, "dp-delta must be in (0, 1)"),
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +82,18 @@ TRAIN_ENCODER = Exchange("train.encoder", f"{CLIENT}:backprop", Backprop)
 EVALUATE_GENERATED = Exchange("evaluate.generated", f"{CLIENT}:evaluate")  # θ = h(v) down, kept and tested
 EXCHANGES = (DESCRIBE, TRAIN_GENERATED, TRAIN_ENCODER, EVALUATE_GENERATED)
 
-PEFLL = Spec("pefll", "PeFLL: a hypernetwork maps each client's descriptor to its model",
-             "florist.algorithms.pefll.server:PeFLL", EXCHANGES, HyperNet)  # fmt: skip
-ODPFL = Spec("odpfl", "OD-PFL: PeFLL's shape on unlabeled descriptors, optionally private",
-             "florist.algorithms.pefll.server:ODPFL", EXCHANGES, OnDemand,
-             report="florist.algorithms.pefll.server:report")  # fmt: skip
+PEFLL = Spec(
+    "pefll",
+    "PeFLL: a hypernetwork maps each client's descriptor to its model",
+    "florist.algorithms.pefll.server:PeFLL",
+    EXCHANGES,
+    HyperNet,
+)
+ODPFL = Spec(
+    "odpfl",
+    "OD-PFL: PeFLL's shape on unlabeled descriptors, optionally private",
+    "florist.algorithms.pefll.server:ODPFL",
+    EXCHANGES,
+    OnDemand,
+    report="florist.algorithms.pefll.server:report",
+)

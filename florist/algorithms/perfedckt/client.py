@@ -92,8 +92,10 @@ def _centroids(node: Node, content: RecordDict, public: np.ndarray) -> np.ndarra
     sent = content.array_records[protocol.ARRAYS].to_torch_state_dict().get(CENTROIDS, torch.zeros(0)).numpy()
     expected = (len(public), node.cfg.num_classes)
     if sent.ndim != 3 or sent.shape[1:] != expected or not np.isfinite(sent).all():
-        raise protocol.ProtocolError(f"node {node.key}: the server's centroids have shape {sent.shape}, "
-                                     f"expected c×{expected[0]}×{expected[1]} finite values")  # fmt: skip
+        raise protocol.ProtocolError(
+            f"node {node.key}: the server's centroids have shape {sent.shape}, "
+            f"expected c×{expected[0]}×{expected[1]} finite values"
+        )
     return sent
 
 
@@ -147,5 +149,6 @@ def evaluate(node: Node, request: Request) -> RecordDict:
         _save(node, model, **meta)
     params = sum(p.numel() for p in model.parameters())
     record = meta or {"rounds": 0, "cluster": -1}
-    return node.test_reply(model, **{"num-params": params, "rounds-trained": record["rounds"],
-                                     "cluster": record["cluster"]})  # fmt: skip
+    return node.test_reply(
+        model, **{"num-params": params, "rounds-trained": record["rounds"], "cluster": record["cluster"]}
+    )

@@ -32,15 +32,18 @@ def public_fingerprint(cfg: RunConfig) -> str:
     ckt, num_classes = cfg.settings, cfg.num_classes
     if ckt.public_hash:
         if not re.fullmatch(r"[1-9][0-9]*-[0-9a-f]{16}", ckt.public_hash):
-            raise ValueError(f"public-hash {ckt.public_hash!r} is not a fingerprint like '200-0123456789abcdef' "
-                             "(`florist public-hash DIR` prints it)")  # fmt: skip
+            raise ValueError(
+                f"public-hash {ckt.public_hash!r} is not a fingerprint like '200-0123456789abcdef' "
+                "(`florist public-hash DIR` prints it)"
+            )
         return ckt.public_hash
     if ckt.public_dir:
         try:
             return data_lib.fingerprint(data_lib.folder_public(ckt.public_dir, num_classes))
         except FileNotFoundError as err:
-            raise FileNotFoundError(f"{err}. If P is only on the nodes, set public-hash to what "
-                                    "`florist public-hash DIR` prints there") from err  # fmt: skip
+            raise FileNotFoundError(
+                f"{err}. If P is only on the nodes, set public-hash to what `florist public-hash DIR` prints there"
+            ) from err
     return data_lib.fingerprint(scenarios.public_set(cfg))
 
 
@@ -48,8 +51,15 @@ def cluster(points: np.ndarray, clusters: int, seed: int) -> np.ndarray:
     """k-means centroids of the rows of `points`: min(`clusters`, rows) of them, every point
     used (no subsampling), deterministic for a seed."""
     k = min(clusters, len(points))
-    kmeans = faiss.Kmeans(points.shape[1], k, niter=25, seed=seed, verbose=False,
-                          min_points_per_centroid=1, max_points_per_centroid=len(points))  # fmt: skip
+    kmeans = faiss.Kmeans(
+        points.shape[1],
+        k,
+        niter=25,
+        seed=seed,
+        verbose=False,
+        min_points_per_centroid=1,
+        max_points_per_centroid=len(points),
+    )
     kmeans.train(np.ascontiguousarray(points, dtype=np.float32))
     return kmeans.centroids.copy()
 
@@ -91,8 +101,12 @@ class PerFedCKT(Strategy):
         request = self.ckt_request(TRAIN_CKT, server_round, True)
         replies = self.broadcast(TRAIN_CKT, nodes, server_round, request, TRAINED, reference)
         fedavg_up, fedavg_down = self.fedavg_exchange
-        self.extras = {"train_bytes_up": fed.bytes_up - before[0], "train_bytes_down": fed.bytes_down - before[1],
-                       "fedavg_bytes_up": fedavg_up * len(replies), "fedavg_bytes_down": fedavg_down * len(nodes)}
+        self.extras = {
+            "train_bytes_up": fed.bytes_up - before[0],
+            "train_bytes_down": fed.bytes_down - before[1],
+            "fedavg_bytes_up": fedavg_up * len(replies),
+            "fedavg_bytes_down": fedavg_down * len(nodes),
+        }
         done = [replies[n.node_id] for n in nodes if n.node_id in replies]  # fixed order: same seed, same centroids
         if done:
             points = np.stack([r.arrays[SOFT].numpy().reshape(-1) for r in done])
@@ -141,11 +155,17 @@ def _communication(results: dict[str, Any]) -> list[str]:
     if not rounds:
         return []
     mean = lambda key: sum(r[key] for r in rounds) / len(rounds) / 1e3  # noqa: E731
-    ours, fedavg = mean("train_bytes_up") + mean("train_bytes_down"), mean("fedavg_bytes_up") + mean("fedavg_bytes_down")
-    return ["", f"Training traffic per round: {mean('train_bytes_up'):,.1f} kB up and {mean('train_bytes_down'):,.1f} kB "
-            f"down. FedAvg with the same clients and model `{results['config']['model']}` would send "
-            f"{mean('fedavg_bytes_up'):,.1f} kB up and {mean('fedavg_bytes_down'):,.1f} kB down: "
-            f"{fedavg / ours:,.0f}× as much."]  # fmt: skip
+    ours, fedavg = (
+        mean("train_bytes_up") + mean("train_bytes_down"),
+        mean("fedavg_bytes_up") + mean("fedavg_bytes_down"),
+    )
+    return [
+        "",
+        f"Training traffic per round: {mean('train_bytes_up'):,.1f} kB up and {mean('train_bytes_down'):,.1f} kB "
+        f"down. FedAvg with the same clients and model `{results['config']['model']}` would send "
+        f"{mean('fedavg_bytes_up'):,.1f} kB up and {mean('fedavg_bytes_down'):,.1f} kB down: "
+        f"{fedavg / ours:,.0f}× as much.",
+    ]
 
 
 def _per_model(results: dict[str, Any]) -> list[str]:
@@ -154,10 +174,17 @@ def _per_model(results: dict[str, Any]) -> list[str]:
     sizes = sorted({c["num_params"] for c in clients})
     if len(sizes) < 2:
         return []
-    lines = ["", "Accuracy per client model:", "", "| parameters | clients | mean acc. (%) | bottom decile (%) |",
-             "|---:|---:|---:|---:|"]  # fmt: skip
+    lines = [
+        "",
+        "Accuracy per client model:",
+        "",
+        "| parameters | clients | mean acc. (%) | bottom decile (%) |",
+        "|---:|---:|---:|---:|",
+    ]
     for size in sizes:
         rows = [c for c in clients if c["num_params"] == size]
         s = summarize([c["accuracy"] for c in rows], [c["num_test"] for c in rows])
-        lines.append(f"| {size:,} | {s['num_clients']} | {pct(s['mean_accuracy'])} | {pct(s['bottom_decile_accuracy'])} |")
+        lines.append(
+            f"| {size:,} | {s['num_clients']} | {pct(s['mean_accuracy'])} | {pct(s['bottom_decile_accuracy'])} |"
+        )
     return lines

@@ -33,14 +33,16 @@ class Ckt(Settings):
 
     def checks(self):
         return [
-            (all(self.client_models.split(",")) or not self.client_models,
-             "client-models must list model names separated by commas, e.g. \"cnn,mlp,cnn-wide\""),
+            (
+                all(self.client_models.split(",")) or not self.client_models,
+                'client-models must list model names separated by commas, e.g. "cnn,mlp,cnn-wide"',
+            ),
             (self.clusters >= 1, "ckt-clusters must be >= 1"),
             (self.lambda_ >= 0, "ckt-lambda must be >= 0"),
             (self.soft in ("logits", "probs"), "ckt-soft must be logits or probs"),
             (self.public_batch >= 1, "ckt-public-batch must be >= 1"),
             (self.steps >= 0, "ckt-steps must be >= 0 (0: local-epochs passes over the train split)"),
-        ]  # fmt: skip
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,11 @@ CLIENT = "florist.algorithms.perfedckt.client"
 TRAIN_CKT = Exchange("train.ckt", f"{CLIENT}:train", Public)  # centroids down, soft decisions up
 EVALUATE_CKT = Exchange("evaluate.ckt", f"{CLIENT}:evaluate", Public)  # the node's own model is tested
 
-PERFED_CKT = Spec("perfed-ckt", "PerFed-CKT: clustered distillation on a public set, any architecture",
-                  "florist.algorithms.perfedckt.server:PerFedCKT", (TRAIN_CKT, EVALUATE_CKT), Ckt,
-                  report="florist.algorithms.perfedckt.server:report")  # fmt: skip
+PERFED_CKT = Spec(
+    "perfed-ckt",
+    "PerFed-CKT: clustered distillation on a public set, any architecture",
+    "florist.algorithms.perfedckt.server:PerFedCKT",
+    (TRAIN_CKT, EVALUATE_CKT),
+    Ckt,
+    report="florist.algorithms.perfedckt.server:report",
+)

@@ -5,7 +5,6 @@ ran with (the warm executor's child sets it after the fork)."""
 import time
 
 import torch
-
 from flwr.app import Context, Message
 
 from florist.client.app import build_client_app, warm_up
