@@ -19,17 +19,17 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from florist.algorithms.fedavg.server import exchange_bytes
-from florist.algorithms.fedavg.spec import TRAIN
-from florist.algorithms.perfedckt import client as ckt_client
-from florist.algorithms.perfedckt.server import PerFedCKT
-from florist.algorithms.perfedckt.spec import TRAIN_CKT, Public
 from florist.client.node import Node, Request
 from florist.client.state import NodeState
 from florist.common import data as data_lib
 from florist.common import protocol
 from florist.common.config import RunConfig
 from florist.server.strategy import message_config
+from florist.strategies.fedavg.server import exchange_bytes
+from florist.strategies.fedavg.spec import TRAIN
+from florist.strategies.perfedckt import client as ckt_client
+from florist.strategies.perfedckt.server import PerFedCKT
+from florist.strategies.perfedckt.spec import TRAIN_CKT, PublicSettings
 
 
 def upscaled(x: np.ndarray) -> np.ndarray:
@@ -62,7 +62,7 @@ def measure(model: str, big: bool, clusters: int, public_size: int, folder: Path
     request = strategy.ckt_request(TRAIN_CKT, 2, True)
     key = f"bench-{model}"
     node = Node(key, True, 1, 2, cfg, client, NodeState(folder / "state", key, cfg.strategy), {"model": model})
-    reply = ckt_client.train(node, Request(Public(public_hash=strategy.public_hash), request))
+    reply = ckt_client.train(node, Request(PublicSettings(public_hash=strategy.public_hash), request))
     fedavg_up, fedavg_down = exchange_bytes(strategy.new_model(), message_config(cfg, TRAIN, 2, 0))
     params = sum(p.numel() for p in strategy.new_model().parameters())
     return {

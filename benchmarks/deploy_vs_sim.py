@@ -22,7 +22,7 @@ from pathlib import Path
 
 from florist.common.config import RunConfig
 from florist.deploy.federation import LocalFederation
-from florist.server.simulation import simulate
+from florist.runners.simulation import simulate
 
 RUNTIMES = ("simulation", "warm", "flower")
 

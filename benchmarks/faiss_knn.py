@@ -15,7 +15,7 @@ import time
 import faiss
 import numpy as np
 
-from florist.algorithms.knnper.datastore import Datastore
+from florist.strategies.knnper.datastore import Datastore
 
 
 def numpy_knn(stored: np.ndarray, queries: np.ndarray, k: int, chunk: int = 100) -> np.ndarray:

@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 from florist.common.config import RunConfig, parse_overrides
-from florist.server.simulation import simulate
+from florist.runners.simulation import simulate
 
 RAW = {"fedattn-warmup": 0, "fedattn-clip": 0.0, "fedattn-reg": 0.0, "fedattn-residual": False}
 VARIANTS = {

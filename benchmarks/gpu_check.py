@@ -22,7 +22,7 @@ from pathlib import Path
 from florist.common import devices
 from florist.common.config import RunConfig
 from florist.deploy.federation import LocalFederation
-from florist.server.simulation import client_resources, simulate
+from florist.runners.simulation import client_resources, simulate
 
 STRATEGIES = ("fedavg", "knnper", "pefll")
 CLIENTS, NODES = 8, 4

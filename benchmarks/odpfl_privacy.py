@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from florist.algorithms.pefll.client import gaussian_sigma, privatize
-from florist.algorithms.pefll.server import ODPFL
 from florist.common import data as data_lib
 from florist.common import training
 from florist.common.config import RunConfig
 from florist.common.models import build_model
+from florist.strategies.pefll.client import gaussian_sigma, privatize
+from florist.strategies.pefll.server import ODPFL
 
 
 def main() -> None:

@@ -44,8 +44,8 @@ from florist.common.data import unseen_partitions
 from florist.common.metrics import summarize
 from florist.common.models import seeded_model
 from florist.deploy.federation import LocalFederation
-from florist.server.inprocess import run_in_process
-from florist.server.simulation import client_resources, simulate
+from florist.runners.inprocess import run_in_process
+from florist.runners.simulation import client_resources, simulate
 
 CLIENTS, DEPLOY_NODES = 20, 4
 # The deployed nodes train at once, in-process one after the other: with more training nodes

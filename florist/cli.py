@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from florist.algorithms import SPECS
 from florist.common import devices
 from florist.common.config import STRATEGY_NAMES, RunConfig, parse_overrides
+from florist.strategies import STRATEGIES
 
 DEFAULT_NODES = {"simulate": 20, "deploy-local": 3, "local-federation": 3}
 
@@ -58,7 +58,7 @@ def _console():
 def _checked(args: argparse.Namespace) -> tuple[RunConfig, int]:
     """The run config and node count, refused before any work starts if anything about them
     cannot work."""
-    from florist.server.preflight import check_run
+    from florist.runners.preflight import check_run
 
     cfg, num_nodes = _config(args)
     devices.resolve(cfg.device, "device")  # this machine runs the nodes: one it lacks fails now, in one line
@@ -70,8 +70,8 @@ def _checked(args: argparse.Namespace) -> tuple[RunConfig, int]:
 def _simulate(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from florist.runners.simulation import client_resources, simulate_in_child
     from florist.server.report import number
-    from florist.server.simulation import client_resources, simulate_in_child
 
     (cfg, num_clients), console, start = _checked(args), _console(), time.monotonic()
     resources = client_resources(args.cpus_per_client, args.gpus_per_client)
@@ -102,9 +102,9 @@ def _simulate(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from florist.server import compare
-    from florist.server.preflight import check_run
-    from florist.server.simulation import client_resources
+    from florist.runners import compare
+    from florist.runners.preflight import check_run
+    from florist.runners.simulation import client_resources
 
     strategies, seeds = _names(args.strategies, "--strategies"), _seeds(args.seeds)
     values = {"min-nodes": args.num_clients} | _given(args)
@@ -146,12 +146,12 @@ def _compare(args: argparse.Namespace) -> int:
             if args.runtime == "in-process":
                 import logging
 
-                from florist.server.inprocess import run_in_process
+                from florist.runners.inprocess import run_in_process
 
                 logging.getLogger("flwr").setLevel(logging.WARNING)  # the progress display says how far it got
 
                 return run_in_process(cfg, num_clients, on_round=on_round, cpus_per_client=resources["num_cpus"])
-            from florist.server.simulation import simulate_in_child
+            from florist.runners.simulation import simulate_in_child
 
             return simulate_in_child(cfg, num_clients, on_round, resources)
 
@@ -183,8 +183,8 @@ def _decode_data(progress, cfg: RunConfig, num_clients: int) -> None:
 
 def _names(text: str, option: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    if unknown := [n for n in names if n not in SPECS]:
-        raise ValueError(f"{option}: unknown strategy {unknown[0]!r}; choose from {', '.join(SPECS)}")
+    if unknown := [n for n in names if n not in STRATEGIES]:
+        raise ValueError(f"{option}: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
     if not names:
         raise ValueError(f"{option}: name at least one strategy")
     return names
@@ -214,7 +214,7 @@ def _deploy_local(args: argparse.Namespace) -> int:
 
     from florist.deploy.federation import LocalFederation
     from florist.deploy.netns import Network, check_usable
-    from florist.server.simulation import Interrupted
+    from florist.runners.simulation import Interrupted
 
     if args.netns:
         check_usable()  # before the run's own checks, which take seconds
@@ -375,7 +375,7 @@ def _run_options(parser: argparse.ArgumentParser) -> None:
         "--strategy",
         choices=STRATEGY_NAMES,
         metavar="STRATEGY",
-        help="algorithm to run (default: fedavg): " + "; ".join(f"{n} = {s.summary}" for n, s in SPECS.items()),
+        help="algorithm to run (default: fedavg): " + "; ".join(f"{n} = {s.summary}" for n, s in STRATEGIES.items()),
     )
     _scenario_options(parser)
     parser.add_argument("--seed", type=int, help="seed for partitions, splits, init and sampling (default: 1)")
@@ -445,9 +445,9 @@ def _federation_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _datastore_add(args: argparse.Namespace) -> int:
-    from florist.algorithms.knnper.client import add_samples
-    from florist.algorithms.knnper.spec import KNNPER
     from florist.client.state import NodeState
+    from florist.strategies.knnper.client import add_samples
+    from florist.strategies.knnper.spec import KNNPER
 
     state = NodeState(args.state_dir, args.node_key, KNNPER.name)
     before, after = add_samples(state, args.data_dir)
@@ -625,7 +625,7 @@ def build_parser() -> argparse.ArgumentParser:
         "resumes), then write OUT/compare.md (seen/unseen mean and bottom decile, mean ± std over seeds, kB and "
         "seconds per round), compare.json and compare.png.",
     )
-    cmp.add_argument("--strategies", default=",".join(SPECS), help="comma-separated (default: all)")
+    cmp.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
     cmp.add_argument("--seeds", default="1,2,3", help="comma-separated (default: 1,2,3)")
     _scenario_options(cmp)
     cmp.add_argument("--num-clients", type=_count, default=20, help="simulated clients (default: 20)")

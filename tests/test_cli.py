@@ -143,7 +143,7 @@ def test_a_class_only_held_out_clients_have_is_named_before_the_run(tmp_path):
 
     from florist.common import data
     from florist.common.config import RunConfig
-    from florist.server.preflight import check_run
+    from florist.runners.preflight import check_run
 
     cfg = RunConfig.from_mapping({"partition": "pathological:2", "results-dir": str(tmp_path)})
     warnings = check_run(cfg, 10)

@@ -5,10 +5,10 @@ in-process grid is made to answer in node order once and in reverse node order o
 
 import pytest
 
-from florist.algorithms import SPECS
 from florist.common.config import RunConfig
+from florist.runners.inprocess import run_in_process
 from florist.server import inprocess
-from florist.server.inprocess import run_in_process
+from florist.strategies import STRATEGIES
 
 # Two rounds on four clients, one held out; each strategy's costly knobs turned down.
 CHEAP = {
@@ -42,7 +42,7 @@ def _run(tmp_path, monkeypatch, strategy: str, reverse: bool) -> dict:
     return run_in_process(cfg, 4)
 
 
-@pytest.mark.parametrize("strategy", list(SPECS))
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_the_same_seed_gives_the_same_results_whatever_the_reply_order(tmp_path, monkeypatch, strategy):
     first, second = (_run(tmp_path, monkeypatch, strategy, reverse) for reverse in (False, True))
     assert not first["failures"] and not second["failures"]

@@ -19,14 +19,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import strategy as flower
 from flwr.serverapp.strategy import qfedavg
 
-from florist.algorithms.base import NoSettings
-from florist.algorithms.fedavg import client as fedavg_client
 from florist.client.app import app
 from florist.client.node import Request
 from florist.common import client_mods, protocol, scenarios, training
 from florist.common.config import RunConfig
 from florist.common.models import seeded_model
-from florist.server.inprocess import InProcessGrid, server_identity
+from florist.runners.inprocess import InProcessGrid, server_identity
+from florist.strategies.base import NoSettings
+from florist.strategies.fedavg import client as fedavg_client
 
 NODES, PARTITIONS, ROUNDS = 3, 10, 2  # three small partitions of ten: short local epochs
 SAMPLE = {"min_available_nodes": NODES, "min_train_nodes": NODES, "min_evaluate_nodes": NODES}

@@ -4,9 +4,9 @@ Server: for `query.info` and every message type of every algorithm in the regist
 draws replies made from a real reply of that type with one defect (a record or key missing or
 extra, an array of another shape or dtype, NaN, Inf or huge values, undecodable bytes, a
 broken packing layout, metrics of the wrong type, a reply to another message). Each goes
-through the real `Federation.exchange` and `Strategy.ask` (or `discover`) beside another
+through the real `Exchanger.exchange` and `ServerStrategy.ask` (or `discover`) beside another
 node's good reply. Nothing may raise; a bad reply must be left out and recorded in
-`federation.failures` with its node's name and a reason, and a harmless change must change
+`exchanger.failures` with its node's name and a reason, and a harmless change must change
 nothing. The strategy's aggregation only ever sees what `ask` returns, so the round is then
 run on the recorded replies with the accepted one in its place, or without the refused node:
 the server's state stays finite. (A real round per example, every node's reply re-sent and
@@ -38,14 +38,15 @@ from flwr.common.constant import ErrorCode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from florist.algorithms import SPECS
-from florist.algorithms.base import INFO, Exchange
 from florist.client.app import app as client_app
 from florist.common import packing, protocol
 from florist.common.config import RunConfig
+from florist.runners.inprocess import InProcessGrid, server_identity
 from florist.server.app import discover
-from florist.server.inprocess import InProcessGrid, server_identity
-from florist.server.strategy import Federation, Strategy
+from florist.server.exchange import Exchanger
+from florist.server.strategy import ServerStrategy
+from florist.strategies import STRATEGIES
+from florist.strategies.base import INFO, Exchange
 
 REPLIES_PER_TYPE = 1000  # malformed replies generated per message type, at least
 REQUESTS_PER_TYPE = 40  # malformed requests per message type, at least (each followed by a good one: a handler run)
@@ -72,7 +73,7 @@ FUZZ = settings(deadline=None, derandomize=True, database=None, suppress_health_
 COUNTED: collections.Counter[str] = collections.Counter()  # examples run: malformed by message type, all by kind
 
 
-# -- a federation that records, then replays ---------------------------------------------------
+# -- a federation that records, then replays--------------------------------------------------
 
 
 class FuzzGrid(InProcessGrid):
@@ -105,7 +106,7 @@ class FuzzGrid(InProcessGrid):
 
 @dataclasses.dataclass
 class Call:
-    """One `Strategy.ask` of a recorded phase: its arguments and what it returned."""
+    """One `ServerStrategy.ask` of a recorded phase: its arguments and what it returned."""
 
     exchange: Exchange
     server_round: int
@@ -122,7 +123,7 @@ class Federated:
 
     cfg: RunConfig
     grid: FuzzGrid
-    strategy: Strategy
+    strategy: ServerStrategy
     nodes: list
     before: dict[str, Any] = dataclasses.field(default_factory=dict)
     calls: dict[tuple[str, str], Call] = dataclasses.field(default_factory=dict)
@@ -172,10 +173,10 @@ def record(spec: str, folder: Path) -> Federated:
     cfg = RunConfig.from_mapping(SETTINGS | {"strategy": spec, "results-dir": str(folder / "results")})
     grid = FuzzGrid(folder / "nodes")
     with server_identity(grid.run_id):
-        federation = Federation(grid, cfg.round_timeout, grid.run_id)
+        exchanger = Exchanger(grid, cfg.round_timeout, grid.run_id)
         grid.phase = "info"
-        nodes = discover(federation, cfg, grid.get_node_ids())
-        strategy = SPECS[spec].load_server()(cfg, federation, nodes[0].input_shape, len(nodes))
+        nodes = discover(exchanger, cfg, grid.get_node_ids())
+        strategy = STRATEGIES[spec].load_server()(cfg, exchanger, nodes[0].input_shape, len(nodes))
         fed, real_ask = Federated(cfg, grid, strategy, nodes), strategy.ask
 
         def recording_ask(exchange, requests, server_round, required, reference=None, side=None):
@@ -192,12 +193,12 @@ def record(spec: str, folder: Path) -> Federated:
             fed.run(phase)
         grid.phase = ""
         del strategy.ask
-    assert not federation.failures, federation.failures
+    assert not exchanger.failures, exchanger.failures
     return fed
 
 
 class Federations(dict):
-    """Each algorithm's recorded federation, made on first use."""
+    """Each algorithm's recorded exchanger, made on first use."""
 
     def __init__(self, folder: Path):
         super().__init__()
@@ -211,8 +212,8 @@ class Federations(dict):
     def phases(self, message_type: str) -> list[tuple[str, str]]:
         """(algorithm, phase) pairs whose recording sends `message_type`."""
         if message_type == INFO.message_type:
-            return [(spec, "info") for spec in SPECS]
-        specs = [s.name for s in SPECS.values() if any(e.message_type == message_type for e in s.exchanges)]
+            return [(spec, "info") for spec in STRATEGIES]
+        specs = [s.name for s in STRATEGIES.values() if any(e.message_type == message_type for e in s.exchanges)]
         return [
             (spec, phase)
             for spec in specs
@@ -221,7 +222,7 @@ class Federations(dict):
         ]
 
     def draw(self, data, message_type: str) -> tuple[Federated, str, int]:
-        """A federation, phase and node that the recording sent `message_type` to."""
+        """A exchanger, phase and node that the recording sent `message_type` to."""
         spec, phase = data.draw(st.sampled_from(self.phases(message_type)))
         fed = self[spec]
         return fed, phase, data.draw(st.sampled_from(fed.recipients(phase, message_type)))
@@ -234,7 +235,7 @@ def federations(tmp_path_factory) -> Federations:
     return Federations(tmp_path_factory.mktemp("federations"))
 
 
-MESSAGE_TYPES = [INFO.message_type] + sorted({e.message_type for s in SPECS.values() for e in s.exchanges})
+MESSAGE_TYPES = [INFO.message_type] + sorted({e.message_type for s in STRATEGIES.values() for e in s.exchanges})
 PLACEHOLDER = protocol.content(config={})  # a request the replaying nodes answer without reading it
 
 
@@ -566,9 +567,9 @@ def check_reply(fed: Federated, phase: str, message_type: str, target: int, answ
     """Send `message_type` to `others` and `target` through the real exchange and checks, the
     target answering with `answer`, the others as recorded; return what the checks let
     through (by node) and the failures recorded."""
-    federation, sent = fed.strategy.federation, {}
-    federation.failures.clear()
-    federation.take_exchanges()
+    exchanger, sent = fed.strategy.exchanger, {}
+    exchanger.failures.clear()
+    exchanger.take_exchanges()
 
     def answered(msg: Message) -> list[Message]:
         node = msg.metadata.dst_node_id
@@ -580,7 +581,7 @@ def check_reply(fed: Federated, phase: str, message_type: str, target: int, answ
     fed.grid.answer = answered
     try:
         if phase == "info":
-            got = {n.node_id: n for n in discover(federation, fed.cfg, [*others, target])}
+            got = {n.node_id: n for n in discover(exchanger, fed.cfg, [*others, target])}
         else:
             call = fed.calls[phase, message_type]
             got = type(fed.strategy).ask(
@@ -594,7 +595,7 @@ def check_reply(fed: Federated, phase: str, message_type: str, target: int, answ
             )
     finally:
         fed.grid.answer = None
-    return got, list(federation.failures)
+    return got, list(exchanger.failures)
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -660,7 +661,7 @@ def test_a_malformed_reply_is_refused_and_what_passes_the_checks_keeps_the_state
                     assert all_finite(fed.aggregate(phase, message_type, target, got[target])), label
             else:
                 assert len(failures) == 1 and failures[0]["reason"], label
-                assert failures[0]["node"] == fed.strategy.federation.name(target)
+                assert failures[0]["node"] == fed.strategy.exchanger.name(target)
                 assert failures[0]["message_type"] == message_type
                 if not info and (phase, message_type, target) not in fed.without:
                     fed.without.add((phase, message_type, target))

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flwr.app import Context, Message
 
-from florist.algorithms.knnper import client as knn
 from florist.client.app import build_client_app
 from florist.common.config import RunConfig
-from florist.server.inprocess import run_in_process
-from florist.server.simulation import simulate
+from florist.runners.inprocess import run_in_process
+from florist.runners.simulation import simulate
+from florist.strategies.knnper import client as knn
 
 
 def _run(tmp_path, name, client_app=None, runner=simulate, **overrides):

@@ -1,5 +1,5 @@
 """florist's ClientApp: one handler per message type of every algorithm in the registry
-(`florist/algorithms`), each `(node, request) -> reply records`, inside one outer mod."""
+(`florist/strategies`), each `(node, request) -> reply records`, inside one outer mod."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from florist.algorithms import SPECS
-from florist.algorithms.base import INFO, Exchange, load
 from florist.client.deadline import deadline
 from florist.client.node import Node, Request, parse
 from florist.common import client_mods, data, devices, packing, protocol, training
 from florist.common.models import build_model
+from florist.strategies import STRATEGIES
+from florist.strategies.base import INFO, Exchange, load
 
 
 def info(node: Node, request: Request) -> RecordDict:
@@ -56,7 +56,7 @@ def frame(msg: Message, context: Context, call_next: Callable[[Message, Context]
 def exchanges() -> list[Exchange]:
     """Every exchange of every algorithm, once (algorithms share some, e.g. FedAvg's `train`)."""
     unique = {INFO.message_type: INFO}
-    for spec in SPECS.values():
+    for spec in STRATEGIES.values():
         for exchange in spec.exchanges:
             if unique.setdefault(exchange.message_type, exchange) != exchange:
                 raise ValueError(f"message type {exchange.message_type!r} is declared twice, differently")

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 
-from florist.algorithms import spec_of
-from florist.algorithms.base import Exchange, Settings, coerce
 from florist.client.state import NodeState
 from florist.common import data as data_lib
 from florist.common import datacache, devices, protocol, scenarios, training
 from florist.common.config import RunConfig
 from florist.common.models import Net, seeded_model
+from florist.strategies import strategy_spec
+from florist.strategies.base import Exchange, Settings, coerce
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,7 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
     config = dict(msg.content.config_records.get(protocol.CONFIG, {}))
     source = f"the server's {msg.metadata.message_type!r} message"
     if "strategy" in config:  # florist's server: exactly the declared keys
-        spec = spec_of(str(config["strategy"]))
+        spec = strategy_spec(str(config["strategy"]))
         expected = {
             "server-round",
             "run-id",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from florist.algorithms.base import load
+from florist.strategies.base import load
 
 KEY = "client-mods"
 

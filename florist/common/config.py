@@ -1,5 +1,5 @@
 """The run configuration: the settings every run has, plus the chosen algorithm's section
-(`florist/algorithms/<name>/spec.py`), parsed from Flower's flat kebab-case run config.
+(`florist/strategies/<name>/spec.py`), parsed from Flower's flat kebab-case run config.
 
 Parsing happens once, at start-up, so a typo or a wrong type fails with the key's name
 instead of deep inside a round.
@@ -11,15 +11,15 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from florist.algorithms import SPECS, spec_of
-from florist.algorithms.base import NoSettings, Settings, setting
 from florist.common import client_mods, devices, scenarios
 from florist.common.data import PARTITIONS, parse_partition
+from florist.strategies import STRATEGIES, strategy_spec
+from florist.strategies.base import NoSettings, Settings, setting
 
 AUGMENTS = ("none", "flip", "crop-flip")  # florist/common/training.py applies them
 
 # The strategies `strategy` may name (the registry holds their specs, which import no torch).
-STRATEGY_NAMES = tuple(SPECS)
+STRATEGY_NAMES = tuple(STRATEGIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +81,14 @@ class RunConfig(Settings):
         """Build from `{"kebab-key": value}`: unknown keys and wrong types are refused, and
         every strategy's section checks the keys it owns, whichever strategy runs."""
         own = set(cls.keys())
-        sections = {spec.settings for spec in SPECS.values()}
+        sections = {spec.settings for spec in STRATEGIES.values()}
         known = own.union(*(s.keys() for s in sections))
         if unknown := sorted(set(values) - known):
             raise ValueError(f"unknown run-config key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
         common = super().from_mapping({k: v for k, v in values.items() if k in own})
         for section in sections:
             section.from_mapping(values)
-        return dataclasses.replace(common, settings=spec_of(common.strategy).settings.from_mapping(values))
+        return dataclasses.replace(common, settings=strategy_spec(common.strategy).settings.from_mapping(values))
 
     def to_mapping(self, travelling: bool = False) -> dict[str, Any]:
         """The kebab-case form (as in results.json); with `travelling`, what clients are sent."""
@@ -107,7 +107,7 @@ class RunConfig(Settings):
 
     def checks(self) -> list[tuple[bool, str]]:
         return [
-            (self.strategy in SPECS, f"unknown strategy {self.strategy!r}; choose one of {', '.join(SPECS)}"),
+            (self.strategy in STRATEGIES, f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"),
             (self.num_server_rounds >= 0, "num-server-rounds must be >= 0"),
             (_parses(parse_partition, self.partition), f"partition must be {PARTITIONS}, got {self.partition!r}"),
             (
@@ -154,7 +154,7 @@ def _parses(parse, spec: str, kind: str = "") -> bool:
 def all_settings() -> dict[str, Any]:
     """Every run-config key with its default: the common ones, then each section's once."""
     defaults = RunConfig().to_mapping()
-    for spec in SPECS.values():
+    for spec in STRATEGIES.values():
         defaults |= {k: v for k, v in spec.settings().to_mapping().items() if k not in defaults}
     return defaults
 

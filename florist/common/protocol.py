@@ -23,7 +23,7 @@ INFO_METRICS = ("num-train", "num-test", "seen")  # what a `query.info` reply mu
 # what they receive (Adam's second moments, k-means distances).
 MAX_MAGNITUDE = 1e9
 
-# Message types are declared by the algorithms' specs (florist/algorithms/<name>/spec.py).
+# Message types are declared by the algorithms' specs (florist/strategies/<name>/spec.py).
 
 
 class ProtocolError(ValueError):

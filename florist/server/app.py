@@ -13,16 +13,17 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from florist.algorithms import spec_of
-from florist.algorithms.base import INFO
 from florist.common import flower_internals, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
-from florist.server import preflight
+from florist.runners import preflight
 from florist.server.checkpoint import Checkpoint
 from florist.server.report import number
 from florist.server.results import Results
-from florist.server.strategy import Federation, NodeInfo, Strategy, message_config
+from florist.server.exchange import Exchanger
+from florist.server.strategy import NodeInfo, ServerStrategy, message_config
+from florist.strategies import strategy_spec
+from florist.strategies.base import INFO
 
 # A child of Flower's logger, so messages reach `flwr run --stream` and the SuperLink log.
 log = logging.getLogger("flwr").getChild(__name__)
@@ -30,39 +31,39 @@ log = logging.getLogger("flwr").getChild(__name__)
 RoundCallback = Callable[[dict[str, Any]], None]
 
 
-def discover(federation: Federation, cfg: RunConfig, node_ids: list[int]) -> list[NodeInfo]:
+def discover(exchanger: Exchanger, cfg: RunConfig, node_ids: list[int]) -> list[NodeInfo]:
     """Ask nodes who they are (one `query.info` exchange); a node with an ill-formed answer is
     recorded as failed and left out."""
-    request = protocol.content(config=message_config(cfg, INFO, 0, federation.run_id))
-    replies = federation.exchange({n: request for n in node_ids}, INFO.message_type, 0)
+    request = protocol.content(config=message_config(cfg, INFO, 0, exchanger.run_id))
+    replies = exchanger.exchange({n: request for n in node_ids}, INFO.message_type, 0)
     nodes = []
     for node_id, reply in replies.items():
         try:
             key, shape, metrics = protocol.info_of(reply, f"node {node_id}")
         except protocol.ProtocolError as err:
-            federation.fail(node_id, INFO.message_type, 0, f"ill-formed info reply: {err}")
+            exchanger.fail(node_id, INFO.message_type, 0, f"ill-formed info reply: {err}")
             continue
         nodes.append(
             NodeInfo(node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]), shape)
         )
-    federation.names.update({n.node_id: str(n) for n in nodes})
+    exchanger.names.update({n.node_id: str(n) for n in nodes})
     return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
 
 
 def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_id: int = 0) -> Results:
     """The whole run (from its checkpoint on, with `resume-from`); returns the results it also
     wrote to `cfg.results_dir`. `run_id`: Flower's id of this run."""
-    strategy_class = spec_of(cfg.strategy).load_server()
+    strategy_class = strategy_spec(cfg.strategy).load_server()
     resumed = Checkpoint.load(cfg.resume_from) if cfg.resume_from else None
-    federation = Federation(grid, cfg.round_timeout, resumed.run_id if resumed else run_id)
+    exchanger = Exchanger(grid, cfg.round_timeout, resumed.run_id if resumed else run_id)
     results = Results(cfg)
     if not resumed:
         results.save()  # a run stopped before its first round still says so
-    nodes = discover(federation, cfg, federation.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
+    nodes = discover(exchanger, cfg, exchanger.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
     if not nodes:
-        first = federation.failures[0] if federation.failures else {"node": "-", "reason": "-"}
+        first = exchanger.failures[0] if exchanger.failures else {"node": "-", "reason": "-"}
         raise RuntimeError(
-            f"no node answered the info request ({len(federation.failures)} failed; the first, "
+            f"no node answered the info request ({len(exchanger.failures)} failed; the first, "
             f"{first['node']}: {first['reason']})"
         )
     if len(shapes := {n.input_shape for n in nodes}) > 1:
@@ -72,14 +73,14 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     log.info("%d nodes: %d seen (train), %d unseen (serve only)", len(nodes), len(seen), len(unseen))
     if not seen:
         raise RuntimeError("no seen node to train with: every node is held out as unseen")
-    strategy: Strategy = strategy_class(cfg, federation, nodes[0].input_shape, len(seen))
-    federation.take_bytes()
-    federation.take_exchanges()
+    strategy: ServerStrategy = strategy_class(cfg, exchanger, nodes[0].input_shape, len(seen))
+    exchanger.take_bytes()
+    exchanger.take_exchanges()
     done = 0
     if resumed:
         resumed.check(cfg, [n.key for n in nodes])
         strategy.load_state(resumed.state)
-        done, results.rounds, federation.failures = resumed.round, resumed.rounds, resumed.failures
+        done, results.rounds, exchanger.failures = resumed.round, resumed.rounds, resumed.failures
         log.info("resuming the run of %s after round %d", cfg.resume_from, done)
 
     for server_round in range(done + 1, cfg.num_server_rounds + 1):
@@ -88,16 +89,16 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
         accuracy = None
         if cfg.eval_every and server_round % cfg.eval_every == 0:
             accuracy = _mean_accuracy(strategy.evaluate(server_round, seen))
-        up, down = federation.take_bytes()
-        extras = strategy.round_extras() | {"exchanges": federation.take_exchanges()}
+        up, down = exchanger.take_bytes()
+        extras = strategy.round_extras() | {"exchanges": exchanger.take_exchanges()}
         row = results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, extras)
         checkpoint = Checkpoint(
             server_round,
             cfg.to_mapping(),
-            federation.run_id,
+            exchanger.run_id,
             [n.key for n in nodes],
             strategy.state(),
-            federation.failures,
+            exchanger.failures,
             results.rounds,
         )
         results.checkpoint(checkpoint)
@@ -105,9 +106,9 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
 
     final_round = cfg.num_server_rounds + 1
     scores = strategy.evaluate(final_round, seen) | strategy.serve(final_round, unseen)
-    late = serve_late_joiners(federation, strategy, cfg, {n.node_id for n in nodes}, scores)
+    late = serve_late_joiners(exchanger, strategy, cfg, {n.node_id for n in nodes}, scores)
     results.set_clients(nodes + late, scores)
-    results.failures = federation.failures
+    results.failures = exchanger.failures
     results.write()
     for group, summary in results.summary().items():
         log.info(
@@ -122,7 +123,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
 
 
 def serve_late_joiners(
-    federation: Federation, strategy: Strategy, cfg: RunConfig, known: set[int], scores: dict[int, dict[str, float]]
+    exchanger: Exchanger, strategy: ServerStrategy, cfg: RunConfig, known: set[int], scores: dict[int, dict[str, float]]
 ) -> list[NodeInfo]:
     """The serve phase for nodes that connect after training (deployment): each gets its
     personalized model from `strategy.serve`, until `serve-seconds` have passed or
@@ -132,15 +133,15 @@ def serve_late_joiners(
     log.info("serving nodes that join in the next %.0f s", cfg.serve_seconds)
     deadline, served = time.monotonic() + cfg.serve_seconds, []
     while time.monotonic() < deadline and not (cfg.serve_count and len(served) >= cfg.serve_count):
-        new = sorted(set(federation.grid.get_node_ids()) - known)
+        new = sorted(set(exchanger.grid.get_node_ids()) - known)
         if not new:
             time.sleep(1.0)
             continue
         known.update(new)
         joined = []
-        for node in discover(federation, cfg, new):
+        for node in discover(exchanger, cfg, new):
             if node.input_shape != strategy.input_shape:
-                federation.fail(
+                exchanger.fail(
                     node.node_id,
                     INFO.message_type,
                     0,

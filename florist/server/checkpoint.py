@@ -43,7 +43,7 @@ class Checkpoint:
     config: dict[str, Any]
     run_id: int  # the run id of the run's first part: nodes keep their state under it
     nodes: list[str]  # the keys of the nodes discovered at the start
-    state: dict[str, Any]  # the server half's `Strategy.state()`
+    state: dict[str, Any]  # the server half's `ServerStrategy.state()`
     failures: list[dict[str, Any]]
     rounds: list[dict[str, Any]]
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from florist.algorithms import SPECS
-from florist.algorithms.base import load
 from florist.common.metrics import summarize
+from florist.strategies import STRATEGIES
+from florist.strategies.base import load
 
 
 def number(value: float | None, spec: str) -> str:
@@ -147,7 +147,7 @@ def write_report(results: dict[str, Any], folder: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    spec = SPECS.get(results["strategy"])
+    spec = STRATEGIES.get(results["strategy"])
     own_section = load(spec.report)(results, folder) if spec and spec.report else []
     (folder / "report.md").write_text(markdown(results, own_section))
 

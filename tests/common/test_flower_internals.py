@@ -15,7 +15,7 @@ from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 
 from florist.common import flower_internals
 from florist.common.pacing import Backoff
-from florist.server.inprocess import server_identity
+from florist.runners.inprocess import server_identity
 
 
 def test_the_pinned_flower_has_everything_the_fast_path_relies_on():

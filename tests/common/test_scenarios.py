@@ -9,7 +9,7 @@ import pytest
 from florist.common import data as data_lib
 from florist.common import scenarios
 from florist.common.config import RunConfig
-from florist.server.inprocess import run_in_process
+from florist.runners.inprocess import run_in_process
 
 
 def _cfg(**values) -> RunConfig:

@@ -17,7 +17,7 @@ from processes import RUN, submit
 from florist.common import data as data_lib
 from florist.common.config import RunConfig
 from florist.deploy.federation import LocalFederation
-from florist.server.inprocess import run_in_process
+from florist.runners.inprocess import run_in_process
 
 NODES, ROUNDS = 3, 3
 

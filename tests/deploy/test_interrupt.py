@@ -18,7 +18,7 @@ from processes import started_tasks, wait_for_rounds
 from florist.cli import main
 from florist.common.config import RunConfig
 from florist.common.processes import alive, descendants, marked
-from florist.server.inprocess import run_in_process
+from florist.runners.inprocess import run_in_process
 
 
 def _interrupt(command: list[str], progress, tmp_path) -> tuple[subprocess.CompletedProcess, str, list[int]]:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from processes import EXPIRY, RUN, node_configs, streaming_run, wait_for_rounds
 
-from florist.algorithms.knnper.client import LAMBDA_GRID
 from florist.common.data import load_digits
 from florist.common.models import build_model
 from florist.deploy.federation import LocalFederation
+from florist.strategies.knnper.client import LAMBDA_GRID
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from florist.common.config import RunConfig
 from florist.common.processes import marked
 from florist.deploy import netns
 from florist.deploy.federation import LocalFederation
-from florist.server.inprocess import run_in_process
+from florist.runners.inprocess import run_in_process
 
 NODES = 2
 

@@ -12,7 +12,7 @@ from processes import RUN, node_configs, stop_runs, submit, wait_for_rounds
 
 from florist.common.config import RunConfig
 from florist.deploy.federation import LocalFederation
-from florist.server.inprocess import run_in_process
+from florist.runners.inprocess import run_in_process
 
 
 def test_a_run_whose_superlink_is_killed_resumes_from_its_checkpoint_exactly(tmp_path):

@@ -12,8 +12,8 @@ from flwr.superlink.grid import http_grid
 
 from florist.client.app import app as client_app
 from florist.common import flower_internals
-from florist.server.inprocess import InProcessGrid, server_identity
-from florist.server.strategy import Federation
+from florist.runners.inprocess import InProcessGrid, server_identity
+from florist.server.exchange import Exchanger
 
 SILENT, POLL = 101, 0.3
 
@@ -37,11 +37,11 @@ class SlowGridWithASilentNode(EmptyReplies):
 def test_a_node_that_never_replies_is_left_out_even_when_a_poll_outlasts_the_deadline():
     # Timeout 0.5 s: the third poll starts before the deadline and ends after it.
     grid = SlowGridWithASilentNode(client_app, [{"partition-id": i, "num-partitions": 2} for i in range(2)], run_id=5)
-    federation = Federation(grid, 0.5, grid.run_id)
+    exchanger = Exchanger(grid, 0.5, grid.run_id)
     with server_identity(grid.run_id):
-        good = federation.exchange({100: RecordDict(), SILENT: RecordDict()}, "query.info", 1)
+        good = exchanger.exchange({100: RecordDict(), SILENT: RecordDict()}, "query.info", 1)
     assert list(good) == [100]
-    [failure] = federation.failures
+    [failure] = exchanger.failures
     assert failure["node_id"] == SILENT and failure["reason"].startswith("no reply within")
 
 
@@ -61,10 +61,10 @@ class GridWithALateReply(EmptyReplies):
 
 def test_a_reply_in_before_the_deadline_counts_even_when_a_poll_outlasts_it():
     grid = GridWithALateReply(client_app, [{"partition-id": 0, "num-partitions": 1}], run_id=5)
-    federation = Federation(grid, 0.5, grid.run_id)
+    exchanger = Exchanger(grid, 0.5, grid.run_id)
     with server_identity(grid.run_id):
-        good = federation.exchange({100: RecordDict()}, "query.info", 1)
-    assert list(good) == [100] and not federation.failures
+        good = exchanger.exchange({100: RecordDict()}, "query.info", 1)
+    assert list(good) == [100] and not exchanger.failures
 
 
 def half_uploaded(msg: Message) -> Message:
@@ -80,10 +80,10 @@ class GridWithAHalfUploadedReply(InProcessGrid):
 
 def test_a_reply_cut_off_mid_upload_is_named_as_such():
     grid = GridWithAHalfUploadedReply(client_app, [{"partition-id": 0, "num-partitions": 1}], run_id=5)
-    federation = Federation(grid, 1.0, grid.run_id)
+    exchanger = Exchanger(grid, 1.0, grid.run_id)
     with server_identity(grid.run_id):
-        assert federation.exchange({100: RecordDict()}, "query.info", 1) == {}
-    [failure] = federation.failures
+        assert exchanger.exchange({100: RecordDict()}, "query.info", 1) == {}
+    [failure] = exchanger.failures
     assert failure["reason"] == "its reply was not completely uploaded within 1 s"
 
 
@@ -134,10 +134,10 @@ class SuperLinkGrid(EmptyReplies):
 
 
 def _exchange(grid, timeout):
-    federation = Federation(grid, timeout, grid.run_id)
+    exchanger = Exchanger(grid, timeout, grid.run_id)
     with server_identity(grid.run_id):
-        good = federation.exchange({100: RecordDict(), CUT: RecordDict()}, "query.info", 1)
-    return good, {f["node_id"]: f["reason"] for f in federation.failures}
+        good = exchanger.exchange({100: RecordDict(), CUT: RecordDict()}, "query.info", 1)
+    return good, {f["node_id"]: f["reason"] for f in exchanger.failures}
 
 
 NODES = [{"partition-id": i, "num-partitions": 2} for i in range(2)]

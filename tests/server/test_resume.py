@@ -3,13 +3,13 @@ run ends, for every strategy: same per-client accuracies, same round rows."""
 
 import pytest
 
-from florist.algorithms import SPECS
 from florist.cli import main
 from florist.client.app import app as client_app
 from florist.common.config import RunConfig
+from florist.runners.inprocess import InProcessGrid, run_in_process, server_identity
 from florist.server.app import run
 from florist.server.checkpoint import Checkpoint, resumed_config
-from florist.server.inprocess import InProcessGrid, run_in_process, server_identity
+from florist.strategies import STRATEGIES
 
 NUM_CLIENTS = 4
 
@@ -78,7 +78,7 @@ def _crash(cfg: RunConfig, at: int) -> None:
     assert Checkpoint.load(cfg.results_dir).round == at - 1
 
 
-@pytest.mark.parametrize("strategy", list(SPECS))
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_run_resumed_after_a_server_crash_ends_exactly_like_the_uninterrupted_run(tmp_path, strategy):
     whole = run_in_process(_cfg(tmp_path, strategy, "whole"), NUM_CLIENTS)
     cfg = _cfg(tmp_path, strategy, "resumed")

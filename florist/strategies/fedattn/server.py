@@ -1,0 +1,199 @@
+"""FedAttn's server half. G is trained by FedAvg; the server keeps every trained client's
+latest representation Z and biases M, gives a sampled client i G with
+`M̃_i = Attention(Z_i, Z_N, M_N)` over its K nearest clients by Z (a FAISS search), and trains
+W_Q, W_K, W_V with the client's gradient at M̃_i.
+
+Stability (the paper's runs broke at random rounds): `fedattn-warmup` FedAvg-only rounds
+first, attention over deviations from the mean biases (`fedattn-residual`), a penalty on
+‖M̃_i − M̄‖² (`fedattn-reg`) and a clipped gradient norm (`fedattn-clip`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import faiss
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+from torch import nn
+
+from florist.common import protocol
+from florist.common.models import bias_names, flat_biases, seeded
+from florist.server.strategy import TESTED, TRAINED, NodeInfo, log, mean_loss
+from florist.strategies.fedattn.spec import BIAS_GRAD, REPRESENT, TRAIN_ATTN, AttentionSettings, Z
+from florist.strategies.fedavg.server import FedAvg, weighted_average
+from florist.strategies.fedavg.spec import EVALUATE
+
+MAX_BIASES = 4096  # W_V is m×m
+
+
+class BiasAttention(nn.Module):
+    """`M̃ = softmax((W_K Z_N)ᵀ(W_Q z)/√d_k) · W_V M_N`; with `residual`, over M_N − M̄ and
+    added to M̄. W_V starts as the identity: at first M̃ is a weighted mean of the neighbours'."""
+
+    def __init__(self, z_dim: int, m_dim: int, key_dim: int, residual: bool):
+        super().__init__()
+        self.query, self.key = nn.Linear(z_dim, key_dim, bias=False), nn.Linear(z_dim, key_dim, bias=False)
+        self.value = nn.Linear(m_dim, m_dim, bias=False)
+        nn.init.eye_(self.value.weight)
+        self.residual = residual
+
+    def weights(self, z: torch.Tensor, z_n: torch.Tensor) -> torch.Tensor:
+        """Attention weights of query z over the K keys Z_N (K×d_z); they sum to 1."""
+        return torch.softmax(self.key(z_n) @ self.query(z) / math.sqrt(self.query.out_features), dim=0)
+
+    def forward(self, z: torch.Tensor, z_n: torch.Tensor, m_n: torch.Tensor, m_bar: torch.Tensor) -> torch.Tensor:
+        a = self.weights(z, z_n)
+        if self.residual:
+            return m_bar + a @ self.value(m_n - m_bar)
+        return a @ self.value(m_n)
+
+
+class FedAttn(FedAvg):
+    settings: AttentionSettings
+    checkpointed = ("model", "attention", "optimizer")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cfg, attn = self.cfg, self.settings
+        self.biases = bias_names(self.model)
+        m_dim = sum(self.model.state_dict()[n].numel() for n in self.biases)
+        if m_dim > MAX_BIASES:
+            raise ValueError(f"fedattn: model {cfg.model!r} has {m_dim} biases; W_V (m×m) allows at most {MAX_BIASES}")
+        with torch.no_grad():
+            z_dim = self.model.features(torch.zeros(1, *self.input_shape)).shape[1]
+        with seeded(cfg.seed):
+            self.attention = BiasAttention(z_dim, m_dim, attn.key_dim, attn.residual)
+        self.attention.to(self.device)  # built on the CPU: the same start on any device
+        self.optimizer = torch.optim.Adam(self.attention.parameters(), lr=attn.lr)
+        self.z_dim, self.m_dim = z_dim, m_dim
+        self.memory: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # node key -> latest (Z, M)
+        self.index, self.index_keys = faiss.IndexFlatL2(z_dim), []  # over the memory's Z, in `remember`
+
+    # -- the attention -------------------------------------------------------------------
+    def mean_biases(self) -> torch.Tensor:
+        """M̄: the FedAvg model's biases (the sample-weighted mean of the clients' M)."""
+        return flat_biases(self.model.state_dict(), self.biases)
+
+    def remember(self, latest: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep these clients' latest (Z, M) and rebuild the index over every Z once."""
+        self.memory |= latest
+        self.index_keys = sorted(self.memory)
+        self.index = faiss.IndexFlatL2(self.z_dim)
+        self.index.add(np.stack([self.memory[k][0].numpy() for k in self.index_keys]).astype(np.float32))
+
+    def neighbours(self, z: torch.Tensor) -> list[str]:
+        """The keys of the K known clients nearest to z (squared L2, exact FAISS search)."""
+        _, found = self.index.search(z.numpy()[None].astype(np.float32), min(self.settings.k, len(self.index_keys)))
+        return [self.index_keys[i] for i in found[0] if i >= 0]
+
+    def personalize(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(M̃, attention weights) for a client with representation z (M̃ keeps its graph, on
+        the server's device). Without a usable neighbour, or when the attention's output is not
+        finite, the client gets M̄ and no weights, so a broken attention cannot spread NaN to
+        the clients."""
+        near = self.neighbours(z)
+        if near:
+            z, device = z.to(self.device), self.device
+            z_n = torch.stack([self.memory[k][0] for k in near]).to(device)
+            m_n = torch.stack([self.memory[k][1] for k in near]).to(device)
+            m_tilde = self.attention(z, z_n, m_n, self.mean_biases().to(device))
+            if torch.isfinite(m_tilde).all():
+                return m_tilde, self.attention.weights(z, z_n).detach().cpu()
+        log.warning("fedattn: no finite attention output for a client; it gets the mean biases")
+        return self.mean_biases(), torch.ones(0)
+
+    def attending(self, server_round: int) -> bool:
+        return server_round > self.settings.warmup and bool(self.memory)
+
+    def with_biases(self, m: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The global model's state with its biases replaced by m."""
+        state, offset = {k: v.clone() for k, v in self.model.state_dict().items()}, 0
+        for name in self.biases:
+            size = state[name].numel()
+            state[name] = m[offset : offset + size].detach().cpu().reshape(state[name].shape).clone()
+            offset += size
+        return state
+
+    def backprop(self, m_tildes: list[torch.Tensor], gradients: list[torch.Tensor], m_bar: torch.Tensor) -> None:
+        """Gradients of W_Q, W_K, W_V from the clients' ∂L/∂M̃_i (mean over the clients), plus
+        the penalty `fedattn-reg`·mean ‖M̃_i − M̄‖²: the chain rule through the attention."""
+        self.optimizer.zero_grad()
+        m_bar, gradients = m_bar.to(self.device), [g.to(self.device) for g in gradients]
+        loss = sum((m * g).sum() + self.settings.reg * ((m - m_bar) ** 2).sum() for m, g in zip(m_tildes, gradients))
+        (loss / len(m_tildes)).backward()
+
+    def step(self) -> None:
+        if self.settings.clip > 0:
+            nn.utils.clip_grad_norm_(self.attention.parameters(), self.settings.clip)
+        self.optimizer.step()
+
+    # -- rounds --------------------------------------------------------------------------
+    def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
+        m_bar = self.mean_biases()
+        m_tilde, requests = {}, {}
+        for node in nodes:
+            state = self.model.state_dict()
+            if self.attending(server_round) and node.key in self.memory:
+                m, weights = self.personalize(self.memory[node.key][0])
+                state = self.with_biases(m)
+                if len(weights):  # made by the attention: its gradient trains it
+                    m_tilde[node.node_id] = m
+            requests[node.node_id] = self.request(TRAIN_ATTN, server_round, ArrayRecord(state))
+        side = {Z: torch.zeros(self.z_dim), BIAS_GRAD: torch.zeros(self.m_dim)}
+        replies = self.ask(TRAIN_ATTN, requests, server_round, TRAINED, self.model.state_dict(), side)
+        done = [n for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
+        if not done:
+            return None
+        attended = [n for n in done if n.node_id in m_tilde]
+        if attended:
+            gradients = [replies[n.node_id].side[BIAS_GRAD] for n in attended]
+            self.backprop([m_tilde[n.node_id] for n in attended], gradients, m_bar)
+            self.step()
+        states = [replies[n.node_id].arrays for n in done]
+        self.remember(
+            {
+                node.key: (replies[node.node_id].side[Z], flat_biases(state, self.biases))
+                for node, state in zip(done, states)
+            }
+        )
+        self.model.load_state_dict(weighted_average(states, [replies[n.node_id].metrics["num-examples"] for n in done]))
+        return mean_loss(replies[n.node_id].metrics for n in done)
+
+    def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
+        """Each node tests G with its M̃ (G with M̄ during warm-up). A node the server has no
+        Z of (held out, never sampled, joining late) first sends Z under the global model."""
+        z = {n.node_id: self.memory[n.key][0] for n in nodes if n.key in self.memory}
+        if self.attending(server_round):
+            request = self.request(REPRESENT, server_round, protocol.to_record(self.model))
+            unknown = [n for n in nodes if n.node_id not in z]
+            described = self.broadcast(
+                REPRESENT, unknown, server_round, request, ("num-examples",), side={Z: torch.zeros(self.z_dim)}
+            )
+            z |= {node: reply.side[Z] for node, reply in described.items()}
+        requests, extra = {}, {}
+        for node in nodes:
+            state = self.model.state_dict()
+            if self.attending(server_round) and node.node_id in z:
+                with torch.no_grad():
+                    m, weights = self.personalize(z[node.node_id])
+                state = self.with_biases(m)
+                extra[node.node_id] = {
+                    "neighbours": len(weights),
+                    "attention-max": float(weights.max(0).values) if len(weights) else 0.0,
+                    "bias-shift": float((m.cpu() - self.mean_biases()).norm()),
+                }
+            requests[node.node_id] = self.request(EVALUATE, server_round, ArrayRecord(state))
+        replies = self.ask(EVALUATE, requests, server_round, TESTED)
+        return {node: reply.metrics | extra.get(node, {}) for node, reply in replies.items()}
+
+    def state(self) -> dict[str, Any]:
+        return super().state() | {"memory": {key: list(zm) for key, zm in self.memory.items()}}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.memory = {}
+        if state["memory"]:
+            self.remember({key: (z, m) for key, (z, m) in state["memory"].items()})

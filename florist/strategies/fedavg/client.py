@@ -1,0 +1,40 @@
+"""FedAvg's and FedAvg+'s client half: train the received model; test it, under FedAvg+ after
+fine-tuning a copy on the train split."""
+
+from __future__ import annotations
+
+import copy
+
+from flwr.app import RecordDict
+
+from florist.client.node import Node, Request
+from florist.common import protocol, training
+from florist.strategies.fedavg.spec import FinetuneSettings
+
+
+def train(node: Node, request: Request) -> RecordDict:
+    """Train the received model on the local train split, with FedProx's proximal term when
+    `proximal-mu` > 0 (Flower's FedProx sends it); reply with the new weights and `train-loss`,
+    the mean loss of the last pass. For Flower's strategies also `train_loss`, the received
+    model's loss on the whole train split before training: q-FFL's F_k(w^t), what QFedAvg reads."""
+    model, d, mu = node.received_model(request), node.data, node.cfg.proximal_mu
+    metrics = {"num-examples": len(d.x_train)}
+    if request.from_flower and d.labelled:  # unlabelled: `fit` says so
+        metrics["train_loss"] = training.evaluate(model, d.x_train, d.y_train, node.device)[0]
+    penalty = training.proximal(model, mu) if mu > 0 else None
+    metrics["train-loss"] = node.fit(model, node.cfg.local_epochs, penalty=penalty)
+    return protocol.content(protocol.to_record(model), metrics=metrics)
+
+
+def evaluate(node: Node, request: Request) -> RecordDict:
+    """Test the received model. Under FedAvg+ fine-tune a copy on the train split first, and
+    report the untouched global model's accuracy beside it."""
+    model = node.received_model(request)
+    finetune = node.cfg.settings
+    if not (isinstance(finetune, FinetuneSettings) and finetune.epochs > 0):
+        return node.test_reply(model)
+    d = node.data
+    _, global_accuracy = training.evaluate(model, d.x_test, d.y_test, node.device)
+    tuned = copy.deepcopy(model)
+    node.fit(tuned, finetune.epochs, lr=finetune.lr, salt=1)
+    return node.test_reply(tuned, **{"global-accuracy": global_accuracy})

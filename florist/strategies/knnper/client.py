@@ -1,0 +1,180 @@
+"""kNN-Per's client half: the global model from FedAvg, plus a local FAISS datastore of
+(features(x), y) pairs (`datastore.py`), mixed as λ·p_kNN + (1 − λ)·p_global.
+
+λ and k are chosen per client on its validation split against the store of its train split: a
+validation point in the store would find itself, with its own label, and favour large λ. The
+test split is then scored with the validation pairs joined to a copy of that store, so it holds
+the client's whole training set, as the paper's does. The saved store never holds them.
+
+Both terms are probabilities, so the mixture is one too (the reference code's default mixes
+logits with probabilities, which is not a distribution; florist does not)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from flwr.app import RecordDict
+
+from florist.client.node import Node, Request
+from florist.client.state import NodeState
+from florist.common import data as data_lib
+from florist.common import protocol, training
+from florist.common.models import Net, build_model
+from florist.common.training import log_loss
+from florist.strategies.knnper.datastore import Datastore, train_fingerprint
+
+GLOBAL_MODEL = "global.npz"  # kept beside the datastore so new samples can be embedded later
+LAMBDA_GRID = tuple(round(0.1 * i, 1) for i in range(11))
+
+
+def knn_proba(distances: np.ndarray, labels: np.ndarray, num_classes: int, sigma: float) -> np.ndarray:
+    """p_kNN for each query from its k neighbours' squared-L2 distances and labels (N×k each).
+
+    Distances are shifted by each row's minimum before exponentiating: the shift cancels in
+    the normalisation and keeps exp() from underflowing to an all-zero row.
+    """
+    weights = np.exp(-(distances - distances.min(axis=1, keepdims=True)) / sigma)
+    proba = np.zeros((len(distances), num_classes))
+    np.add.at(proba, (np.arange(len(distances))[:, None], labels), weights)
+    return proba / proba.sum(axis=1, keepdims=True)
+
+
+def mix(p_knn: np.ndarray, p_global: np.ndarray, lam: float) -> np.ndarray:
+    """λ·p_kNN + (1 − λ)·p_global. No shortcut at λ = 0: the sum is still p_global bit for bit
+    when p_kNN is a finite N×C array, and a NaN or misshapen p_kNN does not go unnoticed."""
+    return lam * p_knn + (1 - lam) * p_global
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    lam: float
+    k: int
+    accuracy: float
+    loss: float
+
+
+def select(p_global: np.ndarray, p_knn_by_k: dict[int, np.ndarray], y: np.ndarray, lambdas=LAMBDA_GRID) -> Choice:
+    """The (λ, k) with the best validation accuracy; ties broken by the lower validation
+    log-loss, then by the smaller λ and k.
+
+    Validation splits hold a few dozen samples, so many λ reach the same accuracy; the
+    log-loss separates them by how much probability lands on the true labels, which picks the
+    λ the data supports instead of defaulting to the smallest.
+    """
+    candidates = []
+    for k, p_knn in sorted(p_knn_by_k.items()):
+        for lam in lambdas:
+            p = mix(p_knn, p_global, lam)
+            candidates.append(Choice(lam, k, float((p.argmax(1) == y).mean()), log_loss(p, y)))
+    return min(candidates, key=lambda c: (-c.accuracy, c.loss, c.lam, c.k))
+
+
+def datastore_for(node: Node, model: Net, version: str) -> Datastore:
+    """The node's datastore for this global model and train split: reused only if it was built
+    from both (same version and train x, y) with the same dimension, index type, policy and
+    capacity, else rebuilt from the train split and saved. A store of other data could hold
+    this node's test points and score them by their own labels. The saved store holds the train
+    split and samples added later, never the validation split (`personalize` joins it to a copy),
+    so the hash of the train split covers every sample of this node's splits in it."""
+    cfg, knn, d = node.cfg, node.cfg.settings, node.data
+    if not d.labelled:
+        raise ValueError(
+            f"node {node.key}: kNN-Per's datastore holds (embedding, label) pairs, but the node's data has no y"
+        )
+    dim = training.embed(model, d.x_train[:1]).shape[1]  # on the CPU: one sample
+    built_from = {
+        "model_version": version,
+        "train_data": train_fingerprint(d.x_train, d.y_train),
+        "index_type": knn.index,
+        "policy": knn.policy,
+        "capacity": knn.capacity,
+    }
+    store = Datastore.load(node.state, dim=dim, **built_from)
+    if store is None:
+        store = Datastore(
+            dim, **built_from, model=cfg.model, input_shape=list(d.input_shape), num_classes=cfg.num_classes
+        )
+        store.add(training.embed(model, d.x_train, device=node.device), d.y_train)
+        store.save(node.state)
+        node.state.save_arrays(GLOBAL_MODEL, {k: v.numpy() for k, v in model.state_dict().items()})
+    return store
+
+
+def stored_proba(node: Node, store: Datastore, embeddings: np.ndarray, k: int) -> np.ndarray:
+    """p_kNN for already-embedded inputs from their k nearest stored embeddings."""
+    return knn_proba(*store.search(embeddings, k), node.cfg.num_classes, node.cfg.settings.sigma)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """The mixture's and the global model's test-split probabilities, the (λ, k) chosen and the
+    size of the store the test split was searched in."""
+
+    mixed: np.ndarray
+    p_global: np.ndarray
+    choice: Choice
+    datastore_size: int
+
+
+def personalize(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID) -> Scored:
+    """Choose λ and k on the validation split against `store` (the train split's), then score
+    the test split against a copy of it with the validation pairs added under the store's policy."""
+    d = node.data
+    emb_val = training.embed(
+        model, d.x_val, device=node.device
+    )  # once: searched for every k, then stored for the test split
+    by_k = {k: stored_proba(node, store, emb_val, k) for k in node.cfg.settings.k_grid}
+    choice = select(training.predict_proba(model, d.x_val, device=node.device), by_k, d.y_val, lambdas)
+    whole = store.joined(emb_val, d.y_val)
+    p_global = training.predict_proba(model, d.x_test, device=node.device)
+    mixed = mix(
+        stored_proba(node, whole, training.embed(model, d.x_test, device=node.device), choice.k), p_global, choice.lam
+    )
+    return Scored(mixed, p_global, choice, len(whole))
+
+
+def evaluate(node: Node, request: Request) -> RecordDict:
+    """Build (or reuse) the datastore for the received global model and score the mixture on the
+    test split beside the global model (λ = 0)."""
+    model = node.received_model(request)
+    store = datastore_for(node, model, request.content.array_records[protocol.ARRAYS].object_id)
+    scored = personalize(node, model, store)
+    extra = {
+        "global-accuracy": float((scored.p_global.argmax(1) == node.data.y_test).mean()),
+        "lambda": scored.choice.lam,
+        "k": scored.choice.k,
+        "datastore-size": scored.datastore_size,
+    }
+    return node.score_reply(scored.mixed, **extra)
+
+
+def add_samples(state: NodeState, data_dir: str, seed: int = 0) -> tuple[int, int]:
+    """Add the labelled samples of a folder's train split to the node's datastore without
+    retraining the global model: embed them with the global model the datastore was built with,
+    apply the capacity policy, save. Returns (size before, size after). The folder's test split
+    is never added: test points in the store would find themselves, with their true labels."""
+    store = Datastore.load(state)
+    weights = state.load_arrays(GLOBAL_MODEL)
+    if store is None or weights is None:
+        raise FileNotFoundError(
+            f"no kNN-Per datastore in {state.folder}: it is built the first time the node is evaluated with "
+            "strategy knnper"
+        )
+    new = data_lib.folder_client(data_dir, store.meta["num_classes"], seed, val_fraction=0.5)
+    if not new.labelled:
+        raise ValueError(f"{data_dir}: datastore entries need labels (array y)")
+    if new.input_shape != tuple(store.meta["input_shape"]):
+        raise ValueError(
+            f"{data_dir}: samples have shape {new.input_shape}, the datastore's model expects "
+            f"{tuple(store.meta['input_shape'])}"
+        )
+    model = build_model(store.meta["model"], new.input_shape, store.meta["num_classes"])
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    before = len(store)
+    x = np.concatenate([new.x_train, new.x_val])  # the folder's train split: the loader carves val out of it
+    y = np.concatenate([new.y_train, new.y_val])
+    store.add(training.embed(model, x), y)
+    store.save(state)
+    return before, len(store)

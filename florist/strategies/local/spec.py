@@ -1,0 +1,22 @@
+"""Local: every client trains its own model on its own data; nothing is shared."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from florist.strategies.base import Exchange, Settings, StrategySpec, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class ScratchSettings(Settings):
+    """A node with no model yet (unseen, or never sampled) trains one for this many epochs."""
+
+    scratch_epochs: int = setting(1)
+
+
+TRAIN_LOCAL = Exchange("train.local", "florist.strategies.local.client:train")  # nothing down, metrics up
+EVALUATE_LOCAL = Exchange("evaluate.local", "florist.strategies.local.client:evaluate", ScratchSettings)
+
+LOCAL = StrategySpec(
+    "local", "Local: each client trains alone", "florist.strategies.local.server:Local", (TRAIN_LOCAL, EVALUATE_LOCAL)
+)

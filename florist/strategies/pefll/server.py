@@ -1,0 +1,153 @@
+"""PeFLL's and OD-PFL's server half: the hypernetwork h and the encoder η_v, updated from the
+three exchanges of a round by the chain rule; PeFLL-predict for clients that never trained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord
+
+from florist.common.devices import moved
+from florist.common.models import build_model, seeded
+from florist.server.report import pct
+from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss
+from florist.strategies.pefll.networks import ENCODERS, Encoder, HyperNetwork, default_embed_dim
+from florist.strategies.pefll.spec import (
+    DESCRIBE,
+    DESCRIPTOR,
+    EVALUATE_GENERATED,
+    TRAIN_ENCODER,
+    TRAIN_GENERATED,
+    HyperNetSettings,
+)
+
+Params = dict[str, torch.Tensor]
+
+
+class PeFLL(ServerStrategy):
+    settings: HyperNetSettings
+    checkpointed = ("hyper", "embed", "optimizer")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        cfg, hn = self.cfg, self.settings
+        self.embed_dim = hn.embed_dim or default_embed_dim(self.num_seen)
+        with seeded(cfg.seed):  # the three networks start alike for a seed
+            template = build_model(cfg.model, self.input_shape, cfg.num_classes)
+            self.hyper = HyperNetwork(template, self.embed_dim, hn.hidden)
+            self.embed: Encoder = ENCODERS[cfg.strategy](self.input_shape, cfg.num_classes, self.embed_dim)
+        self.hyper.to(self.device), self.embed.to(self.device)  # built on the CPU: the same start on any device
+        self.template = template.state_dict()
+        # Both optimizers take the pseudo-gradient −mean Δη. SGD with learning rate β and weight
+        # decay 2λ is then η ← (1 − 2βλ)η + β·mean Δη: Algorithm 2's η ← (1 − 2βλ)η + mean Δη when
+        # β = 1 (the clients' Δη carry their own step size). AdamW decays alike before Adam's step.
+        groups = [
+            {"params": list(self.hyper.parameters()), "weight_decay": 2 * hn.l2_hyper},
+            {"params": list(self.embed.parameters()), "weight_decay": 2 * hn.l2_embed},
+        ]
+        optimizer = torch.optim.SGD if hn.optimizer == "sgd" else torch.optim.AdamW
+        self.optimizer = optimizer(groups, lr=hn.server_lr)
+
+    def describe(
+        self, server_round: int, nodes: list[NodeInfo], predict: bool = False, serve: bool = False
+    ) -> dict[int, Reply]:
+        """η_v down, each node's descriptor v up (over its whole train split with `predict`)."""
+        encoder = ArrayRecord(moved(self.embed.state_dict(), "cpu"))
+        request = self.request(DESCRIBE, server_round, encoder, embed_dim=self.embed_dim, predict=predict, serve=serve)
+        reference = {DESCRIPTOR: torch.zeros(self.embed_dim)}
+        return self.broadcast(DESCRIBE, nodes, server_round, request, ("num-examples",), reference)
+
+    def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
+        described = self.describe(server_round, nodes)
+        v = {node: r.arrays[DESCRIPTOR].to(self.device).clone().requires_grad_() for node, r in described.items()}
+        theta = {node: self.hyper(v[node]) for node in v}
+        requests = {
+            node: self.request(TRAIN_GENERATED, server_round, ArrayRecord(moved(t, "cpu"))) for node, t in theta.items()
+        }
+        trained = self.ask(TRAIN_GENERATED, requests, server_round, TRAINED, self.template)
+        delta = {node: moved(r.arrays, self.device) for node, r in trained.items()}
+        # Δv_i = (∂θ_i/∂v_i)ᵀ Δθ_i, a vector-Jacobian product through h.
+        dv = {
+            node: torch.autograd.grad(_inner(theta[node], d), v[node], retain_graph=True)[0]
+            for node, d in delta.items()
+        }
+        requests = {
+            node: self.request(
+                TRAIN_ENCODER, server_round, ArrayRecord({DESCRIPTOR: g.cpu()}), embed_dim=self.embed_dim
+            )
+            for node, g in dv.items()
+        }
+        embedded = self.ask(
+            TRAIN_ENCODER, requests, server_round, ("num-examples",), moved(self.embed.state_dict(), "cpu")
+        )
+        # Only clients that completed all three exchanges count; fixed order: same seed, same sums.
+        done = [n.node_id for n in nodes if n.node_id in embedded]
+        if done:
+            self.update({n: (theta[n], delta[n], moved(embedded[n].arrays, self.device)) for n in done})
+        return mean_loss(trained[n].metrics for n in done)
+
+    def update(self, steps: dict[int, tuple[Params, Params, Params]]) -> None:
+        """One optimizer step on −mean Δη from (θ_i, Δθ_i, Δη_v,i) per client. Δη_h,i = J_iᵀΔθ_i
+        comes from one backward pass through Σ_i ⟨θ_i, Δθ_i⟩."""
+        self.optimizer.zero_grad()
+        (-sum(_inner(theta, delta) for theta, delta, _ in steps.values()) / len(steps)).backward()
+        for name, param in self.embed.named_parameters():
+            param.grad = -sum(d[name] for _, _, d in steps.values()) / len(steps)
+        self.optimizer.step()
+
+    def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
+        return self.predict(server_round, nodes, serve=False)
+
+    def serve(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
+        return self.predict(server_round, nodes, serve=True)
+
+    def predict(self, server_round: int, nodes: list[NodeInfo], serve: bool) -> dict[int, dict[str, float]]:
+        """η_v down, v up, θ = h(v) down, test metrics up (PeFLL-predict). Nodes being served
+        may hold no labels (OD-PFL): they keep their model and report no accuracy. Each row
+        carries the descriptor's sample count and, when noised, its privacy settings."""
+        described = self.describe(server_round, nodes, predict=True, serve=serve)
+        with torch.no_grad():
+            theta = {
+                node: moved(self.hyper(r.arrays[DESCRIPTOR].to(self.device)), "cpu") for node, r in described.items()
+            }
+        requests = {node: self.request(EVALUATE_GENERATED, server_round, ArrayRecord(t)) for node, t in theta.items()}
+        scored = self.ask(EVALUATE_GENERATED, requests, server_round, ("num-examples",) if serve else TESTED)
+        return {node: reply.metrics | _descriptor_fields(described[node].metrics) for node, reply in scored.items()}
+
+
+def _inner(theta: Params, delta: Params) -> torch.Tensor:
+    """⟨θ, Δθ⟩ summed over all tensors; its gradient is the vector-Jacobian product with Δθ."""
+    return sum((theta[k] * delta[k]).sum() for k in theta)
+
+
+def _descriptor_fields(metrics: dict[str, float]) -> dict[str, float]:
+    """What a node said about its descriptor: how many samples, and any privacy settings."""
+    return {"descriptor-size": metrics["num-examples"]} | {k: v for k, v in metrics.items() if k.startswith("dp-")}
+
+
+class ODPFL(PeFLL):
+    """PeFLL's training on descriptors of unlabeled data (the encoder is chosen by name)."""
+
+
+def report(results: dict[str, Any], folder: Path) -> list[str]:
+    """OD-PFL: the served nodes that noised their descriptor, with their privacy settings and
+    how σ was calibrated (rows without `dp_analytic` predate the analytic one: classic)."""
+    lines: list[str] = []
+    private = [c for c in results["clients"] if c.get("dp_sigma")]
+    if private:
+        lines += [
+            "",
+            "Descriptors sent with Gaussian noise for (ε, δ)-differential privacy:",
+            "",
+            "| client | \\|D\\| | ε | δ | σ | σ calibration | accuracy (%) |",
+            "|---|---:|---:|---:|---:|---|---:|",
+        ]
+        lines += [
+            f"| {c['client']} | {c['descriptor_size']} | {c['dp_epsilon']:g} | {c['dp_delta']:g} | "
+            f"{c['dp_sigma']:.4f} | {'analytic' if c.get('dp_analytic') else 'classic'} | "
+            f"{pct(c['accuracy'])} |"
+            for c in private
+        ]
+    return lines

@@ -1,0 +1,99 @@
+"""PeFLL (Scott, Zakerinia, Lampert, ICLR 2024) and OD-PFL as ODPFL-HN ("On-Demand Unlabeled
+Personalized Federated Learning"). An encoder describes a client by its data (PeFLL: labelled
+pairs; OD-PFL: unlabeled samples only), a hypernetwork h maps the descriptor v to the client's
+model θ. A training round is three exchanges (Algorithm 2):
+
+1. `query.describe`: the encoder η_v down, the descriptor v up;
+2. `train.generated`: θ = h(v) down, Δθ after k local SGD steps up;
+3. `train.encoder`: Δv = (∂θ/∂v)ᵀΔθ down, Δη_v = (∂v/∂η_v)ᵀΔv up.
+
+A client that never trained gets its model from one descriptor and one forward pass of h
+(`query.describe` then `evaluate.generated`). Under OD-PFL a served node may add Gaussian noise
+to its descriptor for (ε, δ)-differential privacy."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from florist.strategies.base import Exchange, Settings, StrategySpec, setting
+
+DESCRIPTOR = "descriptor"  # the array key of v (up, exchange 1) and of Δv (down, exchange 3)
+
+
+@dataclasses.dataclass(frozen=True)
+class HyperNetSettings(Settings):
+    prefix = "hn"
+    embed_dim: int = setting(0, server=True)  # descriptor size l (0: 1 + n/4, n = training clients)
+    batch: int = setting(32)  # samples per descriptor while training (OD-PFL encodes all)
+    local_steps: int = setting(50)  # client SGD steps k per round
+    hidden: int = setting(100, server=True)  # hypernetwork hidden width
+    optimizer: str = setting("adam", server=True)  # adam (AdamW, as the authors' code) | sgd (Algorithm 2)
+    server_lr: float = setting(5e-3, server=True)  # server step β
+    l2_hyper: float = setting(1e-3, server=True)  # λ_h
+    l2_embed: float = setting(1e-3, server=True)  # λ_v
+    l2_model: float = setting(5e-5)  # λ_θ, the client's ‖θ‖² penalty
+    encode_batch: int = setting(256, key="odpfl-encode-batch")  # samples encoded at once (the mean is exact)
+
+    def checks(self):
+        return [
+            (self.embed_dim >= 0, "hn-embed-dim must be >= 0 (0: 1 + n/4)"),
+            (
+                min(self.batch, self.local_steps, self.hidden) >= 1,
+                "hn-batch, hn-local-steps and hn-hidden must be >= 1",
+            ),
+            (self.optimizer in ("sgd", "adam"), "hn-optimizer must be sgd or adam"),
+            (self.server_lr > 0, "hn-server-lr must be > 0"),
+            (min(self.l2_hyper, self.l2_embed, self.l2_model) >= 0, "hn-l2-* must be >= 0"),
+            (self.encode_batch >= 1, "odpfl-encode-batch must be >= 1"),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class OnDemandSettings(HyperNetSettings):
+    """OD-PFL adds the Gaussian noise of a served node's descriptor (a node may set its own)."""
+
+    dp_epsilon: float = setting(math.inf, key="dp-epsilon", node=True)  # ε (inf: no noise)
+    dp_delta: float = setting(1e-5, key="dp-delta", node=True)  # δ
+
+    def checks(self):
+        return super().checks() + [
+            (self.dp_epsilon > 0, "dp-epsilon must be > 0 (inf: no noise)"),
+            (0 < self.dp_delta < 1, "dp-delta must be in (0, 1)"),
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class DescribeSettings(Settings):
+    embed_dim: int = setting(1)
+    predict: bool = setting(False)  # describe by the whole train split (PeFLL-predict)
+    serve: bool = setting(False)  # the node is being served (OD-PFL: it may add noise)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackpropSettings(Settings):
+    embed_dim: int = setting(1)
+
+
+CLIENT = "florist.strategies.pefll.client"
+DESCRIBE = Exchange("query.describe", f"{CLIENT}:describe", DescribeSettings)
+TRAIN_GENERATED = Exchange("train.generated", f"{CLIENT}:train")
+TRAIN_ENCODER = Exchange("train.encoder", f"{CLIENT}:backprop", BackpropSettings)
+EVALUATE_GENERATED = Exchange("evaluate.generated", f"{CLIENT}:evaluate")  # θ = h(v) down, kept and tested
+EXCHANGES = (DESCRIBE, TRAIN_GENERATED, TRAIN_ENCODER, EVALUATE_GENERATED)
+
+PEFLL = StrategySpec(
+    "pefll",
+    "PeFLL: a hypernetwork maps each client's descriptor to its model",
+    "florist.strategies.pefll.server:PeFLL",
+    EXCHANGES,
+    HyperNetSettings,
+)
+ODPFL = StrategySpec(
+    "odpfl",
+    "OD-PFL: PeFLL's shape on unlabeled descriptors, optionally private",
+    "florist.strategies.pefll.server:ODPFL",
+    EXCHANGES,
+    OnDemandSettings,
+    report="florist.strategies.pefll.server:report",
+)
