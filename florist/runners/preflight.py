@@ -8,10 +8,9 @@ cannot be saved. What only the nodes can know (their data folders) is checked by
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from florist.common import data, scenarios
 from florist.common.config import RunConfig
+from florist.server.results import check_results_dir
 from florist.strategies import strategy_spec
 
 
@@ -43,25 +42,6 @@ def check_models(cfg: RunConfig, input_shape: tuple[int, ...], num_seen: int) ->
 
     build_model(cfg.model, input_shape, cfg.num_classes)
     strategy_spec(cfg.strategy).load_server()(cfg, None, input_shape, num_seen)
-
-
-def check_results_dir(path: str) -> Path:
-    """The results folder, created and written to once; a ValueError saying why it cannot be."""
-    folder = Path(path).expanduser().absolute()
-    probe = folder / ".florist-write-probe"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        existing = next(p for p in (folder, *folder.parents) if p.exists())
-        why = (
-            f"{existing} is a file, not a folder"
-            if not existing.is_dir()
-            else f"{existing} refuses it ({err.strerror})"
-        )
-        raise ValueError(f"results-dir {str(folder)!r} cannot be written: {why}") from None
-    return folder
 
 
 def partition_warnings(cfg: RunConfig, num_clients: int) -> list[str]:

@@ -16,11 +16,10 @@ from flwr.serverapp import Grid, ServerApp
 from florist.common import flower_internals, protocol
 from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
-from florist.runners import preflight
 from florist.server.checkpoint import Checkpoint
-from florist.server.report import number
-from florist.server.results import Results
 from florist.server.exchange import Exchanger
+from florist.server.report import number
+from florist.server.results import Results, check_results_dir
 from florist.server.strategy import NodeInfo, ServerStrategy, message_config
 from florist.strategies import strategy_spec
 from florist.strategies.base import INFO
@@ -180,7 +179,7 @@ def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundC
     def main(grid: Grid, context: Context) -> None:
         flower_internals.quick_object_pulls()  # replies are pulled as soon as they are there
         cfg = RunConfig.from_mapping({**context.run_config, **(overrides or {})})
-        preflight.check_results_dir(cfg.results_dir)  # before any work: a run that cannot be saved is not started
+        check_results_dir(cfg.results_dir)  # before any work: a run that cannot be saved is not started
         run(grid, cfg, on_round, context.run_id)
 
     return server_app

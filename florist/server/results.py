@@ -103,6 +103,25 @@ class Results:
         write_report(self.to_json(), self.folder)
 
 
+def check_results_dir(path: str) -> Path:
+    """The results folder, created and written to once; a ValueError saying why it cannot be."""
+    folder = Path(path).expanduser().absolute()
+    probe = folder / ".florist-write-probe"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
+        why = (
+            f"{existing} is a file, not a folder"
+            if not existing.is_dir()
+            else f"{existing} refuses it ({err.strerror})"
+        )
+        raise ValueError(f"results-dir {str(folder)!r} cannot be written: {why}") from None
+    return folder
+
+
 def _dumps(value: Any) -> bytes:
     """JSON with NaN written as null (JSON has no NaN)."""
 
