@@ -7,7 +7,7 @@ import pytest
 
 from florist.common.config import RunConfig
 from florist.runners.inprocess import run_in_process
-from florist.server import inprocess
+from florist.runners import inprocess
 from florist.strategies import STRATEGIES
 
 # Two rounds on four clients, one held out; each strategy's costly knobs turned down.

@@ -176,7 +176,7 @@ def record(spec: str, folder: Path) -> Federated:
         exchanger = Exchanger(grid, cfg.round_timeout, grid.run_id)
         grid.phase = "info"
         nodes = discover(exchanger, cfg, grid.get_node_ids())
-        strategy = STRATEGIES[spec].load_server()(cfg, exchanger, nodes[0].input_shape, len(nodes))
+        strategy = STRATEGIES[spec].server()(cfg, exchanger, nodes[0].input_shape, len(nodes))
         fed, real_ask = Federated(cfg, grid, strategy, nodes), strategy.ask
 
         def recording_ask(exchange, requests, server_round, required, reference=None, side=None):

@@ -15,7 +15,7 @@ from florist.client.node import Node, Request, parse
 from florist.common import client_mods, data, devices, packing, protocol, training
 from florist.common.models import build_model
 from florist.strategies import STRATEGIES
-from florist.strategies.base import INFO, Exchange, load
+from florist.strategies.base import INFO, Exchange
 
 
 def info(node: Node, request: Request) -> RecordDict:
@@ -88,7 +88,7 @@ def build_client_app(mods: Sequence[Callable] = (), *, cls: type[ClientApp] = Cl
 
 
 def _handler(exchange: Exchange) -> Callable[[Message, Context], Message]:
-    work = load(exchange.handler)
+    work = exchange.handler()
 
     def handler(msg: Message, context: Context) -> Message:
         start = time.perf_counter()

@@ -9,19 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from florist.strategies.base import load
-
 KEY = "client-mods"
 
 # name: (the mod, the message types it wraps; empty: all). The clipping mods rewrite a `train`
 # reply's model against the model that came down and refuse a message without a clipping norm,
 # so they wrap Flower's `train` only, as its DP strategies expect.
 MODS = {
-    "fixedclipping": ("flwr.clientapp.mod:fixedclipping_mod", ("train",)),
-    "adaptiveclipping": ("flwr.clientapp.mod:adaptiveclipping_mod", ("train",)),
-    "message_size": ("flwr.clientapp.mod:message_size_mod", ()),
-    "arrays_size": ("flwr.clientapp.mod:arrays_size_mod", ()),
+    "fixedclipping": (lambda: _flower_mods().fixedclipping_mod, ("train",)),
+    "adaptiveclipping": (lambda: _flower_mods().adaptiveclipping_mod, ("train",)),
+    "message_size": (lambda: _flower_mods().message_size_mod, ()),
+    "arrays_size": (lambda: _flower_mods().arrays_size_mod, ()),
 }
+
+
+def _flower_mods():
+    from flwr.clientapp import mod
+
+    return mod
 
 
 def _split(text: str) -> list[str]:
@@ -50,9 +54,9 @@ def configured(msg, context, call_next: Callable):
     text = context.node_config.get(KEY, config.get(KEY, context.run_config.get(KEY, "")))
     handler = call_next
     for name in reversed(names(str(text))):
-        reference, message_types = MODS[name]
+        mod, message_types = MODS[name]
         if not message_types or msg.metadata.message_type in message_types:
-            handler = _around(load(reference), handler)
+            handler = _around(mod(), handler)
     return handler(msg, context)
 
 

@@ -41,7 +41,7 @@ def check_models(cfg: RunConfig, input_shape: tuple[int, ...], num_seen: int) ->
     from florist.common.models import build_model
 
     build_model(cfg.model, input_shape, cfg.num_classes)
-    strategy_spec(cfg.strategy).load_server()(cfg, None, input_shape, num_seen)
+    strategy_spec(cfg.strategy).server()(cfg, None, input_shape, num_seen)
 
 
 def partition_warnings(cfg: RunConfig, num_clients: int) -> list[str]:

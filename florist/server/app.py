@@ -52,7 +52,7 @@ def discover(exchanger: Exchanger, cfg: RunConfig, node_ids: list[int]) -> list[
 def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_id: int = 0) -> Results:
     """The whole run (from its checkpoint on, with `resume-from`); returns the results it also
     wrote to `cfg.results_dir`. `run_id`: Flower's id of this run."""
-    strategy_class = strategy_spec(cfg.strategy).load_server()
+    strategy_class = strategy_spec(cfg.strategy).server()
     resumed = Checkpoint.load(cfg.resume_from) if cfg.resume_from else None
     exchanger = Exchanger(grid, cfg.round_timeout, resumed.run_id if resumed else run_id)
     results = Results(cfg)

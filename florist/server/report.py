@@ -9,7 +9,6 @@ from typing import Any
 
 from florist.common.metrics import summarize
 from florist.strategies import STRATEGIES
-from florist.strategies.base import load
 
 
 def number(value: float | None, spec: str) -> str:
@@ -148,7 +147,7 @@ def write_report(results: dict[str, Any], folder: Path) -> None:
     import matplotlib.pyplot as plt
 
     spec = STRATEGIES.get(results["strategy"])
-    own_section = load(spec.report)(results, folder) if spec and spec.report else []
+    own_section = spec.report()(results, folder) if spec and spec.report else []
     (folder / "report.md").write_text(markdown(results, own_section))
 
     evaluated = [r for r in results["rounds"] if r["accuracy"] is not None]

@@ -10,7 +10,7 @@ override it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 
@@ -82,15 +82,23 @@ class NoSettings(Settings):
 class Exchange:
     """One message type: its Flower name (`category` or `category.action`), the settings its
     request carries beside the run's (a `Settings` subclass without prefix), and the client
-    function that answers it (`module:function`)."""
+    function that answers it, `(node, request) -> reply records`, given as a function that
+    returns it (`lambda: client().train`): the client halves import torch, and a spec is read
+    by tools that should not."""
 
     message_type: str
-    handler: str
+    handler: Callable[[], Callable[..., Any]]
     request: type[Settings] = NoSettings
 
 
+def _node_info() -> Callable[..., Any]:
+    from florist.client.app import info
+
+    return info
+
+
 # Every run starts with it, whatever the algorithm: the node's data sizes, shape, seen/unseen.
-INFO = Exchange("query.info", "florist.client.app:info")
+INFO = Exchange("query.info", _node_info)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,22 +107,11 @@ class StrategySpec:
 
     name: str  # what `strategy` and `--strategy` take
     summary: str  # one line for help texts
-    server: str  # `module:Class` of the server half (a `florist.server.strategy.Strategy`)
+    server: Callable[[], type]  # returns the server half, a `florist.server.strategy.ServerStrategy`
     exchanges: tuple[Exchange, ...]
     settings: type[Settings] = NoSettings
-    report: str = ""  # `module:function(results, folder) -> markdown lines`, its own report section
-
-    def load_server(self) -> type:
-        return load(self.server)
-
-
-def load(reference: str) -> Any:
-    """The object a `module:attribute` reference names (imported on first use: the server and
-    client halves import torch, the specs do not)."""
-    import importlib
-
-    module, _, attribute = reference.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    # returns its own report section's `function(results, folder) -> markdown lines`
+    report: Callable[[], Callable[..., list[str]]] | None = None
 
 
 def coerce(key: str, value: Any, kind: type) -> Any:

@@ -45,7 +45,7 @@ def test_torch_threads_follow_the_node_config_and_the_clients_cpus(tmp_path):
     before = torch.get_num_threads()
     app = build_client_app(mods=[record])
     nodes = [{"partition-id": i, "num-partitions": 3} | ({"torch-threads": 2} if i == 1 else {}) for i in range(3)]
-    from florist.server import inprocess
+    from florist.runners import inprocess
 
     grid = inprocess.InProcessGrid(app, nodes, cpus_per_client=1)
     cfg = RunConfig.from_mapping(RUN | {"results-dir": str(tmp_path)})

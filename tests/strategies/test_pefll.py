@@ -88,7 +88,7 @@ def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradi
     )
     assert results["complete"] and not results["failures"]
 
-    server = strategy_spec(strategy).load_server()(
+    server = strategy_spec(strategy).server()(
         cfg, None, (1, 8, 8), 1
     )  # the same seed: the networks before the round
     client = data_lib.embedded_client(

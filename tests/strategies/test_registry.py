@@ -15,9 +15,9 @@ from florist.common import protocol
 from florist.common.config import RunConfig
 from florist.common.models import seeded_model
 from florist.runners.inprocess import server_identity
-from florist.server.strategy import message_config
+from florist.server.strategy import ServerStrategy, message_config
 from florist.strategies import STRATEGIES
-from florist.strategies.base import INFO, load
+from florist.strategies.base import INFO
 from florist.strategies.knnper.spec import EVALUATE_KNNPER
 
 ALGORITHMS = Path(florist.strategies.__file__).parent
@@ -43,14 +43,17 @@ def test_every_exchange_has_one_handler_and_every_spec_loads():
     for exchange in exchanges():
         category, _, action = exchange.message_type.partition(".")
         assert f"{category}.{action or 'default'}" in registered
-        assert callable(load(exchange.handler))
+        handler = exchange.handler()  # a strategy's client half, or the ClientApp's own for INFO
+        assert callable(handler) and handler.__module__.endswith(".client" if exchange != INFO else ".app")
     assert (
         len(registered)
         == len(exchanges())
         == 1 + len({e.message_type for s in STRATEGIES.values() for e in s.exchanges})
     )
     for spec in STRATEGIES.values():
-        assert spec.load_server().__module__ == f"florist.strategies.{spec.server.split('.')[2]}.server"
+        server = spec.server()
+        assert issubclass(server, ServerStrategy) and server.__module__.startswith("florist.strategies.")
+        assert server.__module__.endswith(".server")
 
 
 def _message(config: dict, message_type: str) -> Message:

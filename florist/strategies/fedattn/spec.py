@@ -36,14 +36,27 @@ class AttentionSettings(Settings):
         ]
 
 
-CLIENT = "florist.strategies.fedattn.client"
-TRAIN_ATTN = Exchange("train.attn", f"{CLIENT}:train")  # G + M̃_i down; G, M_i, and Z_i, ∂L/∂M̃_i beside, up
-REPRESENT = Exchange("query.represent", f"{CLIENT}:represent")  # a model down, Z up
+def _client():
+    """The client half (imported on a node's first message: it imports torch)."""
+    from florist.strategies.fedattn import client
+
+    return client
+
+
+def _server():
+    """The server half (imported when a run starts: it imports torch)."""
+    from florist.strategies.fedattn import server
+
+    return server
+
+
+TRAIN_ATTN = Exchange("train.attn", lambda: _client().train)  # G + M̃_i down; G, M_i, and Z_i, ∂L/∂M̃_i beside, up
+REPRESENT = Exchange("query.represent", lambda: _client().represent)  # a model down, Z up
 
 FEDATTN = StrategySpec(
     "fedattn",
     "FedAttn: attention over the nearest clients' bias vectors",
-    "florist.strategies.fedattn.server:FedAttn",
+    lambda: _server().FedAttn,
     (TRAIN_ATTN, REPRESENT, EVALUATE),
     AttentionSettings,
 )

@@ -8,8 +8,23 @@ import dataclasses
 
 from florist.strategies.base import Exchange, Settings, StrategySpec, setting
 
-TRAIN = Exchange("train", "florist.strategies.fedavg.client:train")  # model down, trained model up
-EVALUATE = Exchange("evaluate", "florist.strategies.fedavg.client:evaluate")  # model down, test metrics up
+
+def _client():
+    """The client half (imported on a node's first message: it imports torch)."""
+    from florist.strategies.fedavg import client
+
+    return client
+
+
+def _server():
+    """The server half (imported when a run starts: it imports torch)."""
+    from florist.strategies.fedavg import server
+
+    return server
+
+
+TRAIN = Exchange("train", lambda: _client().train)  # model down, trained model up
+EVALUATE = Exchange("evaluate", lambda: _client().evaluate)  # model down, test metrics up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,13 +39,11 @@ class FinetuneSettings(Settings):
         return [(self.epochs >= 0, "finetune-epochs must be >= 0"), (self.lr > 0, "finetune-lr must be > 0")]
 
 
-FEDAVG = StrategySpec(
-    "fedavg", "FedAvg: one global model", "florist.strategies.fedavg.server:FedAvg", (TRAIN, EVALUATE)
-)
+FEDAVG = StrategySpec("fedavg", "FedAvg: one global model", lambda: _server().FedAvg, (TRAIN, EVALUATE))
 FEDAVG_FT = StrategySpec(
     "fedavg-ft",
     "FedAvg+: the global model fine-tuned on each client",
-    "florist.strategies.fedavg.server:FedAvg",
+    lambda: _server().FedAvg,
     (TRAIN, EVALUATE),
     FinetuneSettings,
 )

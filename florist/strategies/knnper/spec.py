@@ -43,14 +43,28 @@ class KnnSettings(Settings):
         ]
 
 
+def _client():
+    """The client half (imported on a node's first message: it imports torch)."""
+    from florist.strategies.knnper import client
+
+    return client
+
+
+def _server():
+    """The server half (imported when a run starts: it imports torch)."""
+    from florist.strategies.knnper import server
+
+    return server
+
+
 # The global model down; the mixture's test metrics up, with the chosen λ and k.
-EVALUATE_KNNPER = Exchange("evaluate.knnper", "florist.strategies.knnper.client:evaluate")
+EVALUATE_KNNPER = Exchange("evaluate.knnper", lambda: _client().evaluate)
 
 KNNPER = StrategySpec(
     "knnper",
     "kNN-Per: FedAvg's model mixed with a local FAISS kNN",
-    "florist.strategies.knnper.server:KnnPer",
+    lambda: _server().KnnPer,
     (TRAIN, EVALUATE_KNNPER),
     KnnSettings,
-    report="florist.strategies.knnper.server:report",
+    report=lambda: _server().report,
 )

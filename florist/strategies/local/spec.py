@@ -14,9 +14,21 @@ class ScratchSettings(Settings):
     scratch_epochs: int = setting(1)
 
 
-TRAIN_LOCAL = Exchange("train.local", "florist.strategies.local.client:train")  # nothing down, metrics up
-EVALUATE_LOCAL = Exchange("evaluate.local", "florist.strategies.local.client:evaluate", ScratchSettings)
+def _client():
+    """The client half (imported on a node's first message: it imports torch)."""
+    from florist.strategies.local import client
 
-LOCAL = StrategySpec(
-    "local", "Local: each client trains alone", "florist.strategies.local.server:Local", (TRAIN_LOCAL, EVALUATE_LOCAL)
-)
+    return client
+
+
+def _server():
+    """The server half (imported when a run starts: it imports torch)."""
+    from florist.strategies.local import server
+
+    return server
+
+
+TRAIN_LOCAL = Exchange("train.local", lambda: _client().train)  # nothing down, metrics up
+EVALUATE_LOCAL = Exchange("evaluate.local", lambda: _client().evaluate, ScratchSettings)
+
+LOCAL = StrategySpec("local", "Local: each client trains alone", lambda: _server().Local, (TRAIN_LOCAL, EVALUATE_LOCAL))

@@ -32,7 +32,7 @@ from flwr.app import ArrayRecord, RecordDict
 
 from florist.client.node import Node, Request
 from florist.common import protocol, training
-from florist.strategies.pefll.networks import ENCODERS, Encoder
+from florist.strategies.pefll.networks import EmbeddingNet, Encoder, SetEncoder
 from florist.strategies.pefll.spec import DESCRIPTOR, OnDemandSettings
 
 ENCODER = "encoder"  # η_v from message 1, remembered for the run
@@ -41,7 +41,12 @@ ANALYTIC_FROM = 1.0  # from this ε on, σ is calibrated analytically (the class
 
 
 def _encoder(node: Node, request: Request) -> Encoder:
-    return ENCODERS[node.cfg.strategy](node.data.input_shape, node.cfg.num_classes, request.settings.embed_dim)
+    """The server's encoder (`PeFLL.encoder`, `ODPFL.encoder`), chosen by the node's own run
+    config: no server can make an OD-PFL node describe itself by its labels."""
+    unlabeled = isinstance(node.cfg.settings, OnDemandSettings)
+    return (SetEncoder if unlabeled else EmbeddingNet)(
+        node.data.input_shape, node.cfg.num_classes, request.settings.embed_dim
+    )
 
 
 def _samples(node: Node, encoder: Encoder, whole: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -86,9 +86,6 @@ class SetEncoder(Encoder):
         return F.normalize(self.phi(x), dim=1)
 
 
-ENCODERS: dict[str, type[Encoder]] = {"pefll": EmbeddingNet, "odpfl": SetEncoder}
-
-
 class HyperNetwork(nn.Module):
     """h(v): three fully connected layers; the last one outputs all of the client model's
     parameters at once. Its bias starts as a freshly initialised client model and its weight

@@ -13,7 +13,7 @@ from florist.common.devices import moved
 from florist.common.models import build_model, seeded
 from florist.server.report import pct
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss
-from florist.strategies.pefll.networks import ENCODERS, Encoder, HyperNetwork, default_embed_dim
+from florist.strategies.pefll.networks import EmbeddingNet, Encoder, HyperNetwork, SetEncoder, default_embed_dim
 from florist.strategies.pefll.spec import (
     DESCRIBE,
     DESCRIPTOR,
@@ -28,6 +28,7 @@ Params = dict[str, torch.Tensor]
 
 class PeFLL(ServerStrategy):
     settings: HyperNetSettings
+    encoder: type[Encoder] = EmbeddingNet  # describes a client by labelled pairs
     checkpointed = ("hyper", "embed", "optimizer")
 
     def __init__(self, *args, **kwargs):
@@ -37,7 +38,7 @@ class PeFLL(ServerStrategy):
         with seeded(cfg.seed):  # the three networks start alike for a seed
             template = build_model(cfg.model, self.input_shape, cfg.num_classes)
             self.hyper = HyperNetwork(template, self.embed_dim, hn.hidden)
-            self.embed: Encoder = ENCODERS[cfg.strategy](self.input_shape, cfg.num_classes, self.embed_dim)
+            self.embed: Encoder = self.encoder(self.input_shape, cfg.num_classes, self.embed_dim)
         self.hyper.to(self.device), self.embed.to(self.device)  # built on the CPU: the same start on any device
         self.template = template.state_dict()
         # Both optimizers take the pseudo-gradient −mean Δη. SGD with learning rate β and weight
@@ -128,7 +129,9 @@ def _descriptor_fields(metrics: dict[str, float]) -> dict[str, float]:
 
 
 class ODPFL(PeFLL):
-    """PeFLL's training on descriptors of unlabeled data (the encoder is chosen by name)."""
+    """PeFLL's training on descriptors of unlabeled data."""
+
+    encoder = SetEncoder  # describes a client by its samples alone
 
 
 def report(results: dict[str, Any], folder: Path) -> list[str]:

@@ -75,25 +75,38 @@ class BackpropSettings(Settings):
     embed_dim: int = setting(1)
 
 
-CLIENT = "florist.strategies.pefll.client"
-DESCRIBE = Exchange("query.describe", f"{CLIENT}:describe", DescribeSettings)
-TRAIN_GENERATED = Exchange("train.generated", f"{CLIENT}:train")
-TRAIN_ENCODER = Exchange("train.encoder", f"{CLIENT}:backprop", BackpropSettings)
-EVALUATE_GENERATED = Exchange("evaluate.generated", f"{CLIENT}:evaluate")  # θ = h(v) down, kept and tested
+def _client():
+    """The client half (imported on a node's first message: it imports torch)."""
+    from florist.strategies.pefll import client
+
+    return client
+
+
+def _server():
+    """The server half (imported when a run starts: it imports torch)."""
+    from florist.strategies.pefll import server
+
+    return server
+
+
+DESCRIBE = Exchange("query.describe", lambda: _client().describe, DescribeSettings)
+TRAIN_GENERATED = Exchange("train.generated", lambda: _client().train)
+TRAIN_ENCODER = Exchange("train.encoder", lambda: _client().backprop, BackpropSettings)
+EVALUATE_GENERATED = Exchange("evaluate.generated", lambda: _client().evaluate)  # θ = h(v) down, kept and tested
 EXCHANGES = (DESCRIBE, TRAIN_GENERATED, TRAIN_ENCODER, EVALUATE_GENERATED)
 
 PEFLL = StrategySpec(
     "pefll",
     "PeFLL: a hypernetwork maps each client's descriptor to its model",
-    "florist.strategies.pefll.server:PeFLL",
+    lambda: _server().PeFLL,
     EXCHANGES,
     HyperNetSettings,
 )
 ODPFL = StrategySpec(
     "odpfl",
     "OD-PFL: PeFLL's shape on unlabeled descriptors, optionally private",
-    "florist.strategies.pefll.server:ODPFL",
+    lambda: _server().ODPFL,
     EXCHANGES,
     OnDemandSettings,
-    report="florist.strategies.pefll.server:report",
+    report=lambda: _server().report,
 )

@@ -51,15 +51,28 @@ class PublicSettings(Settings):
     scratch_rounds: int = setting(0)  # evaluate: a node without a model first trains this many rounds
 
 
-CLIENT = "florist.strategies.perfedckt.client"
-TRAIN_CKT = Exchange("train.ckt", f"{CLIENT}:train", PublicSettings)  # centroids down, soft decisions up
-EVALUATE_CKT = Exchange("evaluate.ckt", f"{CLIENT}:evaluate", PublicSettings)  # the node's own model is tested
+def _client():
+    """The client half (imported on a node's first message: it imports torch)."""
+    from florist.strategies.perfedckt import client
+
+    return client
+
+
+def _server():
+    """The server half (imported when a run starts: it imports torch)."""
+    from florist.strategies.perfedckt import server
+
+    return server
+
+
+TRAIN_CKT = Exchange("train.ckt", lambda: _client().train, PublicSettings)  # centroids down, soft decisions up
+EVALUATE_CKT = Exchange("evaluate.ckt", lambda: _client().evaluate, PublicSettings)  # the node's own model is tested
 
 PERFED_CKT = StrategySpec(
     "perfed-ckt",
     "PerFed-CKT: clustered distillation on a public set, any architecture",
-    "florist.strategies.perfedckt.server:PerFedCKT",
+    lambda: _server().PerFedCKT,
     (TRAIN_CKT, EVALUATE_CKT),
     CktSettings,
-    report="florist.strategies.perfedckt.server:report",
+    report=lambda: _server().report,
 )
