@@ -43,6 +43,18 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture
+def all_settings() -> dict:
+    """Every run-config key with its default: the common ones, then each strategy's once."""
+    from florist.common.config import RunConfig
+    from florist.strategies import STRATEGIES
+
+    defaults = RunConfig().to_mapping()
+    for spec in STRATEGIES.values():
+        defaults |= {k: v for k, v in spec.settings().to_mapping().items() if k not in defaults}
+    return defaults
+
+
+@pytest.fixture
 def make_node(tmp_path):
     """A client `Node` as a handler gets it, for calling an algorithm's client half directly:
     `make_node({"strategy": ...}, key=..., data=..., node_config=...)`."""

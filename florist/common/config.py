@@ -151,14 +151,6 @@ def _parses(parse, spec: str, kind: str = "") -> bool:
         return False
 
 
-def all_settings() -> dict[str, Any]:
-    """Every run-config key with its default: the common ones, then each section's once."""
-    defaults = RunConfig().to_mapping()
-    for spec in STRATEGIES.values():
-        defaults |= {k: v for k, v in spec.settings().to_mapping().items() if k not in defaults}
-    return defaults
-
-
 def parse_overrides(text: str) -> dict[str, Any]:
     """`'k=v k2="s"'` as `flwr run --run-config` reads it: space-separated pairs, each value
     TOML (numbers, true/false, "quoted strings"). A pair that is not one is an error naming it."""

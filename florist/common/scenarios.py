@@ -60,6 +60,29 @@ def input_shape(cfg, num_partitions: int) -> tuple[int, ...]:
     return (SYNTHETIC_FEATURES,) if kind == "synthetic" else data_lib.EMBEDDED_SHAPES[cfg.dataset]
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a run's data lies over its `num_partitions` clients, worked out once before the run
+    (`runners/preflight.py`); the embedded partitions it builds are cached on disk, where the
+    clients read them."""
+
+    input_shape: tuple[int, ...]
+    held_out: frozenset[int]  # the clients that never train
+    labels: tuple[np.ndarray, ...] = ()  # each embedded partition's labels (empty for other datasets)
+
+
+def layout(cfg, num_partitions: int) -> Layout:
+    """The run's `Layout` (a ValueError when its embedded partitions cannot be built)."""
+    held_out = data_lib.unseen_partitions(num_partitions, cfg.unseen_fraction, cfg.seed)
+    if cfg.dataset not in data_lib.EMBEDDED_SHAPES:
+        return Layout(input_shape(cfg, num_partitions), held_out)
+    parts = data_lib.partition_indices(
+        cfg.partition, num_partitions, cfg.seed, cfg.min_partition_size, cfg.public_size, cfg.dataset
+    )
+    labels = data_lib.load_embedded(cfg.dataset)[1]
+    return Layout(data_lib.EMBEDDED_SHAPES[cfg.dataset], held_out, tuple(labels[p] for p in parts))
+
+
 def cluster_of(partition_id: int, num_partitions: int, clusters: int, seed: int) -> int:
     """Client `partition_id`'s cluster: clients are dealt round-robin into `clusters` groups in
     a seeded order, so groups differ in size by at most one and do not follow partition ids."""

@@ -3,7 +3,7 @@ import math
 import pytest
 from flwr.common.config import parse_config_args
 
-from florist.common.config import RunConfig, all_settings, parse_overrides
+from florist.common.config import RunConfig, parse_overrides
 from florist.deploy.federation import toml_node_config
 
 
@@ -21,9 +21,9 @@ def test_run_config_text_round_trips_and_reads_as_flower_reads_it():
     assert parse_overrides(text) == values == dict(parse_config_args([text]))
 
 
-def test_every_default_setting_survives_the_trip():
+def test_every_default_setting_survives_the_trip(all_settings):
     """`florist deploy-local` sends the whole run config this way."""
-    defaults = all_settings()
+    defaults = all_settings
     assert (
         parse_overrides(toml_node_config(defaults)) == defaults == dict(parse_config_args([toml_node_config(defaults)]))
     )
