@@ -24,8 +24,8 @@ from florist.client.node import Request
 from florist.common import client_mods, protocol, scenarios, training
 from florist.common.config import RunConfig
 from florist.common.models import seeded_model
+from florist.common.settings import NoSettings
 from florist.runners.inprocess import InProcessGrid, server_identity
-from florist.strategies.base import NoSettings
 from florist.strategies.fedavg import client as fedavg_client
 
 NODES, PARTITIONS, ROUNDS = 3, 10, 2  # three small partitions of ten: short local epochs

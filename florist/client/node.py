@@ -26,8 +26,9 @@ from florist.common import data as data_lib
 from florist.common import datacache, devices, protocol, scenarios, training
 from florist.common.config import RunConfig
 from florist.common.models import Net, seeded_model
+from florist.common.settings import Settings, coerce
 from florist.strategies import strategy_spec
-from florist.strategies.base import Exchange, Settings, coerce
+from florist.strategies.base import Exchange
 
 
 @dataclasses.dataclass(frozen=True)

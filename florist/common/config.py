@@ -13,8 +13,8 @@ from typing import Any
 
 from florist.common import client_mods, devices, scenarios
 from florist.common.data import PARTITIONS, parse_partition
+from florist.common.settings import NoSettings, Settings, setting
 from florist.strategies import STRATEGIES, strategy_spec
-from florist.strategies.base import NoSettings, Settings, setting
 
 AUGMENTS = ("none", "flip", "crop-flip")  # florist/common/training.py applies them
 

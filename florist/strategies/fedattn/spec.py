@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from florist.strategies.base import Exchange, Settings, StrategySpec, setting
+from florist.common.settings import Settings, setting
+from florist.strategies.base import Exchange, StrategySpec
 from florist.strategies.fedavg.spec import EVALUATE
 
 Z, BIAS_GRAD = "z", "bias-grad"  # keys of the `side` ArrayRecord: Z_i, and ∂L/∂M̃_i at the biases received

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from florist.strategies.base import Exchange, Settings, StrategySpec, setting
+from florist.common.settings import Settings, setting
+from florist.strategies.base import Exchange, StrategySpec
 
 
 def _client():

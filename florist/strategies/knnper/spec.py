@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from florist.strategies.base import Exchange, Settings, StrategySpec, setting
+from florist.common.settings import Settings, setting
+from florist.strategies.base import Exchange, StrategySpec
 from florist.strategies.fedavg.spec import TRAIN
 
 INDEX_TYPES = ("flat", "hnsw", "ivf")

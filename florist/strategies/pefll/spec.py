@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from florist.strategies.base import Exchange, Settings, StrategySpec, setting
+from florist.common.settings import Settings, setting
+from florist.strategies.base import Exchange, StrategySpec
 
 DESCRIPTOR = "descriptor"  # the array key of v (up, exchange 1) and of Δv (down, exchange 3)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from florist.strategies.base import Exchange, Settings, StrategySpec, setting
+from florist.common.settings import Settings, setting
+from florist.strategies.base import Exchange, StrategySpec
 
 CENTROIDS = "centroids"  # c × |P| × C, down
 SOFT = "soft-decisions"  # |P| × C, up

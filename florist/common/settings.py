@@ -1,0 +1,86 @@
+"""Settings: dataclasses whose fields map to Flower's flat kebab-case run-config keys. Field
+`sigma` of a section with prefix `knn` is key `knn-sigma` (a field may name its key outright).
+Each field says whether it travels to the clients and whether a node's `--node-config` may
+override it. The run's common settings (`common/config.py`) and each strategy's section
+(its `spec.py`) are such classes; nothing here imports torch."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+
+def setting(default: Any, *, key: str = "", server: bool = False, node: bool = False) -> Any:
+    """A settings field. `server`: it stays on the server (never sent to clients); `node`: a
+    node's `--node-config` value wins over the run's; `key`: the run-config key, when it is
+    not `<prefix>-<field>`."""
+    return dataclasses.field(default=default, metadata={"key": key, "server": server, "node": node})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A group of settings under one key prefix; subclasses add fields and `checks`."""
+
+    prefix: ClassVar[str] = ""
+
+    @classmethod
+    def fields(cls) -> Iterator[tuple[str, dataclasses.Field]]:
+        """(run-config key, field) of every setting."""
+        for f in dataclasses.fields(cls):
+            name = f.name.replace("_", "-")
+            yield f.metadata.get("key") or (f"{cls.prefix}-{name}" if cls.prefix else name), f
+
+    @classmethod
+    def keys(cls, travelling: bool = False) -> list[str]:
+        return [key for key, f in cls.fields() if not (travelling and f.metadata.get("server"))]
+
+    @classmethod
+    def node_keys(cls) -> list[str]:
+        """The keys a node's `--node-config` overrides."""
+        return [key for key, f in cls.fields() if f.metadata.get("node")]
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], strict: bool = False) -> Settings:
+        """The settings from the keys of `values` that are ours (defaults for the rest; with
+        `strict`, a missing key is an error), type-checked and validated."""
+        kwargs = {}
+        for key, f in cls.fields():
+            if key in values:
+                kwargs[f.name] = coerce(key, values[key], type(f.default))
+            elif strict:
+                raise ValueError(f"setting {key!r} is missing")
+        settings = cls(**kwargs)
+        for ok, message in settings.checks():
+            if not ok:
+                raise ValueError(f"invalid run config: {message}")
+        return settings
+
+    def to_mapping(self, travelling: bool = False) -> dict[str, Any]:
+        """`{kebab-key: value}`; with `travelling`, only what the clients are sent."""
+        return {key: getattr(self, f.name) for key, f in self.fields() if not (travelling and f.metadata.get("server"))}
+
+    def for_node(self, node_config: Mapping[str, Any]) -> Settings:
+        """These settings with the node's overrides (`node=True` fields) applied."""
+        mine = {key: node_config[key] for key in self.node_keys() if key in node_config}
+        return self.from_mapping(self.to_mapping() | mine) if mine else self
+
+    def checks(self) -> list[tuple[bool, str]]:
+        """(holds, message naming the key) for each constraint on the values."""
+        return []
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSettings(Settings):
+    """For an algorithm or exchange that needs none."""
+
+
+def coerce(key: str, value: Any, kind: type) -> Any:
+    """`value` as a `kind`, accepting ints for floats (TOML `1` vs `1.0`), nothing else implicit."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"run-config key {key!r} expects {kind.__name__}, got {value!r} ({type(value).__name__})")
+    return value
