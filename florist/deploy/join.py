@@ -11,7 +11,7 @@ from pathlib import Path
 
 from florist.client.state import NodeState
 from florist.common import devices
-from florist.common.data import folder_client
+from florist.common.data import ClientData, folder_client
 from florist.deploy.federation import Process, free_port, spawn, supernode_command, toml_node_config
 
 # (patterns in the SuperNode's output, what it means for the user), most specific first
@@ -142,6 +142,32 @@ def follow(process: Process, log_path: Path) -> str:
         return log_path.read_text(errors="replace")
 
 
+def check_locally(
+    superlink: str,
+    data_dir: Path,
+    num_classes: int,
+    root_certificates: str | Path | None,
+    auth_key: str | Path | None,
+    device: str | None,
+) -> ClientData:
+    """What a box can get wrong before it dials, each in one line: the address, the device, the
+    data folder (naming the file), the certificate and key files, TLS on one side only."""
+    if not re.fullmatch(r"[^\s:]+:\d+", superlink):
+        raise ValueError(f"--superlink must be HOST:PORT (the SuperLink's Fleet API), got {superlink!r}")
+    if device:
+        devices.resolve(device, "--device")  # a device this machine lacks fails here, not at the first message
+    client = folder_client(data_dir, num_classes, seed=0, val_fraction=0.15)
+    files = {"--root-certificates": root_certificates, "--auth-key": auth_key}
+    for flag, path in files.items():
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"{flag} {path}: no such file")
+    if auth_key and not root_certificates:
+        raise ValueError("node authentication runs over TLS: pass --root-certificates with --auth-key")
+    if mismatch := tls_mismatch(superlink, tls=root_certificates is not None):
+        raise JoinError(mismatch)
+    return client
+
+
 def join(
     superlink: str,
     data_dir: str | Path,
@@ -156,20 +182,8 @@ def join(
     device: str | None = None,
 ) -> int:
     """Check everything local first (data, files, device), then run the SuperNode in the foreground."""
-    if not re.fullmatch(r"[^\s:]+:\d+", superlink):
-        raise ValueError(f"--superlink must be HOST:PORT (the SuperLink's Fleet API), got {superlink!r}")
-    if device:
-        devices.resolve(device, "--device")  # a device this machine lacks fails here, not at the first message
     data_dir = Path(data_dir).expanduser().resolve()
-    client = folder_client(data_dir, num_classes, seed=0, val_fraction=0.15)  # fails here, naming the file
-    files = {"--root-certificates": root_certificates, "--auth-key": auth_key}
-    for flag, path in files.items():
-        if path is not None and not Path(path).is_file():
-            raise FileNotFoundError(f"{flag} {path}: no such file")
-    if auth_key and not root_certificates:
-        raise ValueError("node authentication runs over TLS: pass --root-certificates with --auth-key")
-    if mismatch := tls_mismatch(superlink, tls=root_certificates is not None):
-        raise JoinError(mismatch)
+    client = check_locally(superlink, data_dir, num_classes, root_certificates, auth_key, device)
     key = node_key or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "edge"
     args = supernode_args(
         superlink,

@@ -52,27 +52,14 @@ def discover(exchanger: Exchanger, cfg: RunConfig, node_ids: list[int]) -> list[
 def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_id: int = 0) -> Results:
     """The whole run (from its checkpoint on, with `resume-from`); returns the results it also
     wrote to `cfg.results_dir`. `run_id`: Flower's id of this run."""
-    strategy_class = strategy_spec(cfg.strategy).server()
     resumed = Checkpoint.load(cfg.resume_from) if cfg.resume_from else None
     exchanger = Exchanger(grid, cfg.round_timeout, resumed.run_id if resumed else run_id)
     results = Results(cfg)
     if not resumed:
         results.save()  # a run stopped before its first round still says so
-    nodes = discover(exchanger, cfg, exchanger.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
-    if not nodes:
-        first = exchanger.failures[0] if exchanger.failures else {"node": "-", "reason": "-"}
-        raise RuntimeError(
-            f"no node answered the info request ({len(exchanger.failures)} failed; the first, "
-            f"{first['node']}: {first['reason']})"
-        )
-    if len(shapes := {n.input_shape for n in nodes}) > 1:
-        detail = ", ".join(f"{n.key}: {n.input_shape}" for n in nodes)
-        raise ValueError(f"one input shape is needed across nodes, got {detail} ({len(shapes)} shapes)")
+    nodes = start_nodes(exchanger, cfg)
     seen, unseen = [n for n in nodes if n.seen], [n for n in nodes if not n.seen]
-    log.info("%d nodes: %d seen (train), %d unseen (serve only)", len(nodes), len(seen), len(unseen))
-    if not seen:
-        raise RuntimeError("no seen node to train with: every node is held out as unseen")
-    strategy: ServerStrategy = strategy_class(cfg, exchanger, nodes[0].input_shape, len(seen))
+    strategy: ServerStrategy = strategy_spec(cfg.strategy).server()(cfg, exchanger, nodes[0].input_shape, len(seen))
     exchanger.take_bytes()
     exchanger.take_exchanges()
     done = 0
@@ -81,26 +68,13 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
         strategy.load_state(resumed.state)
         done, results.rounds, exchanger.failures = resumed.round, resumed.rounds, resumed.failures
         log.info("resuming the run of %s after round %d", cfg.resume_from, done)
-
     for server_round in range(done + 1, cfg.num_server_rounds + 1):
-        start = time.monotonic()
-        loss = strategy.train_round(server_round, strategy.sample(seen, server_round))
-        accuracy = None
-        if cfg.eval_every and server_round % cfg.eval_every == 0:
-            accuracy = _mean_accuracy(strategy.evaluate(server_round, seen))
-        up, down = exchanger.take_bytes()
-        extras = strategy.round_extras() | {"exchanges": exchanger.take_exchanges()}
-        row = results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, extras)
-        checkpoint = Checkpoint(
-            server_round,
-            cfg.to_mapping(),
-            exchanger.run_id,
-            [n.key for n in nodes],
-            strategy.state(),
-            exchanger.failures,
-            results.rounds,
+        row = train_round(strategy, results, seen, server_round)
+        keys = [n.key for n in nodes]
+        state = Checkpoint(
+            server_round, cfg.to_mapping(), exchanger.run_id, keys, strategy.state(), exchanger.failures, results.rounds
         )
-        results.checkpoint(checkpoint)
+        results.checkpoint(state)
         (on_round or _log_round)(row)
 
     final_round = cfg.num_server_rounds + 1
@@ -119,6 +93,39 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
         )
     log.info("results in %s", results.folder.resolve())
     return results
+
+
+def start_nodes(exchanger: Exchanger, cfg: RunConfig) -> list[NodeInfo]:
+    """The nodes of the run, once `min-nodes` are connected and have said who they are; refuses
+    a run with none that answered, with more than one input shape, or with none to train."""
+    nodes = discover(exchanger, cfg, exchanger.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
+    if not nodes:
+        first = exchanger.failures[0] if exchanger.failures else {"node": "-", "reason": "-"}
+        raise RuntimeError(
+            f"no node answered the info request ({len(exchanger.failures)} failed; the first, "
+            f"{first['node']}: {first['reason']})"
+        )
+    if len(shapes := {n.input_shape for n in nodes}) > 1:
+        detail = ", ".join(f"{n.key}: {n.input_shape}" for n in nodes)
+        raise ValueError(f"one input shape is needed across nodes, got {detail} ({len(shapes)} shapes)")
+    seen = [n for n in nodes if n.seen]
+    log.info("%d nodes: %d seen (train), %d unseen (serve only)", len(nodes), len(seen), len(nodes) - len(seen))
+    if not seen:
+        raise RuntimeError("no seen node to train with: every node is held out as unseen")
+    return nodes
+
+
+def train_round(strategy: ServerStrategy, results: Results, seen: list[NodeInfo], server_round: int) -> dict[str, Any]:
+    """One round: train a sample of the seen nodes, evaluate them when it is an evaluation
+    round, and add the round's row (loss, accuracy, bytes, seconds, exchanges) to `results`."""
+    cfg, exchanger, start = strategy.cfg, strategy.exchanger, time.monotonic()
+    loss = strategy.train_round(server_round, strategy.sample(seen, server_round))
+    accuracy = None
+    if cfg.eval_every and server_round % cfg.eval_every == 0:
+        accuracy = _mean_accuracy(strategy.evaluate(server_round, seen))
+    up, down = exchanger.take_bytes()
+    extras = strategy.round_extras() | {"exchanges": exchanger.take_exchanges()}
+    return results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, extras)
 
 
 def serve_late_joiners(

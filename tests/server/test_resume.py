@@ -57,7 +57,7 @@ def _cfg(tmp_path, strategy: str, name: str) -> RunConfig:
             "public-size": 100,
             "hn-local-steps": 10,
         }
-    )  # fmt: skip  (small models and few steps: exactness does not need long training)
+    )  # (small models and few steps: exactness does not need long training)
 
 
 def _accuracies(results):
