@@ -1,6 +1,7 @@
 """What a user can get wrong on the command line ends in exit status 2 and one line (plus at
 most a hint), before any work starts."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -118,8 +119,8 @@ def test_a_ctrl_c_that_lands_in_exec_run_code_still_exits_130(tmp_path):
     """An interrupt during an import can land in code that `exec` runs; CPython then ended
     `python -m florist` by SIGINT although `main` had caught it (-2, not 130; seen under load)."""
     (tmp_path / "interrupted.py").write_text(
-        "import sys\nfrom florist import cli\n"
-        "cli._certs = lambda args: exec('raise KeyboardInterrupt')\n"
+        "import sys\nfrom florist import cli\nfrom florist.cli import certs\n"
+        "certs.run = lambda args: exec('raise KeyboardInterrupt')\n"
         f"sys.exit(cli.main(['certs', '--out', {str(tmp_path)!r}, '--hosts', 'localhost']))\n"
     )
     done = subprocess.run(
@@ -136,6 +137,21 @@ def test_version_and_help_promise_only_what_exists(capsys):
         main(["--help"])
     help_text = capsys.readouterr().out
     assert "comparison" not in help_text and "compare" in help_text and "simulate" in help_text
+
+
+def test_a_strategys_commands_are_added_once_and_a_name_taken_twice_is_refused():
+    import argparse
+
+    from florist.cli import add_strategy_commands
+    from florist.strategies import STRATEGIES
+
+    knnper, ckt = STRATEGIES["knnper"], STRATEGIES["perfed-ckt"]
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_strategy_commands(sub, [knnper, knnper, ckt])  # one function, declared by two specs: once
+    assert list(sub.choices) == ["datastore", "public-hash"]
+    twin = dataclasses.replace(ckt, name="twin", commands=lambda s: s.add_parser("datastore"))
+    with pytest.raises(RuntimeError, match="strategy 'twin'.*conflicting subparser: datastore"):
+        add_strategy_commands(argparse.ArgumentParser().add_subparsers(), [knnper, twin])
 
 
 def test_a_class_only_held_out_clients_have_is_named_before_the_run(tmp_path):

@@ -45,3 +45,4 @@ class StrategySpec:
     settings: type[Settings] = NoSettings
     # returns its own report section's `function(results, folder) -> markdown lines`
     report: Callable[[], Callable[..., list[str]]] | None = None
+    commands: Callable[[Any], None] | None = None  # adds its own subcommands to the `florist` command's subparsers

@@ -13,6 +13,7 @@ import dataclasses
 from florist.common.settings import Settings, setting
 from florist.strategies.base import Exchange, StrategySpec
 from florist.strategies.fedavg.spec import TRAIN
+from florist.strategies.knnper import commands
 
 INDEX_TYPES = ("flat", "hnsw", "ivf")
 POLICIES = ("concat", "fifo", "fixed")
@@ -68,4 +69,5 @@ KNNPER = StrategySpec(
     (TRAIN, EVALUATE_KNNPER),
     KnnSettings,
     report=lambda: _server().report,
+    commands=commands.add,
 )

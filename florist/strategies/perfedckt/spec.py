@@ -15,6 +15,7 @@ import dataclasses
 
 from florist.common.settings import Settings, setting
 from florist.strategies.base import Exchange, StrategySpec
+from florist.strategies.perfedckt import commands
 
 CENTROIDS = "centroids"  # c × |P| × C, down
 SOFT = "soft-decisions"  # |P| × C, up
@@ -76,4 +77,5 @@ PERFED_CKT = StrategySpec(
     (TRAIN_CKT, EVALUATE_CKT),
     CktSettings,
     report=lambda: _server().report,
+    commands=commands.add,
 )

@@ -1,0 +1,5 @@
+"""`python -m florist.cli`, as `python -m florist`."""
+
+from florist.cli import run
+
+run()

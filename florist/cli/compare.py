@@ -1,0 +1,137 @@
+"""`florist compare`: strategies × seeds on one scenario, one run after the other, and the
+papers' table over them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from florist.cli.options import count, decode_data, given, resource_options, scenario_options, stderr_console
+from florist.cli.signals import interrupt_on_signals
+from florist.common import devices
+from florist.common.config import RunConfig
+from florist.strategies import STRATEGIES
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    cmp = sub.add_parser(
+        "compare",
+        help="run strategies × seeds on one scenario and write the papers' table",
+        description="Run every strategy of --strategies with every seed of --seeds on one scenario, one after the "
+        "other, each in OUT/<strategy>/seed<k> (a finished run with the same config is kept, an interrupted one "
+        "resumes), then write OUT/compare.md (seen/unseen mean and bottom decile, mean ± std over seeds, kB and "
+        "seconds per round), compare.json and compare.png.",
+    )
+    cmp.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
+    cmp.add_argument("--seeds", default="1,2,3", help="comma-separated (default: 1,2,3)")
+    scenario_options(cmp)
+    cmp.add_argument("--num-clients", type=count, default=20, help="simulated clients (default: 20)")
+    cmp.add_argument("--out", required=True, help="output folder")
+    cmp.add_argument(
+        "--runtime",
+        choices=("simulation", "in-process"),
+        default="simulation",
+        help="simulation: Flower's simulation runtime (Ray); in-process: the same ServerApp and "
+        "ClientApp called directly, no Ray (same results, less overhead). Default: simulation",
+    )
+    resource_options(cmp)
+    cmp.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from florist.runners import compare
+    from florist.runners.simulation import client_resources
+
+    strategies, seeds = _names(args.strategies, "--strategies"), _seeds(args.seeds)
+    values = {"min-nodes": args.num_clients} | given(args)
+    resources = client_resources(args.cpus_per_client, args.gpus_per_client)
+    configs = compare.planned(Path(args.out).expanduser().absolute(), strategies, seeds, values)
+    _check(configs, args.num_clients)
+    cfg0 = configs[0]
+    scenario = (
+        f"dataset {cfg0.dataset}, partition {cfg0.partition}, shift {cfg0.shift}, {args.num_clients} clients, "
+        f"{cfg0.num_server_rounds} rounds, unseen fraction {cfg0.unseen_fraction}"
+    )
+    interrupt_on_signals()
+    all_results = _run_all(args, configs, resources)
+    compare.write(Path(args.out), all_results, scenario)
+    print((Path(args.out) / "compare.md").read_text())
+    print(f"compare.md, compare.json and compare.png in {args.out}/")
+    return 0
+
+
+def _check(configs: list[RunConfig], num_clients: int) -> None:
+    """Refuse before any run starts what cannot work; warn once about what is doubtful."""
+    from florist.runners.preflight import check_run
+
+    devices.resolve(configs[0].device, "device")
+    warnings = {w for cfg in configs for w in check_run(cfg, num_clients)}
+    for warning in sorted(warnings):
+        print(f"florist: warning: {warning}", file=sys.stderr)
+
+
+def _run_all(args: argparse.Namespace, configs: list[RunConfig], resources: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every planned run, one after the other, under two progress bars: runs and rounds."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from florist.runners import compare
+
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=stderr_console(),
+    ) as progress:
+        runs = progress.add_task("runs", total=len(configs))
+        rounds = progress.add_task("rounds", total=configs[0].num_server_rounds)
+
+        for cfg in configs:
+            decode_data(progress, cfg, args.num_clients)
+
+        def on_run(cfg: RunConfig, reused: bool) -> None:
+            done = configs.index(cfg)
+            progress.update(
+                runs, completed=done, description=f"runs ({cfg.strategy}, seed {cfg.seed}{', kept' * reused})"
+            )
+            progress.update(rounds, completed=0)
+
+        def runner(cfg: RunConfig, num_clients: int) -> dict[str, Any]:
+            on_round = lambda row: progress.update(rounds, completed=row["round"])  # noqa: E731
+            return _one_run(args.runtime, cfg, num_clients, on_round, resources)
+
+        all_results = compare.compare(configs, args.num_clients, runner, on_run)
+        progress.update(runs, completed=len(configs), description="runs")
+    return all_results
+
+
+def _one_run(runtime: str, cfg: RunConfig, num_clients: int, on_round, resources: dict[str, Any]) -> dict[str, Any]:
+    if runtime == "in-process":
+        import logging
+
+        from florist.runners.inprocess import run_in_process
+
+        logging.getLogger("flwr").setLevel(logging.WARNING)  # the progress display says how far it got
+
+        return run_in_process(cfg, num_clients, on_round=on_round, cpus_per_client=resources["num_cpus"])
+    from florist.runners.simulation import simulate_in_child
+
+    return simulate_in_child(cfg, num_clients, on_round, resources)
+
+
+def _names(text: str, option: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in STRATEGIES]:
+        raise ValueError(f"{option}: unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    if not names:
+        raise ValueError(f"{option}: name at least one strategy")
+    return names
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()] or [1]
+    except ValueError:
+        raise ValueError(f"--seeds: expected comma-separated integers, got {text!r}") from None

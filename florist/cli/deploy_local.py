@@ -1,0 +1,85 @@
+"""`florist deploy-local`: a real deployment on this machine, for one run: SuperLink and
+SuperNodes as processes of their own, `flwr run`, the summary, and every process stopped."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from pathlib import Path
+
+from florist.cli.options import (
+    checked_config,
+    federation_options,
+    node_configs,
+    print_summary,
+    run_options,
+    stderr_console,
+)
+from florist.cli.signals import interrupt_on_signals
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    dep = sub.add_parser(
+        "deploy-local",
+        help="one-shot real deployment: SuperLink + SuperNodes on 127.0.0.1, run, collect, stop",
+        description="Start a SuperLink and --num-nodes SuperNodes as separate processes on 127.0.0.1 (gRPC Fleet "
+        "API), submit the run with `flwr run`, stream its log, print the summary, and stop every process it started.",
+    )
+    run_options(dep)
+    federation_options(dep)
+    dep.add_argument(
+        "--netns",
+        action="store_true",
+        help="Linux, root: the SuperLink and each SuperNode in a network namespace of its own, with "
+        "its own address on a private virtual network (no shared loopback), all removed on exit",
+    )
+    dep.add_argument(
+        "--state-dir",
+        help="federation folder: database, certificates, keys, logs, node state (default: RESULTS_DIR/federation)",
+    )
+    dep.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import subprocess
+
+    from florist.deploy.federation import LocalFederation
+    from florist.deploy.netns import Network, check_usable
+    from florist.runners.simulation import Interrupted
+
+    if args.netns:
+        check_usable()  # before the run's own checks, which take seconds
+    (cfg, num_nodes), console, start = checked_config(args), stderr_console(), time.monotonic()
+    results_dir = Path(cfg.results_dir).expanduser().resolve()
+    cfg = cfg.replace(results_dir=str(results_dir))
+    workdir = Path(args.state_dir or results_dir / "federation").expanduser().resolve()
+    results_file = results_dir / "results.json"
+    interrupt_on_signals()
+    try:
+        # The network is made first and removed last, with whatever still runs in it.
+        with (
+            Network.for_federation(num_nodes) if args.netns else contextlib.nullcontext() as network,
+            LocalFederation(
+                workdir,
+                node_configs(num_nodes, workdir),
+                tls=args.tls,
+                auth=args.auth,
+                executor=args.executor,
+                network=network,
+            ) as fed,
+        ):
+            print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe()}", flush=True)
+            if not cfg.resume_from:
+                results_file.unlink(missing_ok=True)
+            rc = subprocess.run(
+                fed.run_command(cfg.to_mapping()), env=fed.env, cwd=workdir, start_new_session=True
+            ).returncode
+    except KeyboardInterrupt:
+        saved = json.loads(results_file.read_text()) if results_file.exists() else None
+        raise Interrupted(saved, results_dir) from None
+    if rc != 0 or not results_file.exists():
+        raise RuntimeError(f"the run failed (flwr run exited {rc}); logs in {workdir / 'logs'}")
+    print_summary(json.loads(results_file.read_text()), console, time.monotonic() - start)
+    return 0

@@ -1,0 +1,41 @@
+"""`florist supernode`: Flower's SuperNode with florist's fast path (every option of
+`flower-supernode` passes through: `main` hands the ones it does not know on)."""
+
+from __future__ import annotations
+
+import argparse
+
+from florist.cli.options import executor_option
+
+
+def add(sub: argparse._SubParsersAction) -> None:
+    node = sub.add_parser(
+        "supernode",
+        help="run a Flower SuperNode with florist's fast path (flower-supernode's options, plus --executor)",
+        description="Flower's SuperNode (every option of `flower-supernode --help` is accepted and passed on) with "
+        "florist's deployment fast path: polling that is quick while messages flow, and with --executor warm a "
+        "warm executor that runs florist's ClientApp in a forked child per message instead of a new Python "
+        "process. Runs in the foreground; Ctrl-C or SIGTERM stops the SuperNode and its executor.",
+        allow_abbrev=False,
+    )
+    executor_option(node)
+    node.add_argument(
+        "--preload",
+        default="florist.client.app:app",
+        metavar="MODULE:APP",
+        help="the ClientApp the warm executor preloads and serves warm (default: florist's)",
+    )
+    node.add_argument(
+        "--fork-server",
+        metavar="SOCKET",
+        help="have the warm executor forked by this fork server (`python -m florist.deploy.forkserver`), "
+        "which preloaded the same ClientApp for every SuperNode on this machine",
+    )
+    node.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from florist.deploy import supernode
+
+    supernode.run(args.executor, args.flower_args, args.preload, args.fork_server)
+    return 0
