@@ -23,7 +23,7 @@ from flwr.app import Context, Message, RecordDict
 
 from florist.client.state import NodeState
 from florist.common import data as data_lib
-from florist.common import datacache, devices, protocol, scenarios, training
+from florist.common import datacache, devices, folders, protocol, scenarios, training
 from florist.common.config import RunConfig
 from florist.common.models import Net, seeded_model
 from florist.common.settings import Settings, coerce
@@ -184,4 +184,4 @@ def _cached_folder(data_dir: str, num_classes: int, seed: int, val_fraction: flo
         "seed": seed,
         "val-fraction": val_fraction,
     }
-    return datacache.cached(key, lambda: data_lib.folder_client(data_dir, num_classes, seed, val_fraction))
+    return datacache.cached(key, lambda: folders.folder_client(data_dir, num_classes, seed, val_fraction))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from florist.common import data as data_lib
-from florist.common import datacache
+from florist.common import datacache, folders
 
 log = logging.getLogger(__name__)
 DECODE_CHUNK = 1000  # rows decoded at once: bounds the PIL images alive and paces progress
@@ -77,7 +77,7 @@ def to_arrays(
     for start in range(0, len(rows), DECODE_CHUNK):
         values = rows[start : start + DECODE_CHUNK][image]
         if hasattr(values[0], "mode"):  # PIL images
-            parts.append(np.stack([data_lib.image_array(v) for v in values]))
+            parts.append(np.stack([folders.image_array(v) for v in values]))
         else:
             parts.append(np.asarray(values, dtype=np.float32))
         if report:
@@ -137,7 +137,7 @@ def _decode(partition_id: int, num_partitions: int, cfg, report: Callable[[int, 
         ) from None
     image, label = columns(rows.features, cfg.image_column, cfg.label_column)
     x, y = to_arrays(rows, image, label, lambda done: report(done, len(rows)))
-    x, y = data_lib.check_arrays(f"dataset {cfg.dataset!r}, partition {partition_id}", x, y, cfg.num_classes)
+    x, y = folders.check_arrays(f"dataset {cfg.dataset!r}, partition {partition_id}", x, y, cfg.num_classes)
     train, val, test = data_lib.split_indices(
         len(x), cfg.val_fraction, cfg.test_fraction, cfg.seed * 100_003 + partition_id
     )

@@ -3,7 +3,7 @@ import time
 import numpy as np
 import pytest
 
-from florist.common import data
+from florist.common import data, folders
 
 
 def test_digits_are_the_real_bundled_set():
@@ -84,10 +84,10 @@ def _npz(path, **arrays):
 def test_npz_folder_loads_labelled_and_unlabeled(tmp_path):
     rng = np.random.default_rng(0)
     good = {"x": rng.random((30, 8, 8)), "y": rng.integers(0, 10, 30)}
-    client = data.folder_client(_npz(tmp_path / "a", train=good, test=good), 10, 0, 0.2)
+    client = folders.folder_client(_npz(tmp_path / "a", train=good, test=good), 10, 0, 0.2)
     assert client.input_shape == (1, 8, 8) and len(client.x_val) == 6 and client.labelled
     unlabeled = {"x": rng.random((30, 4))}
-    client = data.folder_client(_npz(tmp_path / "b", train=unlabeled, test=unlabeled), 10, 0, 0.2)
+    client = folders.folder_client(_npz(tmp_path / "b", train=unlabeled, test=unlabeled), 10, 0, 0.2)
     assert not client.labelled and client.input_shape == (4,)
 
 
@@ -105,17 +105,17 @@ def test_npz_folder_loads_labelled_and_unlabeled(tmp_path):
 def test_ill_formed_npz_names_file_and_expectation(tmp_path, train, match):
     test = {"x": np.zeros((5, 4)), "y": np.zeros(5, dtype=int)}
     with pytest.raises(ValueError, match=match):
-        data.folder_client(_npz(tmp_path, train=train, test=test), 10, 0, 0.2)
+        folders.folder_client(_npz(tmp_path, train=train, test=test), 10, 0, 0.2)
 
 
 def test_missing_data_folder_and_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        data.folder_client(tmp_path / "nope", 10, 0, 0.2)
+        folders.folder_client(tmp_path / "nope", 10, 0, 0.2)
     with pytest.raises(FileNotFoundError, match="neither train.npz nor a train/ folder"):
-        data.folder_client(tmp_path, 10, 0, 0.2)
+        folders.folder_client(tmp_path, 10, 0, 0.2)
     _npz(tmp_path, train={"x": np.zeros((5, 4))})
     with pytest.raises(FileNotFoundError, match="test.npz is missing"):
-        data.folder_client(tmp_path, 10, 0, 0.2)
+        folders.folder_client(tmp_path, 10, 0, 0.2)
 
 
 def test_ragged_object_array_is_refused(tmp_path):
@@ -125,7 +125,7 @@ def test_ragged_object_array_is_refused(tmp_path):
     np.savez(tmp_path / "train.npz", x=ragged)
     np.savez(tmp_path / "test.npz", x=np.zeros((2, 3)))
     with pytest.raises(ValueError, match="train.npz"):
-        data.folder_client(tmp_path, 10, 0, 0.2)
+        folders.folder_client(tmp_path, 10, 0, 0.2)
 
 
 def test_image_folder_tree(tmp_path):
@@ -136,11 +136,11 @@ def test_image_folder_tree(tmp_path):
             (tmp_path / split / label).mkdir(parents=True)
             for i in range(3):
                 Image.fromarray(np.full((8, 8, 3), 40 * i, dtype=np.uint8)).save(tmp_path / split / label / f"{i}.png")
-    client = data.folder_client(tmp_path, 2, 0, 0.2)
+    client = folders.folder_client(tmp_path, 2, 0, 0.2)
     assert client.input_shape == (3, 8, 8)
     assert sorted(set(client.y_train.tolist()) | set(client.y_val.tolist())) == [0, 1]
     with pytest.raises(ValueError, match=r"labels \[1\] are outside \[0, 1\)"):
-        data.folder_client(tmp_path, 1, 0, 0.2)
+        folders.folder_client(tmp_path, 1, 0, 0.2)
 
 
 def test_a_folder_of_loose_images_is_unlabeled_data(tmp_path):
@@ -150,7 +150,7 @@ def test_a_folder_of_loose_images_is_unlabeled_data(tmp_path):
         (tmp_path / split).mkdir()
         for i in range(4):
             Image.fromarray(np.full((8, 8), 60 * i, dtype=np.uint8)).save(tmp_path / split / f"{i}.png")
-    client = data.folder_client(tmp_path, 10, 0, 0.25)
+    client = folders.folder_client(tmp_path, 10, 0, 0.25)
     assert not client.labelled and client.y_test is None
     assert client.input_shape == (1, 8, 8) and len(client.x_train) + len(client.x_val) == 4
 

@@ -10,7 +10,7 @@ from flwr.app import RecordDict
 
 from florist.client.node import Node, Request
 from florist.common import data as data_lib
-from florist.common import protocol
+from florist.common import folders, protocol
 from florist.common.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.strategies.pefll import client as client_half
@@ -64,7 +64,7 @@ def _unlabeled_node(tmp_path, make_node, **node_config) -> Node:
     x, _ = data_lib.load_digits()
     np.savez(folder / "train.npz", x=x[:60])
     np.savez(folder / "test.npz", x=x[60:70])
-    client = data_lib.folder_client(folder, 10, 1, 0.15)
+    client = folders.folder_client(folder, 10, 1, 0.15)
     return make_node({"strategy": "odpfl"}, "newcomer", client, node_config, seen=False)
 
 

@@ -88,9 +88,7 @@ def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradi
     )
     assert results["complete"] and not results["failures"]
 
-    server = strategy_spec(strategy).server()(
-        cfg, None, (1, 8, 8), 1
-    )  # the same seed: the networks before the round
+    server = strategy_spec(strategy).server()(cfg, None, (1, 8, 8), 1)  # the same seed: the networks before the round
     client = data_lib.embedded_client(
         0, 1, "iid", cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size, public_size=cfg.public_size
     )

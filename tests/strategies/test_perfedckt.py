@@ -12,7 +12,7 @@ from flwr.app import ArrayRecord
 from florist.cli import main
 from florist.client.node import Node, Request
 from florist.common import data as data_lib
-from florist.common import protocol
+from florist.common import folders, protocol
 from florist.common.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.server.strategy import NodeInfo
@@ -123,7 +123,7 @@ def test_a_node_whose_public_set_differs_refuses_to_train(tmp_path, make_node):
     assert client_half._owned_model(node, 1)[1] is None  # nothing trained, nothing saved
     # The same folder named on the server (or its fingerprint in public-hash) is accepted.
     agreed = _cfg(public_dir=str(other))
-    assert _fingerprint(agreed) == data_lib.fingerprint(data_lib.folder_public(other, 10))
+    assert _fingerprint(agreed) == data_lib.fingerprint(folders.folder_public(other, 10))
     client_half.train(node, _request(agreed))
 
 

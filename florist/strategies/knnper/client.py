@@ -19,8 +19,7 @@ from flwr.app import RecordDict
 
 from florist.client.node import Node, Request
 from florist.client.state import NodeState
-from florist.common import data as data_lib
-from florist.common import protocol, training
+from florist.common import folders, protocol, training
 from florist.common.models import Net, build_model
 from florist.common.training import log_loss
 from florist.strategies.knnper.datastore import Datastore, train_fingerprint
@@ -162,7 +161,7 @@ def add_samples(state: NodeState, data_dir: str, seed: int = 0) -> tuple[int, in
             f"no kNN-Per datastore in {state.folder}: it is built the first time the node is evaluated with "
             "strategy knnper"
         )
-    new = data_lib.folder_client(data_dir, store.meta["num_classes"], seed, val_fraction=0.5)
+    new = folders.folder_client(data_dir, store.meta["num_classes"], seed, val_fraction=0.5)
     if not new.labelled:
         raise ValueError(f"{data_dir}: datastore entries need labels (array y)")
     if new.input_shape != tuple(store.meta["input_shape"]):

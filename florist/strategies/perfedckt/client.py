@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord, RecordDict
 
 from florist.client.node import Node, Request
 from florist.common import data as data_lib
-from florist.common import protocol, scenarios, training
+from florist.common import folders, protocol, scenarios, training
 from florist.common.models import Net
 from florist.strategies.perfedckt.spec import CENTROIDS, SOFT
 
@@ -35,7 +35,7 @@ def public_set(node: Node, expected: str) -> np.ndarray:
     """This node's copy of P, refused unless its fingerprint is the server's `expected` one."""
     folder = node.cfg.settings.public_dir
     if folder:
-        x, source = data_lib.folder_public(folder, node.cfg.num_classes), f"public-dir {folder!r}"
+        x, source = folders.folder_public(folder, node.cfg.num_classes), f"public-dir {folder!r}"
     else:
         x, source = scenarios.public_set(node.cfg), f"the embedded {node.cfg.dataset}"
     found = data_lib.fingerprint(x)

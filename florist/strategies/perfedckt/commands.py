@@ -21,7 +21,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def public_hash(args: argparse.Namespace) -> int:
-    from florist.common import data
+    from florist.common import data, folders
 
-    print(f'public-hash = "{data.fingerprint(data.folder_public(args.public_dir, args.num_classes))}"')
+    print(f'public-hash = "{data.fingerprint(folders.folder_public(args.public_dir, args.num_classes))}"')
     return 0

@@ -15,7 +15,7 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 
 from florist.common import data as data_lib
-from florist.common import scenarios
+from florist.common import folders, scenarios
 from florist.common.config import RunConfig
 from florist.common.metrics import summarize
 from florist.common.models import build_model
@@ -39,7 +39,7 @@ def public_fingerprint(cfg: RunConfig) -> str:
         return ckt.public_hash
     if ckt.public_dir:
         try:
-            return data_lib.fingerprint(data_lib.folder_public(ckt.public_dir, num_classes))
+            return data_lib.fingerprint(folders.folder_public(ckt.public_dir, num_classes))
         except FileNotFoundError as err:
             raise FileNotFoundError(
                 f"{err}. If P is only on the nodes, set public-hash to what `florist public-hash DIR` prints there"
