@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from florist.common.config import RunConfig, parse_overrides
+from florist.config import RunConfig, parse_overrides
 from florist.runners.simulation import simulate
 
 RAW = {"fedattn-warmup": 0, "fedattn-clip": 0.0, "fedattn-reg": 0.0, "fedattn-residual": False}

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from florist.common import devices
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.deploy.federation import LocalFederation
 from florist.runners.simulation import client_resources, simulate
 

@@ -25,7 +25,7 @@ def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
 import florist.client.app  # noqa: F401  (what every node process holds before its data)
 from florist.common import scenarios
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 before = rss()
 start = time.perf_counter()
 cfg = RunConfig.from_mapping({"dataset": sys.argv[1], "partition": "iid", "min-nodes": 1})

@@ -24,8 +24,8 @@ import torch
 
 from florist.common import data as data_lib
 from florist.common import training
-from florist.common.config import RunConfig
 from florist.common.models import build_model
+from florist.config import RunConfig
 from florist.strategies.pefll.client import gaussian_sigma, privatize
 from florist.strategies.pefll.server import ODPFL
 

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from florist.common import scenarios, training
-from florist.common.config import RunConfig
 from florist.common.data import unseen_partitions
 from florist.common.metrics import summarize
 from florist.common.models import seeded_model
+from florist.config import RunConfig
 from florist.deploy.federation import LocalFederation
 from florist.runners.inprocess import run_in_process
 from florist.runners.simulation import client_resources, simulate

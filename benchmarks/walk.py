@@ -48,7 +48,7 @@ def stand_in_for_ray() -> None:
 def trace(argv: list[str], every_call: bool) -> list[tuple[str, str]]:
     """(file under florist/, function) of every call from another file that is handed the run
     config (with `every_call`: every call from another file), until `train`."""
-    from florist.common.config import RunConfig
+    from florist.config import RunConfig
 
     root = str(Path(importlib.import_module("florist").__file__).parent.parent) + os.sep
     calls: list[tuple[str, str]] = []

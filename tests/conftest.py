@@ -45,7 +45,7 @@ def pytest_unconfigure(config):
 @pytest.fixture
 def all_settings() -> dict:
     """Every run-config key with its default: the common ones, then each strategy's once."""
-    from florist.common.config import RunConfig
+    from florist.config import RunConfig
     from florist.strategies import STRATEGIES
 
     defaults = RunConfig().to_mapping()
@@ -61,7 +61,7 @@ def make_node(tmp_path):
     from florist.client.node import Node
     from florist.client.state import NodeState
     from florist.common import data as data_lib
-    from florist.common.config import RunConfig
+    from florist.config import RunConfig
 
     def make(values=None, key="partition-4", data=None, node_config=None, seen=True, run_id=1, server_round=1):
         node_config = dict(node_config or {})

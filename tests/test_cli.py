@@ -158,7 +158,7 @@ def test_a_class_only_held_out_clients_have_is_named_before_the_run(tmp_path):
     import re
 
     from florist.common import data
-    from florist.common.config import RunConfig
+    from florist.config import RunConfig
     from florist.runners.preflight import check_run
 
     cfg = RunConfig.from_mapping({"partition": "pathological:2", "results-dir": str(tmp_path)})

@@ -5,7 +5,7 @@ in-process grid is made to answer in node order once and in reverse node order o
 
 import pytest
 
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.runners import inprocess
 from florist.runners.inprocess import run_in_process
 from florist.strategies import STRATEGIES

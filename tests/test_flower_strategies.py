@@ -22,9 +22,9 @@ from flwr.serverapp.strategy import qfedavg
 from florist.client.app import app
 from florist.client.node import Request
 from florist.common import client_mods, protocol, scenarios, training
-from florist.common.config import RunConfig
 from florist.common.models import seeded_model
 from florist.common.settings import NoSettings
+from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
 from florist.strategies.fedavg import client as fedavg_client
 

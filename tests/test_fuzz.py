@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 from florist.client.app import app as client_app
 from florist.common import packing, protocol
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
 from florist.server.app import discover
 from florist.server.exchange import Exchanger

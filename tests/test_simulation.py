@@ -9,7 +9,7 @@ import pytest
 from flwr.app import Context, Message
 
 from florist.client.app import build_client_app
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.runners.simulation import simulate
 from florist.strategies.knnper import client as knn

@@ -11,7 +11,7 @@ from typing import Any
 from florist.cli.options import count, decode_data, given, resource_options, scenario_options, stderr_console
 from florist.cli.signals import interrupt_on_signals
 from florist.common import devices
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.strategies import STRATEGIES
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from florist.common import devices
-from florist.common.config import STRATEGY_NAMES, RunConfig, parse_overrides
+from florist.config import STRATEGY_NAMES, RunConfig, parse_overrides
 from florist.strategies import STRATEGIES
 
 DEFAULT_NODES = {"simulate": 20, "deploy-local": 3, "local-federation": 3}

@@ -24,9 +24,9 @@ from flwr.app import Context, Message, RecordDict
 from florist.client.state import NodeState
 from florist.common import data as data_lib
 from florist.common import datacache, devices, folders, protocol, scenarios, training
-from florist.common.config import RunConfig
 from florist.common.models import Net, seeded_model
 from florist.common.settings import Settings, coerce
+from florist.config import RunConfig
 from florist.strategies import strategy_spec
 from florist.strategies.base import Exchange
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.server.checkpoint import FILE as CHECKPOINT
 from florist.server.checkpoint import Checkpoint
 

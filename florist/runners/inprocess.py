@@ -19,7 +19,7 @@ from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
 from flwr.supercore.task_identity import TaskIdentity
 
 from florist.common import devices
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 
 
 def _copy(records: RecordDict) -> RecordDict:

@@ -9,7 +9,7 @@ checks its folder before it connects).
 from __future__ import annotations
 
 from florist.common import scenarios
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.server.results import check_results_dir
 from florist.strategies import strategy_spec
 

@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from florist.common.config import RunConfig
 from florist.common.processes import terminate_marked
+from florist.config import RunConfig
 
 MARKER = "FLORIST_RUN"  # in the environment of the child and of every Ray process it starts
 

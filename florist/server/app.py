@@ -14,8 +14,8 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from florist.common import flower_internals, protocol
-from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
+from florist.config import RunConfig
 from florist.server.checkpoint import Checkpoint
 from florist.server.exchange import Exchanger
 from florist.server.report import number

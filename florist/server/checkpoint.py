@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from florist.common.config import RunConfig
 from florist.common.storage import atomic_write
+from florist.config import RunConfig
 
 FILE = "checkpoint.pt"
 VERSION = 2

@@ -11,9 +11,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from florist.common.config import RunConfig
 from florist.common.metrics import summarize
 from florist.common.storage import atomic_write
+from florist.config import RunConfig
 from florist.server.checkpoint import Checkpoint
 from florist.server.strategy import NodeInfo
 

@@ -15,9 +15,9 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 
 from florist.common import devices, protocol
-from florist.common.config import RunConfig
 from florist.common.metrics import weighted_mean
 from florist.common.models import Net, seeded_model
+from florist.config import RunConfig
 from florist.server.exchange import Exchanger
 from florist.strategies.base import Exchange
 

@@ -157,8 +157,8 @@ def test_a_folder_of_loose_images_is_unlabeled_data(tmp_path):
 
 def test_mnist5k_loads_offline_from_the_installed_package_and_then_from_the_cache(monkeypatch):
     from florist.common import scenarios
-    from florist.common.config import RunConfig
     from florist.common.storage import cache_dir
+    from florist.config import RunConfig
 
     data.load_mnist5k.cache_clear()
     x, y = data.load_mnist5k()

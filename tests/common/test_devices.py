@@ -5,7 +5,7 @@ import torch
 
 from florist.client.app import build_client_app
 from florist.common import devices
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 
 RUN = {"num-server-rounds": 2, "min-nodes": 3, "partition": "iid", "unseen-fraction": 0.0, "eval-every": 1}

@@ -11,7 +11,7 @@ from datasets import ClassLabel, Dataset, Features, Image, Value
 
 from florist.common import data as data_lib
 from florist.common import scenarios
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 
 WRITERS = 4

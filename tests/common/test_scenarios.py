@@ -8,7 +8,7 @@ import pytest
 
 from florist.common import data as data_lib
 from florist.common import scenarios
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 
 

@@ -15,7 +15,7 @@ from datasets import ClassLabel, Dataset, Features, Image
 from processes import RUN, submit
 
 from florist.common import data as data_lib
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.deploy.federation import LocalFederation
 from florist.runners.inprocess import run_in_process
 

@@ -3,7 +3,7 @@ import math
 import pytest
 from flwr.common.config import parse_config_args
 
-from florist.common.config import RunConfig, parse_overrides
+from florist.config import RunConfig, parse_overrides
 from florist.deploy.federation import toml_node_config
 
 

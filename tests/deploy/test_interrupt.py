@@ -16,8 +16,8 @@ import pytest
 from processes import started_tasks, wait_for_rounds
 
 from florist.cli import main
-from florist.common.config import RunConfig
 from florist.common.processes import alive, descendants, marked
+from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 
 

@@ -23,8 +23,8 @@ import pytest
 from processes import RUN, node_configs, submit, wait_for_rounds
 
 from florist.cli import main
-from florist.common.config import RunConfig
 from florist.common.processes import marked
+from florist.config import RunConfig
 from florist.deploy import netns
 from florist.deploy.federation import LocalFederation
 from florist.runners.inprocess import run_in_process

@@ -10,7 +10,7 @@ import subprocess
 
 from processes import RUN, node_configs, stop_runs, submit, wait_for_rounds
 
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.deploy.federation import LocalFederation
 from florist.runners.inprocess import run_in_process
 

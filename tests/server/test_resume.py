@@ -5,7 +5,7 @@ import pytest
 
 from florist.cli import main
 from florist.client.app import app as client_app
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, run_in_process, server_identity
 from florist.server.app import run
 from florist.server.checkpoint import Checkpoint, resumed_config

@@ -4,7 +4,7 @@ the attention against autograd, and a federation that serves held-out clients.""
 import pytest
 import torch
 
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.strategies.fedattn.server import BiasAttention, FedAttn
 

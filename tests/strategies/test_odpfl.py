@@ -11,7 +11,7 @@ from flwr.app import RecordDict
 from florist.client.node import Node, Request
 from florist.common import data as data_lib
 from florist.common import folders, protocol
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.strategies.pefll import client as client_half
 from florist.strategies.pefll.client import gaussian_sigma, privatize

@@ -11,8 +11,8 @@ from flwr.app import Context, Message
 from florist.client.app import build_client_app
 from florist.common import data as data_lib
 from florist.common import protocol
-from florist.common.config import RunConfig
 from florist.common.models import build_model
+from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.strategies import strategy_spec
 from florist.strategies.pefll.networks import EmbeddingNet, HyperNetwork

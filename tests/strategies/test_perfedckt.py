@@ -13,7 +13,7 @@ from florist.cli import main
 from florist.client.node import Node, Request
 from florist.common import data as data_lib
 from florist.common import folders, protocol
-from florist.common.config import RunConfig
+from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.server.strategy import NodeInfo
 from florist.strategies.perfedckt import client as client_half

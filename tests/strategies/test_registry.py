@@ -12,8 +12,8 @@ import florist.strategies
 from florist.client.app import app, exchanges
 from florist.client.node import parse
 from florist.common import protocol
-from florist.common.config import RunConfig
 from florist.common.models import seeded_model
+from florist.config import RunConfig
 from florist.runners.inprocess import server_identity
 from florist.server.strategy import ServerStrategy, message_config
 from florist.strategies import STRATEGIES

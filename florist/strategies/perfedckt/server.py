@@ -16,9 +16,9 @@ from flwr.app import ArrayRecord, RecordDict
 
 from florist.common import data as data_lib
 from florist.common import folders, scenarios
-from florist.common.config import RunConfig
 from florist.common.metrics import summarize
 from florist.common.models import build_model
+from florist.config import RunConfig
 from florist.server.report import pct
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, ServerStrategy, mean_loss, message_config, metrics_of
 from florist.strategies.fedavg.server import exchange_bytes

@@ -4,14 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from florist.common.config import RunConfig, parse_overrides
+from florist.config import RunConfig, parse_overrides
 from florist.deploy.federation import toml_node_config
 
 
 def test_pyproject_run_config_lists_every_declared_setting_with_its_default(all_settings):
     """Flower reads the run config's keys from pyproject.toml; a new setting fails here with
     the line to add."""
-    listed = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    listed = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     declared = all_settings
     wrong = {k: v for k, v in declared.items() if listed.get(k, object()) != v}
     assert not wrong, "pyproject.toml [tool.flwr.app.config] needs:\n" + "\n".join(
