@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
+import hashlib
 import zlib
 from pathlib import Path
 
@@ -163,7 +163,8 @@ def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.Cl
     if "data-dir" in node_config:
         data_dir = str(node_config["data-dir"])
         client = _cached_folder(data_dir, cfg.num_classes, cfg.seed, cfg.val_fraction)
-        default_key = re.sub(r"[^A-Za-z0-9._-]", "-", data_dir.strip("/")).strip("-.")[-64:] or "node"
+        # Opaque: the server and every log would otherwise learn where the node keeps its data.
+        default_key = "node-" + hashlib.sha256(str(Path(data_dir).expanduser().absolute()).encode()).hexdigest()[:12]
         seen = not bool(node_config.get("unseen", False))
     else:
         pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])

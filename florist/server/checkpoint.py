@@ -68,7 +68,19 @@ class Checkpoint:
                 f"cannot resume from {path}: checkpoint format {found}, this florist reads format {VERSION} "
                 "(written by a different florist version)"
             )
-        return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls)})
+        kinds = {
+            "round": int,
+            "config": dict,
+            "run_id": int,
+            "nodes": list,
+            "state": dict,
+            "failures": list,
+            "rounds": list,
+        }
+        wrong = [name for name, kind in kinds.items() if not isinstance(saved.get(name), kind)]
+        if wrong:
+            raise ValueError(f"cannot resume from {path}: the checkpoint lacks or garbles {', '.join(wrong)}")
+        return cls(**{name: saved[name] for name in kinds})
 
     def refuse_differences(self, values: Mapping[str, Any], folder: str | Path) -> None:
         """A one-line error naming each key of `values` whose value differs from the run's,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -106,10 +107,11 @@ class Results:
 def check_results_dir(path: str) -> Path:
     """The results folder, created and written to once; a ValueError saying why it cannot be."""
     folder = Path(path).expanduser().absolute()
-    probe = folder / ".florist-write-probe"
+    probe = folder / f".florist-write-probe-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
+        # Created, never opened through a link someone planted there (O_EXCL refuses any existing name).
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
         probe.unlink()
     except OSError as err:
         existing = next(p for p in (folder, *folder.parents) if p.exists())

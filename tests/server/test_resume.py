@@ -1,7 +1,10 @@
 """A run whose server dies resumes from its checkpoint and ends exactly where the uninterrupted
 run ends, for every strategy: same per-client accuracies, same round rows."""
 
+import dataclasses
+
 import pytest
+import torch
 
 from florist.cli import main
 from florist.client.app import app as client_app
@@ -101,3 +104,17 @@ def test_florist_simulate_resume_refuses_a_differing_flag_by_name(tmp_path, caps
     assert main(["simulate", "--resume", folder, "--num-clients", "6"]) == 2
     assert f"its run had {NUM_CLIENTS} nodes, not 6" in capsys.readouterr().err
     assert Checkpoint.load(folder).round == 1  # refused before anything ran
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbled"])
+def test_a_checkpoint_missing_or_garbling_a_field_is_one_line_naming_it(tmp_path, damage):
+    from florist.server.checkpoint import FILE, VERSION, Checkpoint
+
+    fields = {f.name: None for f in dataclasses.fields(Checkpoint)}
+    saved = {"version": VERSION, "round": 1, "config": {}, "run_id": 1, "nodes": [], "state": {}, "failures": []}
+    assert set(saved) - {"version"} == set(fields) - {"rounds"}  # every field but one, well formed
+    if damage == "garbled":
+        saved |= {"rounds": "not a list"}
+    torch.save(saved, tmp_path / FILE)
+    with pytest.raises(ValueError, match=r"the checkpoint lacks or garbles rounds$"):
+        Checkpoint.load(tmp_path)
