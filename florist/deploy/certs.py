@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 from pathlib import Path
 
 from cryptography import x509
@@ -30,9 +31,21 @@ def _san(host: str) -> x509.GeneralName:
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> Path:
-    path.write_bytes(data)
-    if private:
-        path.chmod(0o600)
+    """`data` at `path`, created with its final mode (a private key is never readable by others,
+    not even for a moment) under a new name, then renamed over `path`: a link planted there is
+    replaced, never followed."""
+    staged = path.with_name(f".{path.name}.{os.getpid()}.new")
+    staged.unlink(missing_ok=True)
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as file:
+        file.write(data)
+    os.replace(staged, path)
+    return path
+
+
+def _folder(path: Path) -> Path:
+    """A folder for keys: made readable by its owner only."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
     return path
 
 
@@ -76,7 +89,7 @@ def make_ca_and_server(out: Path, hosts: list[str]) -> dict[str, Path]:
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    out.mkdir(parents=True, exist_ok=True)
+    _folder(out)
     pem = serialization.Encoding.PEM
     return {
         "ca": _write(out / "ca.crt", ca_cert.public_bytes(pem)),
@@ -103,7 +116,7 @@ def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
     """An ECDSA P-384 key pair in OpenSSH format (what `flwr supernode register` and
     `flower-supernode --auth-supernode-private-key` read): `name` and `name.pub`."""
     key = ec.generate_private_key(ec.SECP384R1())
-    out.mkdir(parents=True, exist_ok=True)
+    _folder(out)
     private = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
     )
@@ -111,9 +124,12 @@ def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
     return _write(out / name, private, private=True), _write(out / f"{name}.pub", public + b"\n")
 
 
-def make_certificates(out: str | Path, hosts: list[str], num_nodes: int) -> dict[str, Path]:
-    """Everything `florist certs` writes: CA, SuperLink certificate, `keys/node-<i>[.pub]`."""
+def make_certificates(out: str | Path, hosts: list[str], num_nodes: int, force: bool = False) -> dict[str, Path]:
+    """Everything `florist certs` writes: CA, SuperLink certificate, `keys/node-<i>[.pub]`. A CA
+    already there is kept unless `force`: replacing it would orphan every certificate it signed."""
     out = Path(out)
+    if (out / "ca.key").exists() and not force:
+        raise FileExistsError(f"{out / 'ca.key'} exists: a new CA would orphan what it signed (--force replaces it)")
     paths = make_ca_and_server(out, hosts)
     for i in range(num_nodes):
         make_node_key(out / "keys", f"node-{i}")
