@@ -87,6 +87,29 @@ def test_persistence_survives_a_restart_and_stale_stores_are_rebuilt(tmp_path):
     assert Datastore.load(NodeState(tmp_path, "node-b"), model_version="abc") is None  # nothing saved
 
 
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"labels": np.array([0, 1, 99] * 10)},  # outside [0, num_classes)
+        {"labels": np.zeros(5, dtype=np.int64)},  # fewer labels than embeddings
+        {"embeddings": np.full((30, 4), np.nan, dtype=np.float32)},
+        {"embeddings": np.zeros((30, 7), dtype=np.float32)},  # another dimension than recorded
+    ],
+)
+def test_a_damaged_store_is_rebuilt_and_its_index_never_read_back(tmp_path, damage):
+    """The FAISS index is rebuilt from the stored pairs: garbage under the old `index` key (what
+    earlier versions saved, and a corrupted HNSW file could hang a search) is never read."""
+    state = NodeState(tmp_path, "node-a")
+    store = Datastore(4, "hnsw", num_classes=3)
+    store.add(np.random.default_rng(0).random((30, 4), dtype=np.float32), np.arange(30) % 3)
+    store.save(state)
+    saved = state.load_arrays("datastore.npz")
+    state.save_arrays("datastore.npz", saved | {"index": np.frombuffer(b"\xff" * 64, dtype=np.uint8)})
+    assert Datastore.load(state).index.ntotal == 30  # garbage index ignored
+    state.save_arrays("datastore.npz", saved | damage)
+    assert Datastore.load(state) is None  # the caller rebuilds it from the node's data
+
+
 def test_bad_embeddings_are_refused():
     store = Datastore(3)
     with pytest.raises(ValueError, match="N×3"):

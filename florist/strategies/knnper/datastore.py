@@ -110,9 +110,7 @@ class Datastore:
 
     # --- persistence -----------------------------------------------------------------------
     def save(self, state: NodeState) -> None:
-        state.save_arrays(
-            FILE, {"embeddings": self.embeddings, "labels": self.labels, "index": faiss.serialize_index(self.index)}
-        )
+        state.save_arrays(FILE, {"embeddings": self.embeddings, "labels": self.labels})  # the index is rebuilt
         state.save_json(
             META,
             {
@@ -152,9 +150,27 @@ class Datastore:
             meta["policy"],
             **{k: v for k, v in meta.items() if k not in known},
         )
+        if problem := _damage(arrays, meta):
+            log.warning("node %s: the saved datastore is damaged (%s), rebuilding it", state.key, problem)
+            return None
+        # Rebuilt from the stored pairs, not read back: a FAISS file is trusted code's input only.
         store.embeddings, store.labels = arrays["embeddings"], arrays["labels"]
-        store.index = faiss.deserialize_index(arrays["index"])
-        if store.index.ntotal != len(store.labels):
-            log.warning("node %s: datastore index and labels disagree, rebuilding the index", state.key)
-            store.index = store._build_index(store.embeddings)
+        store.index = store._build_index(store.embeddings)
         return store
+
+
+def _damage(arrays: dict[str, np.ndarray], meta: dict) -> str:
+    """What is wrong with a saved datastore's arrays ("" when nothing)."""
+    embeddings, labels = arrays.get("embeddings"), arrays.get("labels")
+    if not isinstance(embeddings, np.ndarray) or not isinstance(labels, np.ndarray):
+        return "embeddings or labels missing"
+    if embeddings.dtype != np.float32 or embeddings.ndim != 2 or embeddings.shape[1] != meta["dim"]:
+        return f"embeddings are {embeddings.dtype} {embeddings.shape}, expected float32 N×{meta['dim']}"
+    if labels.dtype != np.int64 or labels.shape != (len(embeddings),):
+        return f"labels are {labels.dtype} {labels.shape}, expected int64 ({len(embeddings)},)"
+    if not np.isfinite(embeddings).all():
+        return "embeddings contain NaN or Inf"
+    num_classes = meta.get("num_classes")
+    if len(labels) and (labels.min() < 0 or (isinstance(num_classes, int) and labels.max() >= num_classes)):
+        return f"labels outside [0, {num_classes})"
+    return ""
