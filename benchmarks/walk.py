@@ -2,12 +2,13 @@
 handler: every call into florist that is handed the run config (the CLI's arguments or a
 `RunConfig`), in order, until a strategy's client `train` starts.
 
-A "stop" is a call from one file into another, to a function not read before; the figures are the stops, the files
-entered, the returns to a file already visited, and the stops that go back up the layers
-(common < strategies < client, server < runners, deploy < cli). The run uses Ray in
-`florist simulate`, where the handler runs in another process; here the simulation runner is
-stood in for by the in-process runtime (the same ServerApp loop and ClientApp, one process),
-so the whole path is in one trace. Works on any florist checkout (`PYTHONPATH=CHECKOUT`).
+A "stop" is a call from one file into another, to a function not read before; the figures
+are the stops, the files entered, the returns to a file already visited, and the stops that go
+back up the layers (tests/test_layout.py's: common < strategies < config < client, server <
+runners, deploy < cli). The run uses Ray in `florist simulate`, where the handler runs in
+another process; here the simulation runner is stood in for by the in-process runtime (the
+same ServerApp loop and ClientApp, one process), so the whole path is in one trace. Works on
+any florist checkout (`PYTHONPATH=CHECKOUT`).
 
     python benchmarks/walk.py [--list] [--every-call]
 
@@ -24,7 +25,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-LAYERS = {"common": 0, "strategies": 1, "algorithms": 1, "client": 2, "server": 2, "runners": 3, "deploy": 3, "cli": 4}
+LAYERS = {
+    "common": 0,
+    "strategies": 1,
+    "algorithms": 1,
+    "config": 2,
+    "client": 3,
+    "server": 3,
+    "runners": 4,
+    "deploy": 4,
+    "cli": 5,
+}
 
 
 def layer(path: str) -> int:
@@ -48,7 +59,10 @@ def stand_in_for_ray() -> None:
 def trace(argv: list[str], every_call: bool) -> list[tuple[str, str]]:
     """(file under florist/, function) of every call from another file that is handed the run
     config (with `every_call`: every call from another file), until `train`."""
-    from florist.config import RunConfig
+    try:
+        from florist.config import RunConfig
+    except ImportError:  # a checkout from before the run config left common/
+        from florist.common.config import RunConfig
 
     root = str(Path(importlib.import_module("florist").__file__).parent.parent) + os.sep
     calls: list[tuple[str, str]] = []

@@ -90,7 +90,7 @@ wait_until 300 "3 SuperNodes online" online 3
 done_step "stack up (healthy, 3 nodes registered and online)"
 
 # 4. A run of 3 rounds; its results come out of the results volume.
-APP=$("$PY" -c 'from florist.deploy.federation import app_dir; print(app_dir())')
+APP=$("$PY" -c 'from florist.deploy.bundle import app_dir; print(app_dir())')
 submit() {  # submit NAME RUN-CONFIG...: flwr run in the background, its output in $WORK/NAME.log
     timeout 900 "$BIN/flwr" run "$APP" docker --stream --run-config "min-nodes=3 unseen-fraction=0.0 results-dir=\"results/$1\" $2" \
         > "$WORK/$1.log" 2>&1 &

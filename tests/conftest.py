@@ -24,6 +24,7 @@ LONGEST = [
     "tests/test_fuzz.py",
     "tests/deploy/test_interrupt.py",
     "tests/deploy/test_executor.py",
+    "tests/deploy/test_stock_flower.py",
     "tests/deploy/test_late_joiners.py",
     "tests/deploy/test_deployment.py",
     "tests/deploy/test_netns.py",

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from florist.config import RunConfig, parse_overrides
-from florist.deploy.federation import toml_node_config
+from florist.deploy.spawning import toml_node_config
 
 
 def test_pyproject_run_config_lists_every_declared_setting_with_its_default(all_settings):

@@ -25,7 +25,10 @@ def checkout() -> Path:
 def app_dir() -> Path:
     """The folder `flwr run` is given: the checkout's publishable files, staged in the cache
     under a hash of their contents. The bundle Flower builds from it is byte for byte the one
-    it would build from the checkout, without walking the checkout's .venv first."""
+    it would build from the checkout, without walking the checkout's .venv first. Off the fast
+    path (another Flower than florist's), the checkout itself: Flower walks it by its own rules."""
+    if not flower_internals.fast_path():
+        return checkout()
     files = flower_internals.publishable_files(checkout())
     digest = hashlib.sha256()
     for name, path in sorted(files.items()):

@@ -9,130 +9,40 @@ the loopback of the process's own namespace.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
-import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from florist.common import devices
+from florist.common import devices, flower_internals
 from florist.common.processes import terminate_marked
 from florist.deploy import forkserver, netns
 from florist.deploy.bundle import app_dir
 from florist.deploy.certs import covers, make_ca_and_server, make_node_key
+from florist.deploy.serving import ServerAppRunners
+from florist.deploy.spawning import (
+    Process,
+    flower_bin,
+    flower_env,
+    free_port,
+    spawn,
+    supernode_command,
+    toml_node_config,
+)
 
 log = logging.getLogger(__name__)
 
 CONNECTION = "florist-local"  # the name `flwr run . florist-local` uses
 
 
-def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
-    """Environment for every Flower process: FLWR_HOME (when given), no telemetry, no run-time
-    dependency installation (it would `uv sync` gigabytes per run)."""
-    # Flower starts `flower-superexec`, `flwr-serverapp` and `flwr-clientapp` by name: put this
-    # environment's scripts first on PATH, so it works without an activated virtualenv.
-    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    return (
-        os.environ
-        | ({"FLWR_HOME": str(flwr_home)} if flwr_home else {})
-        | {"PATH": path}
-        | {
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        }
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def supernode_command(executor: str, preload: str | None = None, fork_server: Path | None = None) -> list[str]:
-    """`florist supernode --executor EXECUTOR [--preload APP] [--fork-server SOCKET]`, run by
-    this Python (no activated venv needed); `flower-supernode`'s options follow."""
-    command = [sys.executable, "-m", "florist", "supernode", "--executor", executor]
-    return (
-        command
-        + (["--preload", preload] if preload else [])
-        + (["--fork-server", str(fork_server)] if fork_server else [])
-    )
-
-
-def flower_bin(name: str) -> str:
-    """A Flower executable from this Python's environment (works without an activated venv)."""
-    candidate = Path(sys.executable).parent / name
-    return str(candidate) if candidate.exists() else name
-
-
-def toml_node_config(values: dict[str, Any]) -> str:
-    """`--node-config` / `--run-config` text: space-separated TOML `key=value` pairs (JSON
-    spells strings, numbers and booleans as TOML does, except inf and nan)."""
-    return " ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # "inf", "-inf", "nan": TOML's spelling, not JSON's "Infinity"
-    return json.dumps(value)
-
-
-@dataclasses.dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, grace: float = 15.0) -> None:
-        """SIGTERM, then SIGKILL after `grace` seconds; then whatever it left in its own
-        process group (its SuperExec and ClientApp children), and nothing else."""
-        if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        try:
-            os.killpg(self.pid, signal.SIGTERM)  # the group was created for this process at spawn
-        except ProcessLookupError:
-            pass
-
-    def tail(self, lines: int = 15) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-
-def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> Process:
-    """Start `args` in its own session (so Ctrl-C reaches us first and `stop` can clean up its
-    process group), output appended to `log_path`."""
-    with open(log_path, "ab") as handle:
-        popen = subprocess.Popen(
-            args, stdout=handle, stderr=subprocess.STDOUT, env=env or flower_env(), cwd=cwd, start_new_session=True
-        )
-    return Process(log_path.stem, popen, log_path)
-
-
-class LocalFederation:
+class LocalFederation(ServerAppRunners):
     """SuperLink + SuperNodes on loopback, or on `network` (`netns.Network.for_federation`, made
     and removed by the caller). Use as a context manager: everything it started is stopped on
     exit (SuperNodes first), by PID."""
@@ -157,6 +67,8 @@ class LocalFederation:
         share = {"torch-threads": max(1, devices.usable_cores() // max(len(node_configs), 1))}
         self.node_configs = [share | config for config in node_configs]
         self.tls, self.auth, self.max_wait_time = tls, auth, max_wait_time
+        if executor == "warm" and not flower_internals.fast_path():  # which has said why, once
+            executor = "flower"  # no fork server, no warm executors: Flower's SuperExec, SuperNodes and SuperLink
         self.executor, self.persistent, self.preload, self.network = executor, persistent, preload, network
         self.host = network.address(netns.SUPERLINK) if network else "127.0.0.1"  # where SuperNodes dial
         self.flwr_home = self.workdir / "flwr-home"
@@ -284,88 +196,6 @@ class LocalFederation:
             self._serve_runs(timeout)
         return self.superlink
 
-    def _serve_runs(self, timeout: float) -> None:
-        """Ask the fork server for the warm executor of this SuperLink's ServerApps: a run then
-        starts in a forked child instead of a new `flwr-serverapp` process (5-8 CPU-s), and it
-        ends when the SuperLink does (`--parent-pid`), as Flower's would. The answer comes once
-        the fork server has preloaded; meanwhile the SuperNodes start."""
-        from florist.deploy.executor import DEFAULT_APP
-
-        deadline = time.monotonic() + timeout
-        while not self.fork_socket.exists():  # named once the fork server listens (before it preloads)
-            if not self.fork_server.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the fork server did not start:\n{self.fork_server.tail()}")
-            time.sleep(0.1)
-        argv = [
-            "--runtime-api-address",
-            self.control_address,
-            "--parent-pid",
-            str(self.superlink.pid),
-            "--app",
-            self.preload or DEFAULT_APP,
-            *self._runtime_tls(),
-        ]
-        try:
-            with open(self.logs / "server-executor.log", "ab") as log_file:
-                self.server_executor = forkserver.request(str(self.fork_socket), argv, log_file.fileno())
-        except OSError as err:
-            self._serve_runs_stock(f"the fork server is unreachable ({err})")
-
-    def ensure_runs_served(self) -> None:
-        """If the fork server refused the ServerApp executor, or it died, runs would wait forever
-        on a SuperLink with `--isolation process`: start Flower's own SuperExec for it instead."""
-        if self.server_executor is not None and self.server_executor.poll() is not None:
-            why = "refused it" if self.server_executor.refused else "it exited"
-            self.server_executor = None
-            self._serve_runs_stock(f"no warm ServerApp executor ({why})")
-
-    def _serve_runs_stock(self, why: str) -> None:
-        log.warning("%s: the SuperLink's runs go to Flower's own SuperExec", why)
-        args = [
-            flower_bin("flower-superexec"),
-            *(self._runtime_tls() or ["--insecure"]),
-            "--runtime-api-address",
-            self.control_address,
-            "--parent-pid",
-            str(self.superlink.pid),
-        ]
-        self.superexec = self._spawn("superexec", netns.SUPERLINK, args)
-
-    def _runtime_tls(self) -> list[str]:
-        return ["--root-certificates", str(self.certs / "ca.crt")] if self.tls else []
-
-    def _stop_server_executor(self, grace: float = 10.0) -> None:
-        if self.server_executor is not None:
-            self.server_executor.terminate()
-            try:
-                self.server_executor.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.server_executor.kill()
-            self.server_executor = None
-
-    def start_fork_server(self) -> Process:
-        """The process that preloads the ClientApp once and forks every SuperNode's warm
-        executor (`forkserver.py`). Its socket lives in a private folder with a short path
-        (a Unix socket's path is limited to about 100 bytes)."""
-        import tempfile
-
-        from florist.deploy.executor import DEFAULT_APP, THREAD_ENV
-
-        self.fork_socket = Path(tempfile.mkdtemp(prefix="florist-")) / "fork-server"
-        args = [
-            sys.executable,
-            "-m",
-            "florist.deploy.forkserver",
-            "--socket",
-            str(self.fork_socket),
-            "--app",
-            self.preload or DEFAULT_APP,
-            "--parent-pid",
-            str(os.getpid()),
-        ]
-        self.fork_server = spawn(args, self.logs / "fork-server.log", env=self.env | THREAD_ENV, cwd=self.workdir)
-        return self.fork_server
-
     def node_key(self, i: int) -> tuple[Path, Path]:
         """The key pair of node i, made on first use (kept across restarts)."""
         private = self.keys / f"node-{i}"
@@ -417,15 +247,26 @@ class LocalFederation:
         )
 
     def online_nodes(self) -> list[int]:
-        """IDs of the SuperNodes the SuperLink lists as online (empty while it cannot answer)."""
+        """IDs of the SuperNodes the SuperLink lists as online (empty while it cannot answer):
+        asked through the Control API's client, or off the fast path with `flwr supernode list`."""
         import httpx
 
-        from florist.common.flower_internals import online_node_ids
-
+        if not flower_internals.fast_path():
+            return self._online_nodes_cli()
         try:
             with self._at_superlink():
-                return online_node_ids(self.control_address, str(self.certs / "ca.crt") if self.tls else None)
+                return flower_internals.online_node_ids(
+                    self.control_address, str(self.certs / "ca.crt") if self.tls else None
+                )
         except httpx.HTTPError:  # not up yet, or restarting: the callers' loops are bounded
+            return []
+
+    def _online_nodes_cli(self) -> list[int]:
+        """`flwr supernode list --format json`'s online nodes (2-3 CPU-seconds a call)."""
+        try:
+            listed = json.loads(self.flwr("supernode", "list", CONNECTION, "--format", "json", timeout=60).stdout)
+            return sorted(int(n["node-id"]) for n in listed["nodes"] if n["status"] == "online")
+        except (subprocess.TimeoutExpired, ValueError, KeyError, TypeError):  # not up yet, or restarting
             return []
 
     def wait_for_nodes(self, count: int, timeout: float) -> None:

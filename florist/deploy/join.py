@@ -13,7 +13,7 @@ from florist.client.state import NodeState
 from florist.common import devices
 from florist.common.data import ClientData
 from florist.common.folders import folder_client
-from florist.deploy.federation import Process, free_port, spawn, supernode_command, toml_node_config
+from florist.deploy.spawning import Process, free_port, spawn, supernode_command, toml_node_config
 
 # (patterns in the SuperNode's output, what it means for the user), most specific first
 DIAGNOSES = [

@@ -9,6 +9,10 @@ It takes `flower-supernode`'s options, plus `--executor`:
 
 Either way the SuperNode's polling is paced (`flower_internals.pace_supernode`): quick while
 messages flow, slower while the federation idles, instead of 3 s after every empty pull.
+
+On a Flower other than the one florist's fast path was written for (`flower_internals.fast_path`)
+it says so in one line and runs Flower's stock SuperNode: `--executor warm` becomes `flower`, and
+the polling is Flower's own.
 """
 
 from __future__ import annotations
@@ -142,6 +146,8 @@ def run(executor: str, flower_args: list[str], preload: str = DEFAULT_APP, fork_
     the socket of a fork server that has it preloaded (`forkserver.py`)."""
     if executor not in EXECUTORS:
         raise ValueError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if executor == "warm" and not flower_internals.fast_path():  # which has said why, once
+        executor, flower_args = "flower", _without_process_isolation(flower_args)
     backoff = Backoff(floor=0.05, cap=1.0, ratio=0.1)
     if executor == "warm":
         command, flower_args = executor_command(flower_args, preload)
@@ -152,3 +158,19 @@ def run(executor: str, flower_args: list[str], preload: str = DEFAULT_APP, fork_
         os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
         flower_internals.pace_supernode(backoff)
     flower_internals.supernode_main(flower_args)
+
+
+def _without_process_isolation(flower_args: list[str]) -> list[str]:
+    """`flower_args` less `--isolation process`, which `--executor warm` allows (its executor
+    serves the tasks) but would leave Flower's own SuperNode with no one to run them."""
+    if _runtime_options(flower_args).isolation != "process":
+        return flower_args
+    kept, skip = [], False
+    for i, arg in enumerate(flower_args):
+        if skip:
+            skip = False
+        elif arg == "--isolation" and i + 1 < len(flower_args):
+            skip = True
+        elif arg != "--isolation=process":
+            kept.append(arg)
+    return kept

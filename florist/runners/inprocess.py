@@ -5,20 +5,19 @@ are serialized to Flower's protobuf and back in both directions."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.constant import ErrorCode
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
-from flwr.supercore.task_identity import TaskIdentity
 
 from florist.common import devices
+from florist.common.flower_internals import assign_message_id, server_identity
 from florist.config import RunConfig
 
 
@@ -63,9 +62,8 @@ class InProcessGrid:
     def push_messages(self, messages: Iterable[Message]) -> list[str]:
         ids = []
         for msg in messages:
-            msg.metadata.__dict__["_message_id"] = msg.object_id  # what the SuperLink does
-            ids.append(msg.metadata.message_id)
-            self.replies[msg.metadata.message_id] = self._answer(msg)
+            ids.append(assign_message_id(msg))  # what the SuperLink does
+            self.replies[ids[-1]] = self._answer(msg)
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> list[Message]:
@@ -85,18 +83,6 @@ class InProcessGrid:
         if reply.has_content():  # a mod's error reply has none
             reply.content = _copy(reply.content)
         return reply
-
-
-@contextlib.contextmanager
-def server_identity(run_id: int) -> Iterator[None]:
-    """Flower's messages take their sender from the task identity a runtime sets for the
-    ServerApp; set it for the block and restore it after."""
-    saved = TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run_id, SUPERLINK_NODE_ID
-    try:
-        yield
-    finally:
-        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 def run_in_process(

@@ -79,31 +79,7 @@ class Exchanger:
         replies = self._send_and_receive(messages)
         seconds = time.monotonic() - start
         # Reply ids are known only after sending; errors made by the SuperLink carry its id, not the node's.
-        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
-        good: dict[int, RecordDict] = {}
-        failed: dict[int, str] = {}  # the first reason each node failed for
-        for reply in replies:
-            node = sent_to.get(reply.metadata.reply_to_message_id)
-            if reply.has_error():
-                node = reply.metadata.src_node_id if node is None else node
-                reason = f"error code {reply.error.code}: {reply.error.reason}"
-                if reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:  # its time-to-live, the timeout, ran out
-                    reason = f"no reply within {self.timeout:.0f} s (the message expired)"
-                    if reply.error.reason.startswith(flower_internals.HALF_UPLOADED):  # made by the Grid
-                        reason = f"its reply was not completely uploaded within {self.timeout:.0f} s"
-            elif node != reply.metadata.src_node_id:  # never taken for another node's reply, or a stale one
-                node = reply.metadata.src_node_id
-                reason = f"it replied to message {reply.metadata.reply_to_message_id!r}, not one this exchange sent it"
-            elif node in good:
-                reason = "more than one reply to its message"
-            else:
-                self.bytes_up += protocol.nbytes(reply.content)
-                try:
-                    good[node] = packing.unpack(reply.content, self.name(node))
-                    continue
-                except packing.PackingError as err:
-                    reason = str(err)
-            failed.setdefault(node, reason)
+        good, failed = self._sort(replies, {m.metadata.message_id: m.metadata.dst_node_id for m in messages})
         for node in sorted(set(requests) - set(good) - set(failed)):
             failed[node] = f"no reply within {self.timeout:.0f} s"
         for node, reason in failed.items():
@@ -125,12 +101,43 @@ class Exchanger:
         # In request order, not arrival order (which varies): float sums over replies then repeat exactly.
         return {node: good[node] for node in requests if node in good}
 
+    def _sort(self, replies: list[Message], sent_to: dict[str, int]) -> tuple[dict[int, RecordDict], dict[int, str]]:
+        """The good replies' contents by node, and the first reason each other node failed for
+        (`sent_to`: the node each sent message id went to)."""
+        good: dict[int, RecordDict] = {}
+        failed: dict[int, str] = {}
+        for reply in replies:
+            node = sent_to.get(reply.metadata.reply_to_message_id)
+            if reply.has_error():
+                node = reply.metadata.src_node_id if node is None else node
+                reason = f"error code {reply.error.code}: {reply.error.reason}"
+                if reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:  # its time-to-live, the timeout, ran out
+                    reason = f"no reply within {self.timeout:.0f} s (the message expired)"
+                    if flower_internals.half_uploaded(reply.error):  # made by the deployment Grid
+                        reason = f"its reply was not completely uploaded within {self.timeout:.0f} s"
+            elif node != reply.metadata.src_node_id:  # never taken for another node's reply, or a stale one
+                node = reply.metadata.src_node_id
+                reason = f"it replied to message {reply.metadata.reply_to_message_id!r}, not one this exchange sent it"
+            elif node in good:
+                reason = "more than one reply to its message"
+            else:
+                self.bytes_up += protocol.nbytes(reply.content)
+                try:
+                    good[node] = packing.unpack(reply.content, self.name(node))
+                    continue
+                except packing.PackingError as err:
+                    reason = str(err)
+            failed.setdefault(node, reason)
+        return good, failed
+
     def _send_and_receive(self, messages: list[Message]) -> list[Message]:
         """Like `Grid.send_and_receive`, but polling with a `Backoff` instead of Flower's fixed
         3 s (a quick reply is seen within tens of milliseconds, a slow one costs few polls), and
         with each poll in a thread of its own: a poll that took the reply of a node cut off
         mid-upload waits for its objects until the deadline, while the next polls, which start
-        once it has taken its replies off the SuperLink, collect the other nodes' replies."""
+        once it has taken its replies off the SuperLink, collect the other nodes' replies.
+        (Off the fast path, and with any other Grid, a poll never says it has taken its replies:
+        polls then run one after the other, each as Flower's `pull_messages` runs.)"""
         pending = set(self.grid.push_messages(messages))
         deadline, backoff = time.monotonic() + self.timeout, Backoff(floor=0.05, cap=0.5, ratio=0.1)
         replies: list[Message] = []
@@ -207,6 +214,4 @@ def _telling(replies: list[Message]) -> list[Message]:
 def _not_found(reply: Message) -> bool:
     """Whether `reply` is the SuperLink's error for a message it no longer has (expired, or its
     reply taken by another poll), not the node's error or the Grid's for a half upload."""
-    return reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE and not reply.error.reason.startswith(
-        flower_internals.HALF_UPLOADED
-    )
+    return reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE and not flower_internals.half_uploaded(reply.error)

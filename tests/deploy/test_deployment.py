@@ -12,8 +12,8 @@ from processes import labelled_folder
 
 from florist.cli import main
 from florist.common.processes import marked
-from florist.deploy.federation import free_port
 from florist.deploy.join import JoinError, join
+from florist.deploy.spawning import free_port
 
 
 def test_deploy_local_with_flowers_own_executor_runs_fedavg_over_grpc(tmp_path):

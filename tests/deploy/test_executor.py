@@ -20,8 +20,8 @@ from processes import submit as run_submit
 from florist.common.processes import marked
 from florist.deploy import forkserver
 from florist.deploy.bundle import app_dir, checkout
-from florist.deploy.executor import PreloadedApp
 from florist.deploy.federation import LocalFederation
+from florist.deploy.preloaded import PreloadedApp
 
 APPS = Path(__file__).parent / "apps"
 

@@ -4,7 +4,7 @@ import pytest
 from flwr.common.config import parse_config_args
 
 from florist.config import RunConfig, parse_overrides
-from florist.deploy.federation import toml_node_config
+from florist.deploy.spawning import toml_node_config
 
 
 def test_run_config_text_round_trips_and_reads_as_flower_reads_it():

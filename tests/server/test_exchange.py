@@ -5,6 +5,7 @@ its reply costs the others nothing."""
 import math
 import time
 
+import flwr
 from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.supercore.inflatable import inflatable_utils
@@ -90,8 +91,9 @@ def test_a_reply_cut_off_mid_upload_is_named_as_such():
 CUT = 101
 
 
-class SuperLinkGrid(EmptyReplies):
-    """Flower's deployment Grid against a SuperLink, as far as the exchange can tell: a poll
+class SuperLinkGrid(EmptyReplies, http_grid.HttpGrid):
+    """Flower's deployment Grid against a SuperLink, as far as the exchange can tell (its class
+    too, for `flower_internals.pull_replies`; the in-process Grid's methods come first): a poll
     takes the replies that are in off the SuperLink, then pulls their objects one reply after
     the other (through `http_grid`'s `pull_objects`), each reply's `upload` seconds after it
     starts on them; the SuperLink answers for a message whose reply another poll took, or whose
@@ -175,3 +177,47 @@ def test_a_reply_or_a_nodes_own_error_beats_not_found_from_a_poll_beside_the_one
     assert list(good) == [100] and failed == {
         CUT: f"error code {ErrorCode.CLIENT_APP_RAISED_EXCEPTION}: injected fault"
     }
+
+
+def test_an_in_process_exchange_never_consults_the_guard_on_flower_internals(monkeypatch):
+    def consulted():
+        raise AssertionError("the guard was consulted")
+
+    monkeypatch.setattr(flower_internals, "fast_path", consulted)
+    monkeypatch.setattr(flower_internals, "mismatch", consulted)
+    grid = EmptyReplies(client_app, NODES, run_id=5)
+    exchanger = Exchanger(grid, 1.0, grid.run_id)
+    with server_identity(grid.run_id):
+        assert list(exchanger.exchange({100: RecordDict(), 101: RecordDict()}, "query.info", 1)) == [100, 101]
+    assert not exchanger.failures
+
+
+class SlowUploads(SuperLinkGrid):
+    """Both nodes' replies are in after 0.2 s, and their objects (CUT's too) take 0.1 s to pull."""
+
+    late, rpc, upload = {100: 0.2, CUT: 0.2}, 0.05, 0.1
+
+    def _pulled(self, reply):
+        complete = time.monotonic() + self.upload
+
+        def pull_object(object_id):
+            if time.monotonic() < complete:
+                raise inflatable_utils.ObjectUnavailableError(object_id)
+            return b""
+
+        http_grid.pull_objects(["a" * 64], pull_object, initial_backoff=0.01, backoff_cap=0.05)
+        return reply
+
+
+def test_off_the_fast_path_polls_over_the_deployment_grid_run_one_after_the_other_and_finish(monkeypatch, capsys):
+    """Another Flower: the Grid's pulls are Flower's own, nothing says a poll has taken its
+    replies, so each poll waits for the one before; the exchange still ends with every reply."""
+    monkeypatch.setattr(flwr, "__version__", "1.39.1")
+    flower_internals.forget()
+    try:
+        start = time.monotonic()
+        good, failed = _exchange(SlowUploads(client_app, NODES, run_id=5), 5.0)
+    finally:
+        flower_internals.forget()
+    assert list(good) == [100, CUT] and not failed and time.monotonic() - start < 3
+    assert "florist: Flower 1.39.1 is installed" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import pytest
 import torch
 from flwr.app import Context, Message, RecordDict
 
+import florist.client.app as client_app_module
 import florist.strategies
 from florist.client.app import app, exchanges
 from florist.client.node import parse
@@ -38,18 +39,27 @@ def test_a_half_never_imports_the_other_half(half):
         assert not wrong, f"{path.relative_to(ALGORITHMS)} imports {wrong}"
 
 
-def test_every_exchange_has_one_handler_and_every_spec_loads():
-    registered = set(app._registered_funcs)
-    for exchange in exchanges():
-        category, _, action = exchange.message_type.partition(".")
-        assert f"{category}.{action or 'default'}" in registered
+class Dispatched(Exception):
+    """Raised where a handler of florist's ClientApp starts on a message, naming its exchange."""
+
+    def __init__(self, exchange):
+        self.exchange = exchange
+
+
+def test_every_exchange_has_one_handler_and_every_spec_loads(monkeypatch):
+    def dispatched(msg, context, exchange):
+        raise Dispatched(exchange)
+
+    monkeypatch.setattr(client_app_module, "parse", dispatched)  # each handler's first step
+    for exchange in exchanges():  # each declared message type reaches its own handler, not Flower's "no handler"
+        with pytest.raises(Dispatched) as got:
+            app(_message({}, exchange.message_type), _context())
+        assert got.value.exchange == exchange
         handler = exchange.handler()  # a strategy's client half, or the ClientApp's own for INFO
         assert callable(handler) and handler.__module__.endswith(".client" if exchange != INFO else ".app")
-    assert (
-        len(registered)
-        == len(exchanges())
-        == 1 + len({e.message_type for s in STRATEGIES.values() for e in s.exchanges})
-    )
+    with pytest.raises(ValueError, match="No query function registered with name 'undeclared'"):
+        app(_message({}, "query.undeclared"), _context())  # what a type without a handler gets
+    assert len(exchanges()) == 1 + len({e.message_type for s in STRATEGIES.values() for e in s.exchanges})
     for spec in STRATEGIES.values():
         server = spec.server()
         assert issubclass(server, ServerStrategy) and server.__module__.startswith("florist.strategies.")

@@ -1,0 +1,192 @@
+"""What the warm executor and the local federation use of Flower 1.39's runtime, beyond its CLI:
+
+- the warm executor drives the Runtime API's task loop and Flower's ClientApp and ServerApp
+  runtimes itself (`runtime_client`, `acquire_task`, `stock_command`, `run_clientapp`,
+  `run_serverapp`, as `flower-superexec`, `flwr-clientapp` and `flwr-serverapp` call them);
+- it reads the app bundles a SuperNode's ClientApps installed (`installed_fab`), and a ClientApp
+  process unpacks and re-verifies its app bundle for every message, even when that bundle is
+  installed already (`flwr/cli/install.py`): `skip_installed_fabs` skips that;
+- `online_node_ids` asks the Control API what `flwr supernode list` asks, without the CLI;
+- `publishable_files` and `fab_bytes` find the files `flwr run` bundles without walking the
+  folders .gitignore excludes.
+
+The executor is started only on the fast path (`florist supernode`, `LocalFederation`), and
+`skip_installed_fabs` does nothing off it; the callers of the others fall back to Flower's CLI.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from florist.common import flower_internals as guard
+
+
+def runtime_client(address: str, root_certificates: str | None):
+    """A client of a SuperNode's Runtime API, as Flower's SuperExec makes it (no retries:
+    the executor's own loop decides what to do when the SuperNode is gone)."""
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+    from flwr.supercore.runtime import RuntimeHttpClient
+
+    return RuntimeHttpClient.from_server_address(
+        server_address=address,
+        insecure=root_certificates is None,
+        root_certificates=root_certificates,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
+    )
+
+
+def acquire_task(client) -> tuple[str, Any] | None:
+    """(token, task) of the next pending task of any type, or None."""
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore.constant import TaskType
+
+    response = client.AcquireTask(AcquireTaskRequest(supported_task_types=[str(t) for t in TaskType]))
+    return (response.token, response.task) if response.HasField("task") and response.token else None
+
+
+def app_component(task) -> str | None:
+    """ "clientapp" or "serverapp" (its key in [tool.flwr.app.components]) for a task that runs
+    one, None for any other (a simulation)."""
+    from flwr.supercore.constant import TaskType
+
+    return {TaskType.CLIENT_APP: "clientapp", TaskType.SERVER_APP: "serverapp"}.get(task.type)
+
+
+def stock_command(task, address: str, token: str, root_certificates: str | None, parent_pid: int) -> list[str]:
+    """The process Flower's own SuperExec starts for `task` (`SubprocessExecutor.launch`)."""
+    from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG, TASK_TYPE_TO_COMMAND, TaskType
+
+    task_type = TaskType(task.type)
+    command = [
+        TASK_TYPE_TO_COMMAND[task_type],
+        TASK_TYPE_TO_APPIO_API_ADDRESS_ARG[task_type],
+        address,
+        "--token",
+        token,
+    ]
+    command += ["--root-certificates", root_certificates] if root_certificates else ["--insecure"]
+    return command + ["--parent-pid", str(parent_pid)]
+
+
+def run_clientapp(address: str, token: str, root_certificates: str | None, parent_pid: int) -> None:
+    """Flower's ClientApp runtime for one task: pull its message, run the ClientApp the run's
+    app bundle names, push the reply, exit. An app module already imported in this process is
+    used as it is (`flwr.supercore.object_ref.load_app`), which is what makes a forked child warm."""
+    from flwr.supernode.runtime.run_clientapp import run_clientapp as flower_run_clientapp
+
+    certificates = Path(root_certificates).read_bytes() if root_certificates else None
+    flower_run_clientapp(
+        runtime_api_address=address,
+        token=token,
+        insecure=certificates is None,
+        certificates=certificates,
+        parent_pid=parent_pid,
+        runtime_dependency_install=False,
+    )
+
+
+def run_serverapp(address: str, token: str, root_certificates: str | None, parent_pid: int) -> None:
+    """Flower's ServerApp runtime for one run, as `flwr-serverapp` calls it: its output is
+    mirrored to the SuperLink (what `flwr run --stream` and `flwr log` show), the run's
+    ServerApp runs, the process ends when `parent_pid` does."""
+    import logging
+    from queue import Queue
+
+    from flwr.supercore.logger import mirror_output_to_queue, restore_output
+    from flwr.superlink.runtime import run_serverapp as flower_run_serverapp
+
+    logging.getLogger().handlers.clear()  # the executor's handler would write each of Flower's lines twice
+    log_queue: Queue[str | None] = Queue()
+    mirror_output_to_queue(log_queue)
+    certificates = Path(root_certificates).read_bytes() if root_certificates else None
+    try:
+        flower_run_serverapp(
+            runtime_api_address=address,
+            log_queue=log_queue,
+            token=token,
+            insecure=certificates is None,
+            certificates=certificates,
+            parent_pid=parent_pid,
+            runtime_dependency_install=False,
+        )
+    finally:
+        restore_output()
+
+
+def installed_fab(fab_hash: str) -> Path | None:
+    """The folder where this machine's ClientApps installed the app bundle `fab_hash`
+    (`$FLWR_HOME/apps/<publisher>.<name>.<version>.<hash prefix>`), if one did."""
+    from flwr.common.constant import APP_DIR, FAB_HASH_TRUNCATION
+    from flwr.supercore.utils import get_flwr_home
+
+    found = sorted((get_flwr_home() / APP_DIR).glob(f"*.{fab_hash[:FAB_HASH_TRUNCATION]}"))
+    return found[0] if fab_hash and found else None
+
+
+def skip_installed_fabs() -> bool:
+    """In this process, Flower's ClientApp runtime installs an app bundle only when it is not
+    installed already (it would unpack and hash every file again for every message). False
+    (nothing changed) off the fast path."""
+    if not guard.fast_path():
+        return False
+    import hashlib
+
+    from flwr.supernode.runtime import run_clientapp as runtime
+
+    install = runtime.install_from_fab
+
+    def install_once(fab_file: bytes, skip_prompt: bool = False) -> Path:
+        return installed_fab(hashlib.sha256(fab_file).hexdigest()) or install(fab_file, skip_prompt=skip_prompt)
+
+    runtime.install_from_fab = install_once
+    return True
+
+
+def online_node_ids(address: str, root_certificates: str | None) -> list[int]:
+    """The SuperNodes the SuperLink at `address` (its Control API) lists as online: what
+    `flwr supernode list` asks, without starting the CLI (2-3 CPU-seconds per call)."""
+    from flwr.proto.control_pb2 import ListNodesRequest
+    from flwr.supercore.control import ControlHttpClient
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+
+    client = ControlHttpClient.from_server_address(
+        server_address=address,
+        insecure=root_certificates is None,
+        root_certificates=root_certificates,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")],
+    )
+    try:
+        return sorted(n.node_id for n in client.ListNodes(ListNodesRequest()).nodes_info if n.status == "online")
+    finally:
+        client.close()
+
+
+def publishable_files(root: Path) -> dict[str, Path]:
+    """The files of the app in `root` that `flwr run` puts in its app bundle, by Flower's own
+    rules (.gitignore, Flower's include and exclude lists), found without entering the folders
+    .gitignore excludes: Flower walks and matches every file first, which in a checkout with
+    its .venv (49k files) costs 8 CPU-seconds per `flwr run`."""
+    import os
+
+    from flwr.cli.utils import build_pathspec, filter_paths_for_publish, load_gitignore_patterns
+
+    ignore = root / ".gitignore"
+    ignored = build_pathspec(tuple(load_gitignore_patterns(ignore.read_bytes() if ignore.is_file() else b"")))
+    files: dict[str, Path] = {}
+    for folder, subfolders, names in os.walk(root):
+        here = Path(folder).relative_to(root)
+        subfolders[:] = [
+            d
+            for d in subfolders
+            if not Path(folder, d).is_symlink() and not ignored.match_file(f"{(here / d).as_posix()}/")
+        ]
+        files |= {(here / n).as_posix(): Path(folder, n) for n in names if not Path(folder, n).is_symlink()}
+    return filter_paths_for_publish(files)
+
+
+def fab_bytes(root: Path) -> bytes:
+    """The app bundle `flwr run ROOT` would build, byte for byte (same files, same dates)."""
+    from flwr.cli.build import build_fab_from_files
+
+    return build_fab_from_files(publishable_files(root))[0]
