@@ -5,6 +5,7 @@ drive florist clients: model under `arrays`, settings under `config`, numbers un
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -103,13 +104,19 @@ def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> d
     return metrics
 
 
+# What a node may call itself: short, printable, no path or escape sequence (it goes into logs,
+# file names and results), sorted without an unbounded int().
+NODE_KEY = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
 def info_of(content: RecordDict, source: str) -> tuple[str, tuple[int, ...], dict[str, float]]:
     """(node key, input shape, metrics) of a `query.info` reply, checked."""
     metrics = metrics_of(content, INFO_METRICS, source)
     config = content.config_records.get(CONFIG, {})
     key, shape = config.get("node-key"), config.get("input-shape")
-    if not isinstance(key, str) or not key:
-        raise ProtocolError(f"{source}: node-key must be a non-empty string (got {key!r})")
+    if not isinstance(key, str) or not NODE_KEY.fullmatch(key):
+        shown = repr(key)[:40] + ("..." if len(repr(key)) > 40 else "")
+        raise ProtocolError(f"{source}: node-key must be 1-128 of A-Z a-z 0-9 . _ - (got {shown})")
     if not isinstance(shape, list) or not shape or not all(type(d) is int and d >= 1 for d in shape):
         raise ProtocolError(f"{source}: input-shape must be a list of positive integers (got {shape!r})")
     return key, tuple(shape), metrics

@@ -13,7 +13,7 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from florist.common import flower_internals, protocol
+from florist.common import protocol
 from florist.common.metrics import weighted_mean
 from florist.config import RunConfig
 from florist.server.checkpoint import Checkpoint
@@ -30,9 +30,12 @@ log = logging.getLogger("flwr").getChild(__name__)
 RoundCallback = Callable[[dict[str, Any]], None]
 
 
-def discover(exchanger: Exchanger, cfg: RunConfig, node_ids: list[int]) -> list[NodeInfo]:
-    """Ask nodes who they are (one `query.info` exchange); a node with an ill-formed answer is
-    recorded as failed and left out."""
+def discover(
+    exchanger: Exchanger, cfg: RunConfig, node_ids: list[int], known: Mapping[str, NodeInfo] | None = None
+) -> list[NodeInfo]:
+    """Ask nodes who they are (one `query.info` exchange). A node is recorded as failed and left
+    out, never raising here, when its answer is ill-formed, when another node already has its
+    key, or when it is to train and holds no training example."""
     request = protocol.content(config=message_config(cfg, INFO, 0, exchanger.run_id))
     replies = exchanger.exchange({n: request for n in node_ids}, INFO.message_type, 0)
     nodes = []
@@ -42,9 +45,14 @@ def discover(exchanger: Exchanger, cfg: RunConfig, node_ids: list[int]) -> list[
         except protocol.ProtocolError as err:
             exchanger.fail(node_id, INFO.message_type, 0, f"ill-formed info reply: {err}")
             continue
-        nodes.append(
-            NodeInfo(node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]), shape)
-        )
+        node = NodeInfo(node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]), shape)
+        taken = (known or {}).get(key) or next((n for n in nodes if n.key == key), None)
+        if taken is not None:
+            exchanger.fail(node_id, INFO.message_type, 0, f"node key {key!r} is already {taken}'s")
+        elif node.seen and node.num_train < 1:
+            exchanger.fail(node_id, INFO.message_type, 0, "it holds no training example, and seen nodes train")
+        else:
+            nodes.append(node)
     exchanger.names.update({n.node_id: str(n) for n in nodes})
     return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
 
@@ -79,7 +87,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
 
     final_round = cfg.num_server_rounds + 1
     scores = strategy.evaluate(final_round, seen) | strategy.serve(final_round, unseen)
-    late = serve_late_joiners(exchanger, strategy, cfg, {n.node_id for n in nodes}, scores)
+    late = serve_late_joiners(exchanger, strategy, cfg, nodes, scores)
     results.set_clients(nodes + late, scores)
     results.failures = exchanger.failures
     results.write()
@@ -96,8 +104,9 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
 
 
 def start_nodes(exchanger: Exchanger, cfg: RunConfig) -> list[NodeInfo]:
-    """The nodes of the run, once `min-nodes` are connected and have said who they are; refuses
-    a run with none that answered, with more than one input shape, or with none to train."""
+    """The nodes of the run, once `min-nodes` are connected and have said who they are: those
+    with the input shape most of them have (the others are left out, named); refuses a run with
+    none that answered or with none to train."""
     nodes = discover(exchanger, cfg, exchanger.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
     if not nodes:
         first = exchanger.failures[0] if exchanger.failures else {"node": "-", "reason": "-"}
@@ -105,9 +114,11 @@ def start_nodes(exchanger: Exchanger, cfg: RunConfig) -> list[NodeInfo]:
             f"no node answered the info request ({len(exchanger.failures)} failed; the first, "
             f"{first['node']}: {first['reason']})"
         )
-    if len(shapes := {n.input_shape for n in nodes}) > 1:
-        detail = ", ".join(f"{n.key}: {n.input_shape}" for n in nodes)
-        raise ValueError(f"one input shape is needed across nodes, got {detail} ({len(shapes)} shapes)")
+    shapes = [n.input_shape for n in nodes]
+    shape = max(shapes, key=shapes.count)  # the most common; on a tie, the first node's in key order
+    for node in (n for n in nodes if n.input_shape != shape):
+        exchanger.fail(node.node_id, INFO.message_type, 0, f"input shape {node.input_shape}, most nodes' is {shape}")
+    nodes = [n for n in nodes if n.input_shape == shape]
     seen = [n for n in nodes if n.seen]
     log.info("%d nodes: %d seen (train), %d unseen (serve only)", len(nodes), len(seen), len(nodes) - len(seen))
     if not seen:
@@ -129,7 +140,11 @@ def train_round(strategy: ServerStrategy, results: Results, seen: list[NodeInfo]
 
 
 def serve_late_joiners(
-    exchanger: Exchanger, strategy: ServerStrategy, cfg: RunConfig, known: set[int], scores: dict[int, dict[str, float]]
+    exchanger: Exchanger,
+    strategy: ServerStrategy,
+    cfg: RunConfig,
+    nodes: list[NodeInfo],
+    scores: dict[int, dict[str, float]],
 ) -> list[NodeInfo]:
     """The serve phase for nodes that connect after training (deployment): each gets its
     personalized model from `strategy.serve`, until `serve-seconds` have passed or
@@ -138,6 +153,7 @@ def serve_late_joiners(
         return []
     log.info("serving nodes that join in the next %.0f s", cfg.serve_seconds)
     deadline, served = time.monotonic() + cfg.serve_seconds, []
+    known, keys = {n.node_id for n in nodes}, {n.key: n for n in nodes}  # a late node cannot take a key
     while time.monotonic() < deadline and not (cfg.serve_count and len(served) >= cfg.serve_count):
         new = sorted(set(exchanger.grid.get_node_ids()) - known)
         if not new:
@@ -145,7 +161,7 @@ def serve_late_joiners(
             continue
         known.update(new)
         joined = []
-        for node in discover(exchanger, cfg, new):
+        for node in discover(exchanger, cfg, new, keys):
             if node.input_shape != strategy.input_shape:
                 exchanger.fail(
                     node.node_id,
@@ -155,6 +171,7 @@ def serve_late_joiners(
                 )
                 continue
             joined.append(dataclasses.replace(node, seen=False))  # joined after training: unseen by definition
+            keys[node.key] = node
         log.info("serving %s", ", ".join(str(n) for n in joined) or "nobody (no valid node)")
         scores.update(strategy.serve(cfg.num_server_rounds + 1, joined))
         served += joined
@@ -184,7 +201,6 @@ def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundC
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        flower_internals.quick_object_pulls()  # replies are pulled as soon as they are there
         cfg = RunConfig.from_mapping({**context.run_config, **(overrides or {})})
         check_results_dir(cfg.results_dir)  # before any work: a run that cannot be saved is not started
         run(grid, cfg, on_round, context.run_id)
