@@ -38,7 +38,7 @@ def discover(
     key, or when it is to train and holds no training example."""
     request = protocol.content(config=message_config(cfg, INFO, 0, exchanger.run_id))
     replies = exchanger.exchange({n: request for n in node_ids}, INFO.message_type, 0)
-    nodes = []
+    nodes, keys = [], dict(known or {})  # one lookup per reply: a federation of thousands stays linear
     for node_id, reply in replies.items():
         try:
             key, shape, metrics = protocol.info_of(reply, f"node {node_id}")
@@ -46,13 +46,13 @@ def discover(
             exchanger.fail(node_id, INFO.message_type, 0, f"ill-formed info reply: {err}")
             continue
         node = NodeInfo(node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]), shape)
-        taken = (known or {}).get(key) or next((n for n in nodes if n.key == key), None)
-        if taken is not None:
+        if (taken := keys.get(key)) is not None:
             exchanger.fail(node_id, INFO.message_type, 0, f"node key {key!r} is already {taken}'s")
         elif node.seen and node.num_train < 1:
             exchanger.fail(node_id, INFO.message_type, 0, "it holds no training example, and seen nodes train")
         else:
             nodes.append(node)
+            keys[key] = node
     exchanger.names.update({n.node_id: str(n) for n in nodes})
     return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
 
