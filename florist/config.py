@@ -8,6 +8,7 @@ instead of deep inside a round.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ from florist.common.settings import NoSettings, Settings, setting
 from florist.strategies import STRATEGIES, strategy_spec
 
 AUGMENTS = ("none", "flip", "crop-flip")  # florist/common/training.py applies them
+AGGREGATIONS = "mean | median | trimmed:BETA (0 <= BETA < 0.5) | krum:F | multikrum:F (F >= 0 Byzantine nodes)"
 
 # The strategies `strategy` may name (the registry holds their specs, which import no torch).
 STRATEGY_NAMES = tuple(STRATEGIES)
@@ -62,6 +64,11 @@ class RunConfig(Settings):
     torch_threads: int = setting(0, node=True)  # 0: the CPUs a client gets (simulation) or the node's cores
     proximal_mu: float = setting(0.0)  # FedProx's μ: μ/2·‖w − w_global‖² added to each local step's loss
     client_mods: str = setting("")  # Flower client mods around each message, by name (florist/common/client_mods.py)
+    # how the server combines the nodes' models (florist/server/aggregation.py): mean (FedAvg's
+    # sample-weighted mean) | median | trimmed:BETA | krum:F | multikrum:F
+    aggregation: str = setting("mean", server=True)
+    clip_norm: float = setting(0.0, server=True)  # clip each update's L2 distance to the global model (0: off)
+    max_node_examples: int = setting(0, server=True)  # cap on a node's weight, beside its discovery num-train (0: none)
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = setting(False)
     # serve phase: personalize nodes that connect after training
@@ -137,10 +144,31 @@ class RunConfig(Settings):
             (devices.parse(self.server_device), f"server-device must be {devices.FORMS}, got {self.server_device!r}"),
             (self.torch_threads >= 0, "torch-threads must be >= 0 (0: as many as the node or client has)"),
             (not (mods_problem := client_mods.problem(self.client_mods)), mods_problem),
+            (
+                _parses(parse_aggregation, self.aggregation),
+                f"aggregation must be {AGGREGATIONS}, got {self.aggregation!r}",
+            ),
+            (self.clip_norm >= 0 and math.isfinite(self.clip_norm), "clip-norm must be a finite number >= 0 (0: off)"),
+            (self.max_node_examples >= 0, "max-node-examples must be >= 0 (0: no cap beyond num-train)"),
             (self.num_classes >= 2, "num-classes must be >= 2"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
             (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),
         ]
+
+
+def parse_aggregation(spec: str) -> tuple[str, float]:
+    """`mean` | `median` | `trimmed:β` (0 ≤ β < 0.5 cut at each end) | `krum:f` | `multikrum:f`
+    (f ≥ 0 whole, the Byzantine nodes assumed) as (rule, β or f; 0 for mean and median)."""
+    rule, _, arg = spec.partition(":")
+    if rule in ("mean", "median") and not arg:
+        return rule, 0.0
+    if rule == "trimmed" and arg:
+        beta = float(arg)  # a ValueError when it is no number
+        if 0 <= beta < 0.5:
+            return rule, beta
+    if rule in ("krum", "multikrum") and arg.isascii() and arg.isdigit():
+        return rule, float(int(arg))
+    raise ValueError(f"aggregation must be {AGGREGATIONS}, got {spec!r}")
 
 
 def _parses(parse, spec: str, kind: str = "") -> bool:

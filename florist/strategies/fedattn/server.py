@@ -1,7 +1,9 @@
 """FedAttn's server half. G is trained by FedAvg; the server keeps every trained client's
 latest representation Z and biases M, gives a sampled client i G with
 `M̃_i = Attention(Z_i, Z_N, M_N)` over its K nearest clients by Z (a FAISS search), and trains
-W_Q, W_K, W_V with the client's gradient at M̃_i.
+W_Q, W_K, W_V with the client's gradient at M̃_i. G and M̄ are aggregated as FedAvg's model is,
+by the run's `aggregation` rule (with `clip-norm` and the weight caps); under a robust rule the
+M the attention reads are bounded too (`bounded`).
 
 Stability (the paper's runs broke at random rounds): `fedattn-warmup` FedAvg-only rounds
 first, attention over deviations from the mean biases (`fedattn-residual`), a penalty on
@@ -21,9 +23,10 @@ from torch import nn
 
 from florist.common import protocol
 from florist.common.models import bias_names, flat_biases, seeded
-from florist.server.strategy import TESTED, TRAINED, NodeInfo, log, mean_loss
+from florist.server.aggregation import clip_updates
+from florist.server.strategy import TESTED, TRAINED, NodeInfo, log
 from florist.strategies.fedattn.spec import BIAS_GRAD, REPRESENT, TRAIN_ATTN, AttentionSettings, Z
-from florist.strategies.fedavg.server import FedAvg, weighted_average
+from florist.strategies.fedavg.server import FedAvg
 from florist.strategies.fedavg.spec import EVALUATE
 
 MAX_BIASES = 4096  # W_V is m×m
@@ -152,15 +155,23 @@ class FedAttn(FedAvg):
             gradients = [replies[n.node_id].side[BIAS_GRAD] for n in attended]
             self.backprop([m_tilde[n.node_id] for n in attended], gradients, m_bar)
             self.step()
-        states = [replies[n.node_id].arrays for n in done]
-        self.remember(
-            {
-                node.key: (replies[node.node_id].side[Z], flat_biases(state, self.biases))
-                for node, state in zip(done, states)
-            }
-        )
-        self.model.load_state_dict(weighted_average(states, [replies[n.node_id].metrics["num-examples"] for n in done]))
-        return mean_loss(replies[n.node_id].metrics for n in done)
+        # G (with M̄) by FedAvg's rule, or the robust one the run config names (florist/server/aggregation.py).
+        loss = self.aggregate([(n, replies[n.node_id]) for n in done])
+        biases = [flat_biases(replies[n.node_id].arrays, self.biases) for n in done]
+        if not self.aggregator.plain:
+            biases = self.bounded(biases)
+        self.remember({n.key: (replies[n.node_id].side[Z], m) for n, m in zip(done, biases)})
+        return loss
+
+    def bounded(self, biases: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Under a robust aggregation, the clients' M to remember, each one's distance to the
+        new M̄ clipped to the round's median distance. The attention mixes the neighbours' M
+        into every client's biases, so one node's M would carry its attack past the robust G;
+        while fewer than half the nodes lie, the median distance is an honest node's."""
+        m_bar = self.mean_biases()
+        bound = float(torch.stack([(m.double() - m_bar.double()).norm() for m in biases]).median())
+        clipped, _ = clip_updates([{"m": m} for m in biases], {"m": m_bar}, bound)
+        return [c["m"] for c in clipped]
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
         """Each node tests G with its M̃ (G with M̄ during warm-up). A node the server has no

@@ -1,33 +1,20 @@
 """FedAvg's server half: the sample-weighted mean of the trained models (FedAvg+ differs only
-on the client, which fine-tunes before testing)."""
+on the client, which fine-tunes before testing), or the robust rule the run config names
+(`aggregation`, `clip-norm`, `max-node-examples`: florist/server/aggregation.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from florist.common import packing, protocol
 from florist.common.models import Net
-from florist.server.strategy import TESTED, TRAINED, NodeInfo, ServerStrategy, mean_loss, metrics_of
+from florist.server.aggregation import Aggregator, weighted_average
+from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.base import Exchange
 from florist.strategies.fedavg.spec import EVALUATE, TRAIN
 
-
-def weighted_average(states: list[dict[str, torch.Tensor]], weights: list[float]) -> dict[str, torch.Tensor]:
-    """Σ w_k·θ_k / Σ w_k for floating tensors; integer buffers (BatchNorm's counters) are
-    taken from the client with the largest weight, since averaging a count means nothing."""
-    total = float(sum(weights))
-    heaviest = states[max(range(len(weights)), key=weights.__getitem__)]
-    return {
-        key: (
-            sum(s[key].double() * (w / total) for s, w in zip(states, weights)).to(ref.dtype)
-            if ref.is_floating_point()
-            else heaviest[key].clone()
-        )
-        for key, ref in states[0].items()
-    }
+__all__ = ["FedAvg", "exchange_bytes", "weighted_average"]  # weighted_average: FedAvg's mean, kept importable here
 
 
 def exchange_bytes(model: Net, config: Mapping[str, Any]) -> tuple[int, int]:
@@ -47,16 +34,34 @@ class FedAvg(ServerStrategy):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.model = self.new_model()
+        self.aggregator = Aggregator.of(self.cfg)
+        self.extras: dict[str, Any] = {}
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         request = self.request(TRAIN, server_round, protocol.to_record(self.model))
         replies = self.broadcast(TRAIN, nodes, server_round, request, TRAINED, self.model.state_dict())
-        done = [replies[n.node_id] for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
+        done = [(n, replies[n.node_id]) for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
+        return self.aggregate(done)
+
+    def aggregate(self, done: list[tuple[NodeInfo, Reply]]) -> float | None:
+        """Load the aggregate of the `done` nodes' models into the global model (each node's
+        weight capped by what it reported at discovery); return their weighted mean loss."""
+        weights = [self.aggregator.weight(r.metrics["num-examples"], n.num_train) for n, r in done]
+        self.extras = {}
         if done:
-            self.model.load_state_dict(
-                weighted_average([r.arrays for r in done], [r.metrics["num-examples"] for r in done])
-            )
-        return mean_loss(r.metrics for r in done)
+            outcome = self.aggregator([r.arrays for _, r in done], weights, self.model.state_dict())
+            self.model.load_state_dict(outcome.state)
+            if not self.aggregator.plain:
+                self.extras = {
+                    "aggregation": outcome.rule,
+                    "left_out": [n.key for i, (n, _) in enumerate(done) if i not in outcome.kept],
+                    "clipped": [done[i][0].key for i in outcome.clipped],
+                }
+        return mean_loss(r.metrics | {"num-examples": w} for (_, r), w in zip(done, weights))
+
+    def round_extras(self) -> dict[str, Any]:
+        """Under a robust rule: the rule that ran, and the nodes it left out or clipped."""
+        return self.extras
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
         """Send the global model with `evaluation`; clients personalize it their way."""

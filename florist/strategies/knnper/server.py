@@ -1,4 +1,5 @@
-"""kNN-Per's server half is FedAvg's: only the evaluation exchange differs."""
+"""kNN-Per's server half is FedAvg's, its aggregation (`aggregation`, `clip-norm`,
+`max-node-examples`) included: only the evaluation exchange differs."""
 
 from __future__ import annotations
 

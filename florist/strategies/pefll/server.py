@@ -1,5 +1,6 @@
 """PeFLL's and OD-PFL's server half: the hypernetwork h and the encoder η_v, updated from the
-three exchanges of a round by the chain rule; PeFLL-predict for clients that never trained."""
+three exchanges of a round by the chain rule; PeFLL-predict for clients that never trained.
+A robust `aggregation` combines the clients' Δη in place of their mean (`robust_gradients`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from flwr.app import ArrayRecord
 
 from florist.common.devices import moved
 from florist.common.models import build_model, seeded
+from florist.server.aggregation import Aggregator
 from florist.server.report import pct
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss
 from florist.strategies.pefll.networks import EmbeddingNet, Encoder, HyperNetwork, SetEncoder, default_embed_dim
@@ -41,6 +43,7 @@ class PeFLL(ServerStrategy):
             self.embed: Encoder = self.encoder(self.input_shape, cfg.num_classes, self.embed_dim)
         self.hyper.to(self.device), self.embed.to(self.device)  # built on the CPU: the same start on any device
         self.template = template.state_dict()
+        self.aggregator = Aggregator.of(cfg)  # over the clients' Δη when the run names a robust rule
         # Both optimizers take the pseudo-gradient −mean Δη. SGD with learning rate β and weight
         # decay 2λ is then η ← (1 − 2βλ)η + β·mean Δη: Algorithm 2's η ← (1 − 2βλ)η + mean Δη when
         # β = 1 (the clients' Δη carry their own step size). AdamW decays alike before Adam's step.
@@ -91,12 +94,34 @@ class PeFLL(ServerStrategy):
 
     def update(self, steps: dict[int, tuple[Params, Params, Params]]) -> None:
         """One optimizer step on −mean Δη from (θ_i, Δθ_i, Δη_v,i) per client. Δη_h,i = J_iᵀΔθ_i
-        comes from one backward pass through Σ_i ⟨θ_i, Δθ_i⟩."""
+        comes from one backward pass through Σ_i ⟨θ_i, Δθ_i⟩; under a robust `aggregation` (or
+        `clip-norm`), from one pass per client, and the rule replaces the mean."""
         self.optimizer.zero_grad()
-        (-sum(_inner(theta, delta) for theta, delta, _ in steps.values()) / len(steps)).backward()
-        for name, param in self.embed.named_parameters():
-            param.grad = -sum(d[name] for _, _, d in steps.values()) / len(steps)
+        if not self.aggregator.plain:
+            self.robust_gradients(steps)
+        else:
+            (-sum(_inner(theta, delta) for theta, delta, _ in steps.values()) / len(steps)).backward()
+            for name, param in self.embed.named_parameters():
+                param.grad = -sum(d[name] for _, _, d in steps.values()) / len(steps)
         self.optimizer.step()
+
+    def robust_gradients(self, steps: dict[int, tuple[Params, Params, Params]]) -> None:
+        """Set the networks' gradients to the run's rule over the clients' pseudo-gradients
+        g_i = −(Δη_h,i, Δη_v,i), each clipped to ‖g_i‖ ≤ `clip-norm` first. The g_i live in one
+        space (η), so the median, trimmed mean and Krum apply as to SGD gradients (Blanchard et
+        al. and Yin et al. state them for gradients); all clients weigh alike, as in the mean."""
+        hyper = dict(self.hyper.named_parameters())
+        gradients = []
+        for theta, delta, d_embed in steps.values():
+            g_hyper = torch.autograd.grad(-_inner(theta, delta), list(hyper.values()))
+            gradients.append(
+                {f"hyper.{k}": g.cpu() for k, g in zip(hyper, g_hyper)}
+                | {f"embed.{k}": -d_embed[k].cpu() for k, _ in self.embed.named_parameters()}
+            )
+        combined = self.aggregator(gradients, [1.0] * len(gradients)).state
+        for prefix, net in (("hyper", self.hyper), ("embed", self.embed)):
+            for name, param in net.named_parameters():
+                param.grad = combined[f"{prefix}.{name}"].to(param.device)
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
         return self.predict(server_round, nodes, serve=False)
