@@ -1,6 +1,6 @@
 import torch
 
-from florist.strategies.fedavg.server import weighted_average
+from florist.server.aggregation import weighted_average
 
 
 def test_weighted_average_by_hand():

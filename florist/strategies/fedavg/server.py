@@ -9,12 +9,10 @@ from typing import Any
 
 from florist.common import packing, protocol
 from florist.common.models import Net
-from florist.server.aggregation import Aggregator, weighted_average
+from florist.server.aggregation import Aggregator
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.base import Exchange
 from florist.strategies.fedavg.spec import EVALUATE, TRAIN
-
-__all__ = ["FedAvg", "exchange_bytes", "weighted_average"]  # weighted_average: FedAvg's mean, kept importable here
 
 
 def exchange_bytes(model: Net, config: Mapping[str, Any]) -> tuple[int, int]:
