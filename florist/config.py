@@ -69,6 +69,9 @@ class RunConfig(Settings):
     aggregation: str = setting("mean", server=True)
     clip_norm: float = setting(0.0, server=True)  # clip each update's L2 distance to the global model (0: off)
     max_node_examples: int = setting(0, server=True)  # cap on a node's weight, beside its discovery num-train (0: none)
+    # a node key belongs to the SuperNode that first claimed it (its Flower node id: under SuperNode
+    # auth, its registered public key), kept across resume; on with `deploy-local --auth`
+    bind_node_keys: bool = setting(False, server=True)
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = setting(False)
     # serve phase: personalize nodes that connect after training

@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         check_usable()  # before the run's own checks, which take seconds
     (cfg, num_nodes), console, start = checked_config(args), stderr_console(), time.monotonic()
     results_dir = Path(cfg.results_dir).expanduser().resolve()
-    cfg = cfg.replace(results_dir=str(results_dir))
+    # Under SuperNode auth a Flower node id stands for a registered public key: bind node keys to it.
+    cfg = cfg.replace(results_dir=str(results_dir), **({"bind_node_keys": True} if args.auth else {}))
     workdir = Path(args.state_dir or results_dir / "federation").expanduser().resolve()
     results_file = results_dir / "results.json"
     interrupt_on_signals()
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
                 node_configs(num_nodes, workdir),
                 tls=args.tls,
                 auth=args.auth,
+                persistent=args.auth,  # node ids, to which node keys are bound, survive a --resume
                 executor=args.executor,
                 network=network,
             ) as fed,

@@ -31,11 +31,17 @@ RoundCallback = Callable[[dict[str, Any]], None]
 
 
 def discover(
-    exchanger: Exchanger, cfg: RunConfig, node_ids: list[int], known: Mapping[str, NodeInfo] | None = None
+    exchanger: Exchanger,
+    cfg: RunConfig,
+    node_ids: list[int],
+    known: Mapping[str, NodeInfo] | None = None,
+    bound: dict[str, int] | None = None,
 ) -> list[NodeInfo]:
     """Ask nodes who they are (one `query.info` exchange). A node is recorded as failed and left
-    out, never raising here, when its answer is ill-formed, when another node already has its
-    key, or when it is to train and holds no training example."""
+    out, never raising here, when its answer is ill-formed, when its key is `bound` to another
+    SuperNode, when another node already has its key, or when it is to train and holds no
+    training example. `bound` (key -> Flower node id, with `bind-node-keys`) gains the key of
+    each node that answers first with it."""
     request = protocol.content(config=message_config(cfg, INFO, 0, exchanger.run_id))
     replies = exchanger.exchange({n: request for n in node_ids}, INFO.message_type, 0)
     nodes, keys = [], dict(known or {})  # one lookup per reply: a federation of thousands stays linear
@@ -46,7 +52,9 @@ def discover(
             exchanger.fail(node_id, INFO.message_type, 0, f"ill-formed info reply: {err}")
             continue
         node = NodeInfo(node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]), shape)
-        if (taken := keys.get(key)) is not None:
+        if bound is not None and bound.setdefault(key, node_id) != node_id:
+            exchanger.fail(node_id, INFO.message_type, 0, f"node key {key!r} is bound to SuperNode {bound[key]}")
+        elif (taken := keys.get(key)) is not None:
             exchanger.fail(node_id, INFO.message_type, 0, f"node key {key!r} is already {taken}'s")
         elif node.seen and node.num_train < 1:
             exchanger.fail(node_id, INFO.message_type, 0, "it holds no training example, and seen nodes train")
@@ -65,7 +73,10 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     results = Results(cfg)
     if not resumed:
         results.save()  # a run stopped before its first round still says so
-    nodes = start_nodes(exchanger, cfg)
+    # With `bind-node-keys`, a key belongs to the SuperNode (under SuperNode auth: the public key)
+    # that first claimed it, for the whole run, resumed parts included.
+    bound = (dict(resumed.bindings) if resumed else {}) if cfg.bind_node_keys else None
+    nodes = start_nodes(exchanger, cfg, bound)
     seen, unseen = [n for n in nodes if n.seen], [n for n in nodes if not n.seen]
     strategy: ServerStrategy = strategy_spec(cfg.strategy).server()(cfg, exchanger, nodes[0].input_shape, len(seen))
     exchanger.take_bytes()
@@ -80,14 +91,21 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
         row = train_round(strategy, results, seen, server_round)
         keys = [n.key for n in nodes]
         state = Checkpoint(
-            server_round, cfg.to_mapping(), exchanger.run_id, keys, strategy.state(), exchanger.failures, results.rounds
+            server_round,
+            cfg.to_mapping(),
+            exchanger.run_id,
+            keys,
+            strategy.state(),
+            exchanger.failures,
+            results.rounds,
+            bound or {},
         )
         results.checkpoint(state)
         (on_round or _log_round)(row)
 
     final_round = cfg.num_server_rounds + 1
     scores = strategy.evaluate(final_round, seen) | strategy.serve(final_round, unseen)
-    late = serve_late_joiners(exchanger, strategy, cfg, nodes, scores)
+    late = serve_late_joiners(exchanger, strategy, cfg, nodes, scores, bound)
     results.set_clients(nodes + late, scores)
     results.failures = exchanger.failures
     results.write()
@@ -103,11 +121,11 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     return results
 
 
-def start_nodes(exchanger: Exchanger, cfg: RunConfig) -> list[NodeInfo]:
+def start_nodes(exchanger: Exchanger, cfg: RunConfig, bound: dict[str, int] | None = None) -> list[NodeInfo]:
     """The nodes of the run, once `min-nodes` are connected and have said who they are: those
     with the input shape most of them have (the others are left out, named); refuses a run with
-    none that answered or with none to train."""
-    nodes = discover(exchanger, cfg, exchanger.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout))
+    none that answered or with none to train. `bound`: as `discover`'s."""
+    nodes = discover(exchanger, cfg, exchanger.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout), bound=bound)
     if not nodes:
         first = exchanger.failures[0] if exchanger.failures else {"node": "-", "reason": "-"}
         raise RuntimeError(
@@ -145,6 +163,7 @@ def serve_late_joiners(
     cfg: RunConfig,
     nodes: list[NodeInfo],
     scores: dict[int, dict[str, float]],
+    bound: dict[str, int] | None = None,
 ) -> list[NodeInfo]:
     """The serve phase for nodes that connect after training (deployment): each gets its
     personalized model from `strategy.serve`, until `serve-seconds` have passed or
@@ -161,7 +180,7 @@ def serve_late_joiners(
             continue
         known.update(new)
         joined = []
-        for node in discover(exchanger, cfg, new, keys):
+        for node in discover(exchanger, cfg, new, keys, bound):
             if node.input_shape != strategy.input_shape:
                 exchanger.fail(
                     node.node_id,

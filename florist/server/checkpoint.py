@@ -46,6 +46,7 @@ class Checkpoint:
     state: dict[str, Any]  # the server half's `ServerStrategy.state()`
     failures: list[dict[str, Any]]
     rounds: list[dict[str, Any]]
+    bindings: dict[str, int] = dataclasses.field(default_factory=dict)  # node key -> SuperNode, `bind-node-keys`
 
     def save(self, folder: Path) -> None:
         atomic_write(folder / FILE, lambda f: torch.save({"version": VERSION} | dataclasses.asdict(self), f))
@@ -78,9 +79,14 @@ class Checkpoint:
             "rounds": list,
         }
         wrong = [name for name, kind in kinds.items() if not isinstance(saved.get(name), kind)]
+        bindings = saved.get("bindings", {})  # absent from a checkpoint written before keys could be bound
+        if not isinstance(bindings, dict) or not all(
+            isinstance(k, str) and type(v) is int for k, v in bindings.items()
+        ):
+            wrong.append("bindings")
         if wrong:
             raise ValueError(f"cannot resume from {path}: the checkpoint lacks or garbles {', '.join(wrong)}")
-        return cls(**{name: saved[name] for name in kinds})
+        return cls(**{name: saved[name] for name in kinds}, bindings=bindings)
 
     def refuse_differences(self, values: Mapping[str, Any], folder: str | Path) -> None:
         """A one-line error naming each key of `values` whose value differs from the run's,

@@ -112,7 +112,8 @@ def test_a_checkpoint_missing_or_garbling_a_field_is_one_line_naming_it(tmp_path
 
     fields = {f.name: None for f in dataclasses.fields(Checkpoint)}
     saved = {"version": VERSION, "round": 1, "config": {}, "run_id": 1, "nodes": [], "state": {}, "failures": []}
-    assert set(saved) - {"version"} == set(fields) - {"rounds"}  # every field but one, well formed
+    # every field but one, well formed (bindings may be absent: checkpoints before bind-node-keys)
+    assert set(saved) - {"version"} == set(fields) - {"rounds", "bindings"}
     if damage == "garbled":
         saved |= {"rounds": "not a list"}
     torch.save(saved, tmp_path / FILE)
