@@ -2,7 +2,7 @@
 # The docker compose stack, end to end, as a user runs it: certificates, image build, `up`,
 # node registration, a 3-round run checked from the results volume, one SuperNode cut off the
 # network mid-run (the round completes without it, its failure is recorded), reconnected (it is
-# back in the next run), and `down -v` leaving nothing behind. Every wait is bounded.
+# back in the next run), no SuperNode reaching the Control API, and `down -v` leaving nothing behind. Every wait is bounded.
 #
 #   bash docker/e2e.sh          (from a checkout with `make env` done; needs a running Docker engine)
 #
@@ -89,6 +89,15 @@ sys.exit(count != $1 if '${2:-}' else count < $1)"; }
 wait_until 300 "3 SuperNodes online" online 3
 done_step "stack up (healthy, 3 nodes registered and online)"
 
+# 3b. The Control API (8000) is reachable from the ServerApp's side only, never from a SuperNode.
+reach() {  # reach SERVICE HOST PORT: whether SERVICE's container can open a TCP connection there
+    compose exec -T "$1" python -c "import socket, sys; socket.create_connection(('$2', $3), 3)" >/dev/null 2>&1
+}
+reach superexec-serverapp superlink 8000 || fail "the ServerApp's SuperExec cannot reach the Control/Runtime API"
+reach supernode-0 superlink 9092 || fail "supernode-0 cannot reach the Fleet API"
+! reach supernode-0 superlink 8000 || fail "supernode-0 reaches the SuperLink's Control API"
+done_step "Control API unreachable from the SuperNodes"
+
 # 4. A run of 3 rounds; its results come out of the results volume.
 APP=$("$PY" -c 'from florist.deploy.bundle import app_dir; print(app_dir())')
 submit() {  # submit NAME RUN-CONFIG...: flwr run in the background, its output in $WORK/NAME.log
@@ -116,7 +125,7 @@ done_step "3 rounds (run, results copied out and checked)"
 
 # 5. One SuperNode cut off the network during a round.
 node=$(compose ps -q supernode-2)
-network="${COMPOSE_PROJECT_NAME}_default"
+network="${COMPOSE_PROJECT_NAME}_fleet"
 submit cut-off "num-server-rounds=3 round-timeout=30.0 eval-every=0"
 run=$!
 has_a_round() { results "$1" && "$PY" -c "import json, sys; sys.exit(not json.load(open('$WORK/$1.json'))['rounds'])"; }

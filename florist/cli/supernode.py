@@ -31,11 +31,17 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="have the warm executor forked by this fork server (`python -m florist.deploy.forkserver`), "
         "which preloaded the same ClientApp for every SuperNode on this machine",
     )
+    node.add_argument(
+        "--app-dir",
+        metavar="DIR",
+        help="where florist is installed as a package (not run from a checkout): a folder with the files its app "
+        "bundle is built from (pyproject.toml, README.md, florist/); a run of that exact bundle is served warm",
+    )
     node.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from florist.deploy import supernode
 
-    supernode.run(args.executor, args.flower_args, args.preload, args.fork_server)
+    supernode.run(args.executor, args.flower_args, args.preload, args.fork_server, args.app_dir)
     return 0

@@ -9,14 +9,16 @@ ClientApp or ServerApp runtime (task token, heartbeats, message pull, reply push
 handler does to its process (raise, leak, hang until its deadline, get killed) ends with that
 child; the executor goes on with the next task.
 
-It runs only what it preloaded. A run's app bundle (FAB) is served warm when it holds exactly
-the preloaded app: the installed package's project name and version, a ClientApp (ServerApp)
-reference inside the preloaded package, and byte for byte the Python files of the package as
-they were when this process imported them (all of its modules). Any other app runs in Flower's
-stock per-task process, and so does the first task of a FAB this machine has not installed yet
-(installing it is how the executor gets to read it), unless its hash is that of the bundle
-`flwr run` builds from the checkout the preloaded app was imported from (checked at start-up to
-hold exactly the preloaded files).
+It runs only what it preloaded. One app bundle (FAB) is served warm: the one `flwr run` builds
+from the checkout the preloaded app was imported from, recognised by its full sha256 (checked at
+start-up to hold exactly the preloaded package's files and components, `preloaded.py`). A task of
+any other bundle, even one that differs by a single added file, runs in Flower's stock per-task
+process. The folder Flower installs that bundle in is checked to hold exactly its files (Flower
+names it by 8 hex digits of the hash), and a warm child never puts it on `sys.path`, so nothing
+in it can shadow a module the preloaded code imports later.
+
+With `--superexec-auth-secret-file` (the SuperNode's or SuperLink's own), its task requests are
+signed as Flower's SuperExec signs them: the Runtime API then serves tasks to no one else.
 
 Fork safety: a forked child has only the thread that forked, so a lock that another thread
 held at that moment stays locked in the child forever. This process therefore starts no
@@ -49,9 +51,11 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 from florist.client.deadline import DISPOSABLE
 from florist.common import flower_internals
+from florist.common.flower_internals import runtime
 from florist.common.pacing import Backoff
 from florist.common.processes import send
 from florist.deploy.preloaded import PreloadedApp
@@ -92,16 +96,19 @@ class WarmExecutor:
         wake_fd: int | None = None,
         done_fd: int | None = None,
         lifeline: socket.socket | None = None,
+        auth_secret: bytes | None = None,
     ):
         """`wake_fd`: readable when the SuperNode has pulled a message (else the executor only
         polls); `done_fd`: where each child tells the SuperNode that its reply is there;
         `lifeline`: a connection the SuperNode holds while it wants this executor (a forked
-        executor's, `forkserver.py`), else `parent_pid` is the SuperNode's PID."""
+        executor's, `forkserver.py`), else `parent_pid` is the SuperNode's PID; `auth_secret`:
+        the SuperExec auth secret the Runtime API requires, if any."""
         self.address, self.app, self.root_certificates, self.parent_pid = address, app, root_certificates, parent_pid
         self.wake_fd, self.done_fd, self.lifeline = wake_fd, done_fd, lifeline
-        self.client = flower_internals.runtime_client(address, root_certificates)
+        self.client = runtime.runtime_client(address, root_certificates, auth_secret)
         self.children: dict[int, Child] = {}
-        self.verdicts: dict[tuple[str, str], str | None] = {}  # (FAB hash, component) -> why not the preloaded app
+        self.verdicts: dict[str, str | None] = {}  # FAB hash -> why it is not the preloaded app's bundle
+        self.installed: set[str] = set()  # FAB hashes whose installed folder holds exactly the bundle
         # Polling is the safety net when a wake-up is missed (or there is no wake pipe).
         self.backoff = Backoff(floor=0.01, cap=0.25 if wake_fd is None else 1.0, ratio=0.05)
         self.stopping = False
@@ -147,30 +154,41 @@ class WarmExecutor:
 
     def why_not_warm(self, task) -> str | None:
         """None if `task` may run in a forked child, else the reason it may not."""
-        if (component := flower_internals.app_component(task)) is None:
+        if flower_internals.app_component(task) is None:
             return f"a {task.type} task"
-        key = (task.fab_hash, component)
-        if key not in self.verdicts and task.fab_hash == self.app.bundle_hash:
-            self.verdicts[key] = None
-            log.info("app bundle %s: built from the preloaded app's checkout, served warm", task.fab_hash[:8])
-        if key not in self.verdicts:
-            if flower_internals.unusable("fab"):
-                return "this Flower installs app bundles where florist does not look"
-            fab = flower_internals.installed_fab(task.fab_hash)
-            if fab is None:
-                return "its app bundle is not installed here yet"
-            verdict = self.verdicts[key] = self.app.mismatch(fab, component)
-            log.info(
-                "app bundle %s (%s): %s",
-                task.fab_hash[:8],
-                fab.name,
-                "the preloaded app, served warm" if verdict is None else f"not the preloaded app: {verdict}",
-            )
-        if self.verdicts[key]:
-            return "not the preloaded app"
+        if task.fab_hash not in self.verdicts:
+            verdict = self.verdicts[task.fab_hash] = self.judge(task.fab_hash)
+            log.info("app bundle %s: %s", task.fab_hash, verdict or "the preloaded app's, served warm")
+        if self.verdicts[task.fab_hash]:
+            return "not the preloaded app's bundle"
+        folder = flower_internals.installed_fab(task.fab_hash)
+        if folder is None and not flower_internals.fast_path():  # no child would check what it installs
+            return "its app bundle is not installed here yet"
+        if folder is not None and task.fab_hash not in self.installed:
+            if why := self.app.holds(folder):
+                log.warning("app bundle %s: %s does not hold exactly it: %s", task.fab_hash, folder, why)
+                return f"{folder} does not hold exactly its app bundle"
+            self.installed.add(task.fab_hash)
         if (threads := os_threads()) > 1:
             return f"this process runs {threads} threads, so forking it is not safe"
         return None
+
+    def judge(self, fab_hash: str) -> str | None:
+        """Why the bundle `fab_hash` is not the preloaded app's (compared by full hash); None if it is."""
+        if not self.app.bundle_hash:
+            return "not served warm: this executor knows no bundle of the preloaded app (not run from a checkout)"
+        if flower_internals.unusable("fab"):
+            return "not served warm: this Flower installs app bundles where florist does not look"
+        if fab_hash != self.app.bundle_hash:
+            return f"not the preloaded app's bundle ({self.app.bundle_hash}): Flower's stock process runs it"
+        return None
+
+    def holds(self, fab_hash: str, folder: Path) -> bool:
+        """Whether `folder` holds exactly the bundle `fab_hash`, which must be the preloaded app's
+        (in a forked child: what it installs is checked before it is used)."""
+        if fab_hash != self.app.bundle_hash:
+            return False
+        return fab_hash in self.installed or self.app.holds(folder) is None
 
     def launch(self, token: str, task) -> None:
         reason = self.why_not_warm(task)
@@ -212,6 +230,7 @@ class WarmExecutor:
                 )
             else:
                 os.environ[DISPOSABLE] = "1"
+                runtime.skip_installed_fabs(self.holds)  # or Flower would unpack the bundle again for each message
                 flower_internals.run_clientapp(self.address, token, self.root_certificates, parent_pid=os.getppid())
             code = 0
         except SystemExit as exit_:  # how Flower's runtime ends, with or without a reply
@@ -298,6 +317,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wake-fd", type=int, help="pipe that becomes readable when the SuperNode pulled a message")
     parser.add_argument("--done-fd", type=int, help="pipe to tell the SuperNode a reply is ready")
     parser.add_argument(
+        "--superexec-auth-secret-file",
+        help="the SuperNode's (SuperLink's) SuperExec auth secret: task requests are signed with it",
+    )
+    parser.add_argument(
+        "--app-dir",
+        help="the app's publishable files, whose bundle is served warm (default: the checkout the app is imported "
+        "from; give it where the app is installed as a package)",
+    )
+    parser.add_argument(
         "--app", default=DEFAULT_APP, help=f"the ClientApp to preload, module:attribute (default: {DEFAULT_APP})"
     )
     return parser.parse_args(argv)
@@ -308,32 +336,38 @@ def configure_logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
 
 
-def preload(ref: str) -> PreloadedApp:
+def preload(ref: str, app_dir: str | None = None) -> PreloadedApp:
     """Everything a process does once before it forks children that run `ref`'s messages. On a
     Flower whose task runtime is not the one florist drives, it says so in one line and exits 1
     (`florist supernode` never starts it there: it runs Flower's own executor instead)."""
     if flower_internals.unusable("runtime"):
         raise SystemExit(f"florist: no warm executor on this Flower: {flower_internals.mismatch()}")
-    app = PreloadedApp.load(ref)
+    app = PreloadedApp.load(ref, Path(app_dir) if app_dir else None)
+    if not runtime.keep_app_folders_off_sys_path():  # inherited by every child
+        log.warning("this Flower puts app folders on sys.path otherwise: no task is served warm")
+        app = dataclasses.replace(app, bundle_hash=None, bundle_files={})
     flower_internals.quick_object_pulls()  # inherited by every child (off the fast path: no-ops, said once)
-    flower_internals.skip_installed_fabs()  # ditto: a warm child's app bundle is installed (that is how it was judged)
     gc.freeze()  # children never collect the preloaded objects, so they share their pages instead of copying them
     return app
 
 
 def serve(args: argparse.Namespace, app: PreloadedApp, lifeline: socket.socket | None = None) -> int:
     """Serve the SuperNode that `args` name, with `app` preloaded, until stopped."""
-    executor = WarmExecutor(
-        args.runtime_api_address, app, args.root_certificates, args.parent_pid, args.wake_fd, args.done_fd, lifeline
-    )
+    try:
+        secret = runtime.load_auth_secret(args.superexec_auth_secret_file)
+    except ValueError as err:
+        raise SystemExit(f"florist: {err}") from None
+    where = (args.runtime_api_address, app, args.root_certificates, args.parent_pid)
+    executor = WarmExecutor(*where, args.wake_fd, args.done_fd, lifeline, secret)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, executor.stop)
     log.info(
-        "warm executor for %s (process %d, %d thread(s)) serving %s%s",
+        "warm executor for %s (process %d, %d thread(s)) serving %s%s%s",
         app.ref,
         os.getpid(),
         os_threads(),
         args.runtime_api_address,
+        ", signing its task requests" if secret else "",
         ", forked by the fork server" if lifeline else "",
     )
     executor.serve()
@@ -344,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging()
     start = time.monotonic()
-    app = preload(args.app)
+    app = preload(args.app, args.app_dir)
     log.info("%s: %d files preloaded in %.1f s", args.app, len(app.files), time.monotonic() - start)
     return serve(args, app)
 

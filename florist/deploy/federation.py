@@ -4,7 +4,10 @@ address), talking over Flower's gRPC Fleet API, started and stopped by PID.
 
 Only the Fleet port is meant to face a network; the Control/Runtime HTTP port (run submission,
 no authentication in Flower 1.39) and each SuperNode's Runtime port always bind to 127.0.0.1,
-the loopback of the process's own namespace.
+the loopback of the process's own namespace. Where the SuperLink and the SuperNodes leave their
+tasks to executors (`--isolation process`: warm executors, or Flower's SuperExec should the
+fork server fail), their Runtime APIs serve tasks only to requests signed with one SuperExec
+auth secret per federation (`--superexec-auth-secret-file`), kept in a private folder of its own.
 """
 
 from __future__ import annotations
@@ -80,6 +83,8 @@ class LocalFederation(ServerAppRunners):
         self.nodes: list[Process | None] = [None] * len(node_configs)
         self.fork_server: Process | None = None  # preloads once for every warm executor here
         self.fork_socket: Path | None = None
+        self.private: Path | None = None  # 0700, outside the workdir: the fork server's socket, the auth secret
+        self.auth_secret: Path | None = None  # the SuperExec auth secret of every runtime with executors
         self.server_executor: forkserver.Forked | None = None  # runs the SuperLink's ServerApps, warm
         self.superexec: Process | None = None  # Flower's, for them, should the fork server fail us
         self.env = flower_env(self.flwr_home)
@@ -120,6 +125,8 @@ class LocalFederation(ServerAppRunners):
         if self.tls and not covers(self.certs / "server.pem", [self.host]):
             make_ca_and_server(self.certs, ["localhost", self.host])
         self._write_connection()
+        if self.executor == "warm" and self.auth_secret is None:
+            self.auth_secret = self._make_auth_secret()
         if self.executor == "warm" and self.network is None:  # in namespaces, executors must be in the node's
             self.start_fork_server()
         self.start_superlink()
@@ -149,8 +156,8 @@ class LocalFederation(ServerAppRunners):
                 process.popen.wait()
         self._stop_server_executor(max(0.0, deadline - time.monotonic()))
         terminate_marked("FLWR_HOME", str(self.flwr_home), grace=2.0)
-        if self.fork_socket:
-            shutil.rmtree(self.fork_socket.parent, ignore_errors=True)
+        if self.private:
+            shutil.rmtree(self.private, ignore_errors=True)
 
     def _spawn(self, name: str, host: str, args: list[str]) -> Process:
         return spawn(self._in(host, args), self.logs / f"{name}.log", env=self.env, cwd=self.workdir)
@@ -187,7 +194,7 @@ class LocalFederation(ServerAppRunners):
             str(self.control_port),
             "--disable-runtime-dependency-installation",
             *(["--database", str(self.database)] if self.persistent else []),
-            *(["--isolation", "process"] if self.fork_socket else []),
+            *(["--isolation", "process", *self._signed()] if self.fork_socket else []),
         ]
         self.superlink = self._spawn("superlink", netns.SUPERLINK, args)
         self._wait_for_port("127.0.0.1", self.control_port, self.superlink, timeout)
@@ -224,6 +231,7 @@ class LocalFederation(ServerAppRunners):
             toml_node_config(self.node_configs[i]),
             "--max-wait-time",
             str(self.max_wait_time),
+            *(self._signed() if self.executor == "warm" else []),  # `--isolation process`, a warm executor
         ]
         if self.tls:
             args += ["--root-certificates", str(root_certificates or self.certs / "ca.crt")]
@@ -332,6 +340,7 @@ class LocalFederation(ServerAppRunners):
             f"{self.fleet_address}\n"
             f"  Control + Runtime API (HTTP, loopback only): {self.control_address}\n"
             f"  state: {self.database if self.persistent else 'in memory'}\n{nodes}\n"
+            + ("Runtime APIs: tasks only for signed requests (SuperExec auth)\n" if self.auth_secret else "")
             + (f"{self.network.describe()}\n" if self.network else "")
             + f"Submit a run from the florist checkout:\n"
             f"  FLWR_HOME={self.flwr_home} FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 "

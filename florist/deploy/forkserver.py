@@ -161,6 +161,8 @@ class ForkServer:
             os.dup2(log_fd, sys.stderr.fileno())
             os.close(log_fd)
             code = executor.serve(args, self.app, lifeline)
+        except SystemExit as refusal:  # a user's mistake (an unreadable secret file): one line
+            print(refusal, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
         finally:

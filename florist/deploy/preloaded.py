@@ -1,6 +1,8 @@
-"""The app a warm executor preloaded, and whether an app bundle is that app: the same project,
-version and components, every one of its package's files byte for byte (a task of any other
-bundle runs in Flower's stock process)."""
+"""The app a warm executor preloaded, and the one app bundle (FAB) that is that app: the bundle
+`flwr run` builds from the checkout it was imported from, known by its full sha256, holding
+exactly the preloaded package's files. A task of any other bundle runs in Flower's stock process:
+a bundle is code, and a warm child runs only what this process imported (a bundle with florist's
+files plus a top-level `torchvision/` is another bundle)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,12 @@ import functools
 import hashlib
 import importlib
 import importlib.metadata
+import io
 import pkgutil
+import tempfile
 import tomllib
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from florist.common import flower_internals
@@ -28,13 +34,15 @@ class PreloadedApp:
     package: str  # the top-level package the app lives in
     files: dict[str, str]  # "package/path.py" -> sha256, read when imported
     distribution: tuple[str, str] | None  # (project name, version) when installed as one
-    bundle_hash: str | None = None  # of the app bundle built from the checkout it was imported from
+    bundle_hash: str | None = None  # sha256 of the app bundle built from the checkout it was imported from
+    bundle_files: Mapping[str, str] = dataclasses.field(default_factory=dict)  # that bundle's files -> sha256
 
     @classmethod
-    def load(cls, ref: str) -> PreloadedApp:
+    def load(cls, ref: str, checkout: Path | None = None) -> PreloadedApp:
         """Import every module of the app's package now, so that no child ever reads a file of
         it that may have changed since, and fingerprint those files. If the app's module has a
-        `warm_up()` function, it runs once here (it must start no thread)."""
+        `warm_up()` function, it runs once here (it must start no thread). `checkout`: where the
+        app's publishable files are (default: the folder the package was imported from)."""
         package = ref.partition(":")[0].split(".")[0]
         root = Path(importlib.import_module(package).__file__).parent
         for module in pkgutil.walk_packages([str(root)], prefix=f"{package}."):
@@ -46,23 +54,54 @@ class PreloadedApp:
             warm_up()
         files = {p.relative_to(root.parent).as_posix(): _digest(p) for p in sorted(root.rglob("*.py"))}
         app = cls(ref, package, files, _distribution(package))
-        return dataclasses.replace(app, bundle_hash=app.own_bundle_hash(root.parent))
+        bundle_hash, bundle_files = app.own_bundle(checkout or root.parent)
+        return dataclasses.replace(app, bundle_hash=bundle_hash, bundle_files=bundle_files)
 
-    def own_bundle_hash(self, checkout: Path) -> str | None:
-        """The hash of the bundle `flwr run` builds from the checkout the app was imported from,
-        if there is one and it holds exactly the preloaded app: a task of that bundle is served
-        warm from its first message, before this machine has installed the bundle."""
-        if not (checkout / "pyproject.toml").is_file() or not flower_internals.fast_path():
-            return None  # installed as a package, not run from a checkout; or Flower's bundling unchecked
-        import io
-        import tempfile
-        import zipfile
-
+    def own_bundle(self, checkout: Path) -> tuple[str | None, dict[str, str]]:
+        """(sha256, files) of the bundle `flwr run` builds from `checkout`, if it holds exactly
+        the preloaded app (its package's files and components), else (None, {}): a task of that
+        bundle, and of no other, is served warm, from its first message on."""
+        if not (checkout / "pyproject.toml").is_file() or flower_internals.unusable("publish"):
+            return None, {}  # installed as a package, not run from a checkout; or Flower's bundling differs
         fab = flower_internals.fab_bytes(checkout)
-        with tempfile.TemporaryDirectory() as unpacked:
-            zipfile.ZipFile(io.BytesIO(fab)).extractall(unpacked)
+        with zipfile.ZipFile(io.BytesIO(fab)) as archive, tempfile.TemporaryDirectory() as unpacked:
+            archive.extractall(unpacked)
+            files = {
+                name: hashlib.sha256(archive.read(name)).hexdigest()
+                for name in archive.namelist()
+                if not name.endswith("/") and not name.startswith(".info/")  # Flower does not install .info
+            }
             ours = all(self.mismatch(Path(unpacked), component) is None for component in ("clientapp", "serverapp"))
-            return hashlib.sha256(fab).hexdigest() if ours else None
+        return (hashlib.sha256(fab).hexdigest(), files) if ours else (None, {})
+
+    def holds(self, folder: Path) -> str | None:
+        """Why `folder` (where Flower installed a bundle) does not hold exactly the preloaded app's
+        bundle, every file of it and nothing else; None when it does. Bytecode in `__pycache__`
+        (written there by a stock process that imported the bundle) does not count: a warm child
+        never imports from the folder."""
+        if not self.bundle_files:
+            return "there is no bundle of the preloaded app to compare it with"
+        theirs = {
+            p.relative_to(folder).as_posix(): p
+            for p in folder.rglob("*")
+            if not p.is_dir() and "__pycache__" not in p.relative_to(folder).parts
+        }
+        extra = sorted(theirs.keys() - self.bundle_files.keys())
+        missing = sorted(self.bundle_files.keys() - theirs.keys())
+        changed = sorted(
+            k for k in theirs.keys() & self.bundle_files.keys() if _digest(theirs[k]) != self.bundle_files[k]
+        )
+        if extra or missing or changed:
+            return "; ".join(
+                f"{len(names)} {what} ({', '.join(names[:3])})"
+                for names, what in (
+                    (extra, "files not in the bundle"),
+                    (missing, "files missing"),
+                    (changed, "changed"),
+                )
+                if names
+            )
+        return None
 
     def mismatch(self, fab_dir: Path, component: str = "clientapp") -> str | None:
         """Why the `component` ("clientapp" or "serverapp") of the app bundle installed in

@@ -40,6 +40,7 @@ class ServerAppRunners:
             "--app",
             self.preload or DEFAULT_APP,
             *self._runtime_tls(),
+            *self._signed(),
         ]
         try:
             with open(self.logs / "server-executor.log", "ab") as log_file:
@@ -64,11 +65,38 @@ class ServerAppRunners:
             self.control_address,
             "--parent-pid",
             str(self.superlink.pid),
+            *self._signed(),
         ]
         self.superexec = self._spawn("superexec", netns.SUPERLINK, args)
 
     def _runtime_tls(self) -> list[str]:
         return ["--root-certificates", str(self.certs / "ca.crt")] if self.tls else []
+
+    def _signed(self) -> list[str]:
+        """The option that gives a SuperNode, the SuperLink or an executor the federation's
+        SuperExec auth secret (with `--isolation process` Flower then requires every task request
+        to its Runtime API to be signed with it; an executor signs with it)."""
+        return ["--superexec-auth-secret-file", str(self.auth_secret)] if self.auth_secret else []
+
+    def _private_folder(self) -> Path:
+        """This federation's folder for what no one else may read (0700, made on first use,
+        removed on stop): outside the workdir, which may be the results folder."""
+        import tempfile
+
+        if self.private is None:
+            self.private = Path(tempfile.mkdtemp(prefix="florist-"))  # 0700; short: a Unix socket's path is short
+        return self.private
+
+    def _make_auth_secret(self) -> Path:
+        """A new SuperExec auth secret (32 random bytes) in a file only its owner can read."""
+        import secrets
+
+        path = self._private_folder() / "superexec-auth-secret"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as file:
+            file.write(secrets.token_bytes(32))
+        return path
 
     def _stop_server_executor(self, grace: float = 10.0) -> None:
         if self.server_executor is not None:
@@ -83,11 +111,9 @@ class ServerAppRunners:
         """The process that preloads the ClientApp once and forks every SuperNode's warm
         executor (`forkserver.py`). Its socket lives in a private folder with a short path
         (a Unix socket's path is limited to about 100 bytes)."""
-        import tempfile
-
         from florist.deploy.executor import DEFAULT_APP, THREAD_ENV
 
-        self.fork_socket = Path(tempfile.mkdtemp(prefix="florist-")) / "fork-server"
+        self.fork_socket = self._private_folder() / "fork-server"
         args = [
             sys.executable,
             "-m",

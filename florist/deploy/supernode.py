@@ -26,6 +26,7 @@ import sys
 import threading
 
 from florist.common import flower_internals
+from florist.common.flower_internals import runtime
 from florist.common.pacing import Backoff
 from florist.deploy import forkserver
 from florist.deploy.executor import DEFAULT_APP, STOP_GRACE, THREAD_ENV
@@ -112,17 +113,17 @@ class SupervisedExecutor:
                 self.process.wait()
 
 
-def executor_command(flower_args: list[str], preload: str) -> tuple[list[str], list[str]]:
+def executor_command(flower_args: list[str], preload: str, app_dir: str | None = None) -> tuple[list[str], list[str]]:
     """The warm executor's command for this SuperNode, and the SuperNode's arguments (with
-    `--isolation process`, so that the SuperNode leaves its tasks to the executor)."""
+    `--isolation process`, so that the SuperNode leaves its tasks to the executor). A
+    `--superexec-auth-secret-file` goes to both: the SuperNode's Runtime API then serves tasks
+    only to requests signed with it, as Flower's SuperExec signs them."""
     options = _runtime_options(flower_args)
     if options.isolation not in (None, "process"):
         raise ValueError(
             f"--executor warm runs the SuperNode with --isolation process, not {options.isolation!r}; "
             "use --executor flower for Flower's own executor"
         )
-    if options.superexec_auth_secret_file:
-        raise ValueError("--superexec-auth-secret-file is not supported with --executor warm; use --executor flower")
     host = "127.0.0.1" if options.host in ("0.0.0.0", "::", "[::]", "") else options.host
     command = [
         sys.executable,
@@ -137,20 +138,35 @@ def executor_command(flower_args: list[str], preload: str) -> tuple[list[str], l
     ]
     if options.ssl_ca_certfile:
         command += ["--root-certificates", options.ssl_ca_certfile]
+    if app_dir:
+        command += ["--app-dir", app_dir]
+    if secret := options.superexec_auth_secret_file:  # the SuperNode requires it of its executor: it signs with it
+        runtime.load_auth_secret(secret)  # unreadable or empty: ValueError, now
+        command += [
+            "--superexec-auth-secret-file",
+            os.path.abspath(os.path.expanduser(secret)),
+        ]  # a forked one's cwd differs
     return command, flower_args + ([] if options.isolation else ["--isolation", "process"])
 
 
-def run(executor: str, flower_args: list[str], preload: str = DEFAULT_APP, fork_server: str | None = None) -> None:
+def run(
+    executor: str,
+    flower_args: list[str],
+    preload: str = DEFAULT_APP,
+    fork_server: str | None = None,
+    app_dir: str | None = None,
+) -> None:
     """Run the SuperNode in this process until it exits (Ctrl-C or SIGTERM stop it, and the
     executor with it). `preload` is the ClientApp the warm executor serves warm; `fork_server`
-    the socket of a fork server that has it preloaded (`forkserver.py`)."""
+    the socket of a fork server that has it preloaded (`forkserver.py`); `app_dir` the app's
+    publishable files, where the app is installed as a package (`executor.py --app-dir`)."""
     if executor not in EXECUTORS:
         raise ValueError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     if executor == "warm" and not flower_internals.fast_path():  # which has said why, once
         executor, flower_args = "flower", _without_process_isolation(flower_args)
     backoff = Backoff(floor=0.05, cap=1.0, ratio=0.1)
     if executor == "warm":
-        command, flower_args = executor_command(flower_args, preload)
+        command, flower_args = executor_command(flower_args, preload, app_dir)
         supervised = SupervisedExecutor(command, fork_server)
         atexit.register(supervised.stop)
         flower_internals.pace_supernode(backoff, wake=supervised.replied, on_message=supervised.message_arrived)

@@ -1,6 +1,7 @@
 """No Docker engine runs here: validate the compose file with the Compose v2 binary and lint the
 Dockerfiles with hadolint, both from PyPI (dev extra)."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,13 @@ COMPOSE = Path(compose.__file__).parent / "docker-compose"  # the Go binary, not
 HADOLINT = Path(sys.executable).parent / "hadolint"
 
 
-def compose_config(compose_file: Path, certs: Path) -> subprocess.CompletedProcess:
+def compose_config(compose_file: Path, certs: Path, *options: str) -> subprocess.CompletedProcess:
     env = {"PATH": "/usr/bin:/bin", "FLORIST_CERTS": str(certs)}
     return subprocess.run(
-        [str(COMPOSE), "-f", str(compose_file), "config", "-q"], capture_output=True, text=True, env=env
+        [str(COMPOSE), "-f", str(compose_file), "config", *(options or ("-q",))],
+        capture_output=True,
+        text=True,
+        env=env,
     )
 
 
@@ -44,6 +48,23 @@ def test_only_the_fleet_port_faces_the_network():
     text = (DOCKER / "compose.yaml").read_text()
     assert '"${FLORIST_FLEET_PORT:-9092}:9092"' in text and '"127.0.0.1:${FLORIST_CONTROL_PORT:-8000}:8000"' in text
     assert '"${FLORIST_CONTROL_PORT:-8000}:8000"' not in text and "9094:" not in text
+
+
+def test_no_supernode_shares_a_network_with_the_control_api(certs):
+    """The SuperLink's Control/Runtime API (run submission: a run executes on every node) listens
+    on an address of a network that no SuperNode is on; the Fleet API is on the SuperNodes' one."""
+    result = compose_config(DOCKER / "compose.yaml", certs, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    superlink = services["superlink"]
+    host = next(a.split("=", 1)[1] for a in superlink["command"] if a.startswith("--host="))
+    control = [n for n, c in superlink["networks"].items() if host in ((c or {}).get("aliases") or [])]
+    assert len(control) == 1 and superlink["networks"][control[0]].get("gw_priority", 0) > 0  # where 8000 is published
+    fleet = [n for n in superlink["networks"] if n != control[0]]
+    nodes = {name: set(s["networks"]) for name, s in services.items() if name.startswith("supernode-")}
+    assert len(nodes) == 3 and all(networks == set(fleet) for networks in nodes.values()), nodes
+    assert set(services["superexec-serverapp"]["networks"]) == set(control)  # the ServerApp's runtime reaches it
+    assert "--fleet-api-address=0.0.0.0:9092" in superlink["command"]
 
 
 @pytest.mark.parametrize("dockerfile", sorted(DOCKER.glob("**/Dockerfile*")), ids=lambda p: p.name)

@@ -3,9 +3,16 @@
 - the warm executor drives the Runtime API's task loop and Flower's ClientApp and ServerApp
   runtimes itself (`runtime_client`, `acquire_task`, `stock_command`, `run_clientapp`,
   `run_serverapp`, as `flower-superexec`, `flwr-clientapp` and `flwr-serverapp` call them);
-- it reads the app bundles a SuperNode's ClientApps installed (`installed_fab`), and a ClientApp
-  process unpacks and re-verifies its app bundle for every message, even when that bundle is
-  installed already (`flwr/cli/install.py`): `skip_installed_fabs` skips that;
+- it signs its task requests with the SuperExec auth secret, as `flower-superexec
+  --superexec-auth-secret-file` does (`runtime_client`, `load_auth_secret`);
+- it finds the folder a SuperNode's ClientApps installed an app bundle in (`installed_fab`: Flower
+  names it by the bundle hash's first 8 hex digits, so the caller checks what it holds), and a
+  ClientApp process unpacks and re-verifies its app bundle for every message, even when that
+  bundle is installed already (`flwr/cli/install.py`): `skip_installed_fabs` skips that for a
+  folder its caller has checked;
+- Flower puts an app's folder first on `sys.path` when it loads the app, so that any top-level
+  module of the bundle shadows an installed one: `keep_app_folders_off_sys_path` stops that in a
+  process that runs only preloaded code;
 - `online_node_ids` asks the Control API what `flwr supernode list` asks, without the CLI;
 - `publishable_files` and `fab_bytes` find the files `flwr run` bundles without walking the
   folders .gitignore excludes.
@@ -16,23 +23,41 @@ The executor is started only on the fast path (`florist supernode`, `LocalFedera
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from florist.common import flower_internals as guard
 
+# The Runtime API calls of the executor's own loop; with a SuperExec auth secret they are signed
+# (Flower's SuperExec signs these and PullPendingTasks/ClaimTask, which the executor never calls).
+SIGNED_CALLS = ("/flwr.proto.Runtime/AcquireTask",)
 
-def runtime_client(address: str, root_certificates: str | None):
+
+def load_auth_secret(path: str | None) -> bytes | None:
+    """The SuperExec auth secret in `path` (its exact bytes, as `flower-superexec
+    --superexec-auth-secret-file` reads it); ValueError naming the file if it is unreadable or empty."""
+    from flwr.supercore.auth import load_superexec_auth_secret
+
+    return load_superexec_auth_secret(path)
+
+
+def runtime_client(address: str, root_certificates: str | None, auth_secret: bytes | None = None):
     """A client of a SuperNode's Runtime API, as Flower's SuperExec makes it (no retries:
-    the executor's own loop decides what to do when the SuperNode is gone)."""
-    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+    the executor's own loop decides what to do when the SuperNode is gone). With `auth_secret`
+    its task requests carry the HMAC headers a SuperNode (SuperLink) started with the same
+    `--superexec-auth-secret-file` requires."""
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor
     from flwr.supercore.runtime import RuntimeHttpClient
 
+    interceptors: list[Any] = [RuntimeVersionHttpInterceptor(component_name="SuperExec")]
+    if auth_secret:
+        interceptors.append(SuperExecAuthHttpInterceptor(master_secret=auth_secret, protected_methods=SIGNED_CALLS))
     return RuntimeHttpClient.from_server_address(
         server_address=address,
         insecure=root_certificates is None,
         root_certificates=root_certificates,
-        interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
+        interceptors=interceptors,
     )
 
 
@@ -115,8 +140,10 @@ def run_serverapp(address: str, token: str, root_certificates: str | None, paren
 
 
 def installed_fab(fab_hash: str) -> Path | None:
-    """The folder where this machine's ClientApps installed the app bundle `fab_hash`
-    (`$FLWR_HOME/apps/<publisher>.<name>.<version>.<hash prefix>`), if one did."""
+    """The folder where this machine's ClientApps installed the app bundle `fab_hash`, if there is
+    one: `$FLWR_HOME/apps/<publisher>.<name>.<version>.<hash prefix>`. Flower names it by the
+    hash's first 8 hex digits only (and installs nothing where one exists), so it may hold
+    another bundle: what it holds is for the caller to check."""
     from flwr.common.constant import APP_DIR, FAB_HASH_TRUNCATION
     from flwr.supercore.utils import get_flwr_home
 
@@ -124,11 +151,14 @@ def installed_fab(fab_hash: str) -> Path | None:
     return found[0] if fab_hash and found else None
 
 
-def skip_installed_fabs() -> bool:
+def skip_installed_fabs(holds: Callable[[str, Path], bool] | None = None) -> bool:
     """In this process, Flower's ClientApp runtime installs an app bundle only when it is not
-    installed already (it would unpack and hash every file again for every message). False
-    (nothing changed) off the fast path."""
-    if not guard.fast_path():
+    installed already (it would unpack and hash every file again for every message): a folder
+    counts as installed when `holds(full hash, folder)` says it holds exactly that bundle. A
+    bundle it installs must then pass `holds` too, or the task fails (Flower keeps a folder that
+    another bundle with the same 8-digit hash prefix installed). False (nothing changed) off the
+    fast path, or without `holds`."""
+    if holds is None or not guard.fast_path():
         return False
     import hashlib
 
@@ -137,9 +167,33 @@ def skip_installed_fabs() -> bool:
     install = runtime.install_from_fab
 
     def install_once(fab_file: bytes, skip_prompt: bool = False) -> Path:
-        return installed_fab(hashlib.sha256(fab_file).hexdigest()) or install(fab_file, skip_prompt=skip_prompt)
+        fab_hash = hashlib.sha256(fab_file).hexdigest()
+        if (folder := installed_fab(fab_hash)) is not None and holds(fab_hash, folder):
+            return folder
+        folder = install(fab_file, skip_prompt=skip_prompt)
+        if not holds(fab_hash, folder):
+            raise RuntimeError(f"app bundle {fab_hash}: {folder} does not hold exactly this bundle")
+        return folder
 
     runtime.install_from_fab = install_once
+    return True
+
+
+def keep_app_folders_off_sys_path() -> bool:
+    """In this process, loading a ClientApp or ServerApp no longer puts its app folder first on
+    `sys.path` (`flwr.supercore.object_ref.load_app`): for a process whose app is imported
+    already, nothing in a bundle can then shadow a module it imports later (a bundle's
+    `torchvision/` would otherwise replace torchvision at its first import). False if this Flower
+    loads apps otherwise (then the caller must not run bundles in this process)."""
+    import inspect
+
+    from flwr.supercore import object_ref
+
+    if not callable(getattr(object_ref, "_ensure_sys_path", None)) or "_ensure_sys_path(project_dir)" not in (
+        inspect.getsource(object_ref.load_app)
+    ):
+        return False
+    object_ref._ensure_sys_path = lambda directory: None
     return True
 
 
