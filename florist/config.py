@@ -68,6 +68,8 @@ class RunConfig(Settings):
     # sample-weighted mean) | median | trimmed:BETA | krum:F | multikrum:F
     aggregation: str = setting("mean", server=True)
     clip_norm: float = setting(0.0, server=True)  # clip each update's L2 distance to the global model (0: off)
+    # the largest reply taken from a node, in MB (0: twice what its exchange expects plus 64 MB; server/exchange.py)
+    max_reply_mb: float = setting(0.0, server=True)
     max_node_examples: int = setting(0, server=True)  # cap on a node's weight, beside its discovery num-train (0: none)
     # a node key belongs to the SuperNode that first claimed it (its Flower node id: under SuperNode
     # auth, its registered public key), kept across resume; on with `deploy-local --auth`
@@ -152,6 +154,10 @@ class RunConfig(Settings):
                 f"aggregation must be {AGGREGATIONS}, got {self.aggregation!r}",
             ),
             (self.clip_norm >= 0 and math.isfinite(self.clip_norm), "clip-norm must be a finite number >= 0 (0: off)"),
+            (
+                self.max_reply_mb >= 0 and math.isfinite(self.max_reply_mb),
+                "max-reply-mb must be a finite number >= 0 (0: twice what each exchange expects plus 64 MB)",
+            ),
             (self.max_node_examples >= 0, "max-node-examples must be >= 0 (0: no cap beyond num-train)"),
             (self.num_classes >= 2, "num-classes must be >= 2"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),

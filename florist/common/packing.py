@@ -20,6 +20,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 LAYOUT = ".layout"  # the ConfigRecord `<name>.layout` describes the packed ArrayRecord `<name>`
+# What an array's bytes may hold beyond its values: Flower stores each as a .npy file, whose
+# header (dtype and shape as text) is 128 bytes for a model's arrays, 64 KiB at the most numpy writes.
+NPY_HEADER_MAX = 2**16
 
 
 class PackingError(ValueError):
@@ -69,6 +72,8 @@ def unpack(content: RecordDict, source: str) -> RecordDict:
 
 
 def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayRecord:
+    """The arrays `layout` describes, cut from `record`'s flat arrays, once the layout and
+    what each flat array declares (dtype, shape, bytes) agree: nothing is decoded before."""
     keys, dtypes, shapes = (layout.get(field) for field in ("keys", "dtypes", "shapes"))
     if not all(isinstance(v, list) for v in (keys, dtypes, shapes)) or not len(keys) == len(dtypes) == len(shapes):
         raise PackingError(f"{where}: its layout needs lists keys, dtypes and shapes of equal length")
@@ -76,23 +81,48 @@ def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayReco
         raise PackingError(f"{where}: its layout names a key twice")
     try:
         dims = [tuple(int(d) for d in str(shape).split(",") if d) for shape in shapes]
+    except ValueError as err:
+        raise PackingError(f"{where}: shapes must be comma-separated integers ({err})") from err
+    sizes = _declared_sizes(record, where)
+    offsets = dict.fromkeys(sizes, 0)
+    for key, dtype, shape in zip(keys, dtypes, dims):
+        size = math.prod(shape)  # a Python int: a lying shape cannot overflow it
+        if dtype not in sizes or min(shape, default=0) < 0:
+            raise PackingError(f"{where}: no {dtype} values for {key!r}")
+        if offsets[dtype] + size > sizes[dtype]:
+            raise PackingError(f"{where}: too few {dtype} values for {key!r} of shape {shape}")
+        offsets[dtype] += size
+    if offsets != sizes:
+        raise PackingError(f"{where}: {sum(sizes.values())} values for a layout of {sum(offsets.values())}")
+    try:
         flat = {dtype: array.numpy() for dtype, array in record.items()}
     except Exception as err:
-        raise PackingError(f"{where}: shapes must be comma-separated integers and arrays decodable ({err})") from err
-    if any(values.ndim != 1 for values in flat.values()):
-        raise PackingError(f"{where}: packed arrays must be flat")
+        raise PackingError(f"{where}: arrays must be decodable ({err})") from err
+    if any(
+        values.ndim != 1 or values.size != sizes[dtype] or str(values.dtype) != dtype for dtype, values in flat.items()
+    ):
+        raise PackingError(f"{where}: packed arrays must be flat, as declared")
     offsets = dict.fromkeys(flat, 0)
     arrays = {}
     for key, dtype, shape in zip(keys, dtypes, dims):
-        size = math.prod(shape)  # a Python int: a lying shape cannot overflow it
-        if dtype not in flat or str(flat[dtype].dtype) != dtype or min(shape, default=0) < 0:
-            raise PackingError(f"{where}: no {dtype} values for {key!r}")
-        if offsets[dtype] + size > flat[dtype].size:
-            raise PackingError(f"{where}: too few {dtype} values for {key!r} of shape {shape}")
+        size = math.prod(shape)
         arrays[str(key)] = Array(flat[dtype][offsets[dtype] : offsets[dtype] + size].reshape(shape).copy())
         offsets[dtype] += size
-    if any(offsets[dtype] != values.size for dtype, values in flat.items()):
-        raise PackingError(
-            f"{where}: {sum(v.size for v in flat.values())} values for a layout of {sum(offsets.values())}"
-        )
     return ArrayRecord(arrays)
+
+
+def _declared_sizes(record: ArrayRecord, where: str) -> dict[str, int]:
+    """Values per dtype of a packed record's flat arrays, as each declares them (its key, dtype
+    and shape), checked against the bytes it holds, without decoding any."""
+    sizes = {}
+    for dtype, array in record.items():
+        try:
+            itemsize = np.dtype(array.dtype).itemsize
+        except TypeError as err:
+            raise PackingError(f"{where}: no dtype numpy knows in {dtype!r} ({err})") from err
+        if array.dtype != dtype or len(array.shape) != 1:
+            raise PackingError(f"{where}: packed arrays must be flat, each under its dtype (got {dtype!r})")
+        if len(array.data) > array.shape[0] * itemsize + NPY_HEADER_MAX:
+            raise PackingError(f"{where}: {dtype} holds {len(array.data)} bytes, more than its {array.shape[0]} values")
+        sizes[dtype] = int(array.shape[0])
+    return sizes

@@ -5,6 +5,7 @@ drive florist clients: model under `arrays`, settings under `config`, numbers un
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
@@ -12,6 +13,8 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
+
+from florist.common.packing import NPY_HEADER_MAX
 
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 SIDE = "side"  # arrays sent beside the model (FedAttn: representation, bias gradient)
@@ -23,6 +26,11 @@ INFO_METRICS = ("num-train", "num-test", "seen")  # what a `query.info` reply mu
 # it is a diverged or broken node, and it would overflow float32 where servers square and sum
 # what they receive (Adam's second moments, k-means distances).
 MAX_MAGNITUDE = 1e9
+# An input shape beyond this many values (a 3×2048×2048 image is 12.6M) would make the server
+# build a model it cannot hold: a node that claims one is left out at discovery.
+MAX_INPUT_VALUES = 2**24
+MAX_INPUT_DIMS = 4
+MB = 10**6  # what `max-reply-mb` counts in
 
 # Message types are declared by the algorithms' specs (florist/strategies/<name>/spec.py).
 
@@ -51,14 +59,13 @@ def state_of(
     converted to the reference's, as `load_state_dict` would (Flower's own strategies send
     float64 after their arithmetic), and checked as converted.
 
-    `source` names where the record came from (a node, a file) for the error message.
+    `source` names where the record came from (a node, a file) for the error message. Keys,
+    shapes and dtypes are checked as the arrays declare them before any is decoded
+    (`check_declared`), and again as decoded.
     """
+    check_declared(record, reference, source, convert)
     state = tensors_of(record, source)
-    missing, extra = set(reference) - set(state), set(state) - set(reference)
-    if missing or extra:
-        raise ProtocolError(
-            f"{source}: model arrays do not match: missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}"
-        )
+    _check_keys(set(state), reference, source)
     for key, ref in reference.items():
         got = state[key]
         if tuple(got.shape) != tuple(ref.shape):
@@ -70,6 +77,40 @@ def state_of(
             raise ProtocolError(f"{source}: array {key!r} has dtype {got.dtype}, expected {ref.dtype}")
         _check_values(got, key, source)
     return state
+
+
+def _check_keys(keys: set[str], reference: Mapping[str, torch.Tensor], source: str) -> None:
+    missing, extra = set(reference) - keys, keys - set(reference)
+    if missing or extra:
+        raise ProtocolError(
+            f"{source}: model arrays do not match: missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}"
+        )
+
+
+def check_declared(
+    record: ArrayRecord, reference: Mapping[str, torch.Tensor], source: str, convert: bool = False
+) -> None:
+    """`record`'s keys, and each array's shape and dtype as its header declares them
+    (`Array.shape`, `Array.dtype`), checked against `reference` without decoding anything; and
+    no array holding more bytes than its declared shape and dtype need (a node cannot declare a
+    small array and send a large one). With `convert`, any real dtype of the right shape passes."""
+    _check_keys(set(record), reference, source)
+    for key, ref in reference.items():
+        array, expected = record[key], str(ref.dtype).removeprefix("torch.")
+        shape = tuple(array.shape)
+        if shape != tuple(ref.shape):
+            raise ProtocolError(f"{source}: array {key!r} has shape {shape}, expected {tuple(ref.shape)}")
+        if array.dtype != expected and not convert:
+            raise ProtocolError(f"{source}: array {key!r} has dtype torch.{array.dtype}, expected {ref.dtype}")
+        try:
+            itemsize = np.dtype(array.dtype).itemsize
+        except TypeError as err:
+            raise ProtocolError(f"{source}: array {key!r} has no dtype numpy knows ({array.dtype!r})") from err
+        if len(array.data) > math.prod(shape) * itemsize + NPY_HEADER_MAX:
+            raise ProtocolError(
+                f"{source}: array {key!r} holds {len(array.data)} bytes, more than its shape {shape} of "
+                f"{array.dtype} takes"
+            )
 
 
 def _check_values(values: torch.Tensor, key: str, source: str) -> None:
@@ -118,7 +159,12 @@ def info_of(content: RecordDict, source: str) -> tuple[str, tuple[int, ...], dic
         shown = repr(key)[:40] + ("..." if len(repr(key)) > 40 else "")
         raise ProtocolError(f"{source}: node-key must be 1-128 of A-Z a-z 0-9 . _ - (got {shown})")
     if not isinstance(shape, list) or not shape or not all(type(d) is int and d >= 1 for d in shape):
-        raise ProtocolError(f"{source}: input-shape must be a list of positive integers (got {shape!r})")
+        raise ProtocolError(f"{source}: input-shape must be a list of positive integers (got {repr(shape)[:60]})")
+    if len(shape) > MAX_INPUT_DIMS or math.prod(shape) > MAX_INPUT_VALUES:
+        raise ProtocolError(
+            f"{source}: input-shape {repr(shape)[:60]} is beyond {MAX_INPUT_DIMS} dimensions of "
+            f"{MAX_INPUT_VALUES} values in all"
+        )
     return key, tuple(shape), metrics
 
 
@@ -149,5 +195,34 @@ def content(
 
 
 def nbytes(records: RecordDict) -> int:
-    """Serialized size of a message's content, as Flower puts it on the wire."""
+    """Serialized size of a message's content, as Flower puts it on the wire (serializing it:
+    a copy of all of it, so weigh a reply with `declared_nbytes` first)."""
     return recorddict_to_proto(records).ByteSize()
+
+
+def array_nbytes(records: RecordDict) -> int:
+    """The bytes the arrays of a message's content hold."""
+    return sum(len(array.data) for record in records.array_records.values() for array in record.values())
+
+
+def declared_nbytes(records: RecordDict) -> int:
+    """About what a message's content weighs on the wire, read from what is there without
+    decoding or serializing any of it: its arrays' bytes, and the keys and values of its other
+    records (a number counts 8 bytes)."""
+    size = array_nbytes(records)
+    for record in records.values():
+        size += sum(len(key) + (0 if isinstance(record, ArrayRecord) else _weight(v)) for key, v in record.items())
+    return size
+
+
+def _weight(value: object) -> int:
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, list):
+        return sum(map(_weight, value))
+    return 8
+
+
+def expected_nbytes(reference: Mapping[str, torch.Tensor]) -> int:
+    """The bytes a record of arrays like `reference` holds."""
+    return sum(t.numel() * t.element_size() for t in reference.values())

@@ -19,6 +19,11 @@ from florist.common.processes import terminate_marked
 from florist.config import RunConfig
 
 MARKER = "FLORIST_RUN"  # in the environment of the child and of every Ray process it starts
+# Ray 2.x turns a node address of 127.0.0.1 into this machine's network address, and its GCS,
+# raylet, object manager and workers then listen on every interface, unless it is told that it
+# runs no cluster (`ray._private.services.get_node_ip_address`; the variable is the one Ray reads
+# on Windows and macOS, where that is its default). Then each listens on 127.0.0.1 only.
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 class Interrupted(KeyboardInterrupt):
@@ -80,7 +85,8 @@ def simulate(
 ) -> dict[str, Any]:
     """Run `cfg` on `num_clients` simulated SuperNodes, each given `resources` (by default
     `client_resources()`); return the parsed results.json. A client's torch uses as many
-    threads as it has CPUs, unless `torch-threads` says otherwise."""
+    threads as it has CPUs, unless `torch-threads` says otherwise. Ray listens on loopback only."""
+    local_ray()  # before Ray is imported
     from flwr.simulation import run_simulation
 
     from florist.client.app import app as default_client_app
@@ -97,15 +103,32 @@ def simulate(
             num_supernodes=num_clients,
             backend_config={
                 "client_resources": resources,
-                "init_args": {
-                    "num_cpus": os.cpu_count() or 1,
-                    "num_gpus": gpus,
-                    "logging_level": "ERROR",
-                    "log_to_driver": False,
-                },
+                "init_args": init_args(gpus),
             },
         )
     return json.loads((Path(cfg.results_dir).expanduser() / "results.json").read_text())
+
+
+def init_args(num_gpus: int, address: str | None = None) -> dict[str, Any]:
+    """`ray.init`'s arguments: a local Ray of this machine's cores and `num_gpus` GPUs, on
+    loopback (with `local_ray()`), or with `address`, a connection to a running cluster, which
+    keeps its own resources and addresses."""
+    quiet = {"logging_level": "ERROR", "log_to_driver": False}
+    if address:
+        return quiet | {"address": address}
+    # No dashboard: it would listen too, and nothing here reads it.
+    return quiet | {"num_cpus": os.cpu_count() or 1, "num_gpus": num_gpus, "include_dashboard": False}
+
+
+def local_ray() -> None:
+    """Make the Ray this process starts, and every process that starts, listen on loopback only
+    (`LOCAL_RAY_ENV`, inherited by every Ray process). Ray reads the variable when it is first
+    imported, so where that was before, its constant is set too. Not for `init_args(address=...)`:
+    a cluster spans machines."""
+    os.environ.update(LOCAL_RAY_ENV)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None:
+        constants.ENABLE_RAY_CLUSTER = False
 
 
 def simulate_in_child(

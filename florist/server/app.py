@@ -69,7 +69,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     """The whole run (from its checkpoint on, with `resume-from`); returns the results it also
     wrote to `cfg.results_dir`. `run_id`: Flower's id of this run."""
     resumed = Checkpoint.load(cfg.resume_from) if cfg.resume_from else None
-    exchanger = Exchanger(grid, cfg.round_timeout, resumed.run_id if resumed else run_id)
+    exchanger = Exchanger(grid, cfg.round_timeout, resumed.run_id if resumed else run_id, cfg.max_reply_mb)
     results = Results(cfg)
     if not resumed:
         results.save()  # a run stopped before its first round still says so

@@ -1,6 +1,14 @@
 """Exchanges with the nodes over Flower's Grid: one message per node out, one reply per node
 back, with the round's timeout, replies mapped back to their node, failures logged and left out,
-and the bytes each way counted from the records actually sent."""
+and the bytes each way counted from the records actually sent.
+
+Every reply has a size cap (`Exchanger.reply_cap`, run-config key `max-reply-mb`). On the
+deployment fast path the ServerApp stops pulling a reply's objects from the SuperLink once they
+pass it (`flower_internals.pull_replies`); everywhere, a reply is weighed as its sender declared
+it (`protocol.declared_nbytes`: its arrays' byte counts, nothing decoded or serialized) before
+anything else is done with it, and one over its cap is refused. So off the fast path (stock
+Flower, simulation, the in-process Grid) such a reply has been received whole, but is never
+copied, decoded or checked value by value."""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_completed, wait
 from typing import Any
 
+import torch
 from flwr.app import Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
@@ -22,15 +31,22 @@ from florist.common.pacing import Backoff
 log = logging.getLogger("flwr").getChild(__name__)
 # However late in its round, a reply that is in gets this long for its objects to be pulled.
 MIN_PULL_SECONDS = 2.0
+# With `max-reply-mb` 0, a reply may weigh twice what its exchange expects plus this: room for
+# metrics, configs and .npy headers and, where an exchange does not say what it expects (its
+# request's arrays stand in), for arrays its request does not show (PeFLL's encoder gradients
+# answer a descriptor gradient). A 2 GB reply to a model of a few MB is refused all the same.
+REPLY_SLACK = 64 * protocol.MB
+Expect = Mapping[str, Mapping[str, torch.Tensor]]  # per record of a reply, the arrays it should hold
 
 
 class Exchanger:
     """Exchanges with the nodes: one message per node out, one reply per node back."""
 
-    def __init__(self, grid: Grid, timeout: float, run_id: int = 0):
+    def __init__(self, grid: Grid, timeout: float, run_id: int = 0, max_reply_mb: float = 0.0):
         """`run_id`: what nodes key their state of this run by, sent in every message: the
-        Flower run id of the run's first part, which a resumed run keeps."""
-        self.grid, self.timeout, self.run_id = grid, timeout, run_id
+        Flower run id of the run's first part, which a resumed run keeps. `max_reply_mb`
+        (`max-reply-mb`): the cap on every reply, in MB; 0: each its own (`reply_cap`)."""
+        self.grid, self.timeout, self.run_id, self.max_reply_mb = grid, timeout, run_id, max_reply_mb
         self.names: dict[int, str] = {}
         self.bytes_up = self.bytes_down = 0
         self.failures: list[dict[str, Any]] = []
@@ -53,16 +69,32 @@ class Exchanger:
             time.sleep(0.5)
         return nodes
 
+    def reply_cap(self, request: RecordDict, expect: Expect | None = None) -> int:
+        """The most bytes a reply to `request` may weigh: `max-reply-mb` when it is set, else
+        twice what the reply should hold (by `expect`; without it, the request's own arrays)
+        plus `REPLY_SLACK`."""
+        if self.max_reply_mb > 0:
+            return int(self.max_reply_mb * protocol.MB)
+        if expect is None:
+            return 2 * protocol.array_nbytes(request) + REPLY_SLACK
+        return 2 * sum(protocol.expected_nbytes(arrays) for arrays in expect.values()) + REPLY_SLACK
+
     def exchange(
-        self, requests: Mapping[int, RecordDict], message_type: str, server_round: int
+        self,
+        requests: Mapping[int, RecordDict],
+        message_type: str,
+        server_round: int,
+        expect: Expect | None = None,
     ) -> dict[int, RecordDict]:
         """Send `requests[node]` to each node and return the good replies by node id.
 
-        A node that replies with an error, or not within the timeout, is logged, recorded in
-        `failures`, and absent from the result: the round goes on with the others.
+        A node that replies with an error, or not within the timeout, or with a reply over its
+        cap (`reply_cap`, given `expect`: what the reply's records should hold), is logged,
+        recorded in `failures`, and absent from the result: the round goes on with the others.
         """
         if not requests:
             return {}
+        caps = {node: self.reply_cap(content, expect) for node, content in requests.items()}
         # The time-to-live is the round timeout: a handler still running after it is stopped (client/deadline.py).
         messages = [
             Message(
@@ -76,10 +108,10 @@ class Exchanger:
         ]
         self.bytes_down += sum(protocol.nbytes(m.content) for m in messages)
         start = time.monotonic()
-        replies = self._send_and_receive(messages)
+        replies = self._send_and_receive(messages, max(caps.values()))
         seconds = time.monotonic() - start
         # Reply ids are known only after sending; errors made by the SuperLink carry its id, not the node's.
-        good, failed = self._sort(replies, {m.metadata.message_id: m.metadata.dst_node_id for m in messages})
+        good, failed = self._sort(replies, {m.metadata.message_id: m.metadata.dst_node_id for m in messages}, caps)
         for node in sorted(set(requests) - set(good) - set(failed)):
             failed[node] = f"no reply within {self.timeout:.0f} s"
         for node, reason in failed.items():
@@ -101,25 +133,27 @@ class Exchanger:
         # In request order, not arrival order (which varies): float sums over replies then repeat exactly.
         return {node: good[node] for node in requests if node in good}
 
-    def _sort(self, replies: list[Message], sent_to: dict[str, int]) -> tuple[dict[int, RecordDict], dict[int, str]]:
+    def _sort(
+        self, replies: list[Message], sent_to: dict[str, int], caps: Mapping[int, int]
+    ) -> tuple[dict[int, RecordDict], dict[int, str]]:
         """The good replies' contents by node, and the first reason each other node failed for
-        (`sent_to`: the node each sent message id went to)."""
+        (`sent_to`: the node each sent message id went to; `caps`: each node's reply cap, in
+        bytes, checked before anything else is done with a reply)."""
         good: dict[int, RecordDict] = {}
         failed: dict[int, str] = {}
         for reply in replies:
             node = sent_to.get(reply.metadata.reply_to_message_id)
             if reply.has_error():
                 node = reply.metadata.src_node_id if node is None else node
-                reason = f"error code {reply.error.code}: {reply.error.reason}"
-                if reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE:  # its time-to-live, the timeout, ran out
-                    reason = f"no reply within {self.timeout:.0f} s (the message expired)"
-                    if flower_internals.half_uploaded(reply.error):  # made by the deployment Grid
-                        reason = f"its reply was not completely uploaded within {self.timeout:.0f} s"
+                reason = self._error_reason(reply)
             elif node != reply.metadata.src_node_id:  # never taken for another node's reply, or a stale one
                 node = reply.metadata.src_node_id
                 reason = f"it replied to message {reply.metadata.reply_to_message_id!r}, not one this exchange sent it"
             elif node in good:
                 reason = "more than one reply to its message"
+            elif (size := protocol.declared_nbytes(reply.content)) > caps[node]:
+                self.bytes_up += size
+                reason = f"its reply of {_mb(size)} is over its cap of {_mb(caps[node])} (max-reply-mb)"
             else:
                 self.bytes_up += protocol.nbytes(reply.content)
                 try:
@@ -130,14 +164,26 @@ class Exchanger:
             failed.setdefault(node, reason)
         return good, failed
 
-    def _send_and_receive(self, messages: list[Message]) -> list[Message]:
+    def _error_reason(self, reply: Message) -> str:
+        """Why an error reply says its node failed, in words."""
+        if reply.error.code != ErrorCode.MESSAGE_UNAVAILABLE:
+            return f"error code {reply.error.code}: {reply.error.reason}"
+        if (sizes := flower_internals.oversized(reply.error)) is not None:  # made by the deployment Grid
+            pulled, cap = sizes  # what it weighed when the pull stopped
+            return f"its reply is over its cap of {_mb(cap)} (max-reply-mb): {_mb(pulled)} or more, no more pulled"
+        if flower_internals.half_uploaded(reply.error):  # made by the deployment Grid
+            return f"its reply was not completely uploaded within {self.timeout:.0f} s"
+        return f"no reply within {self.timeout:.0f} s (the message expired)"  # its time-to-live, the timeout, ran out
+
+    def _send_and_receive(self, messages: list[Message], cap: int) -> list[Message]:
         """Like `Grid.send_and_receive`, but polling with a `Backoff` instead of Flower's fixed
         3 s (a quick reply is seen within tens of milliseconds, a slow one costs few polls), and
         with each poll in a thread of its own: a poll that took the reply of a node cut off
         mid-upload waits for its objects until the deadline, while the next polls, which start
         once it has taken its replies off the SuperLink, collect the other nodes' replies.
         (Off the fast path, and with any other Grid, a poll never says it has taken its replies:
-        polls then run one after the other, each as Flower's `pull_messages` runs.)"""
+        polls then run one after the other, each as Flower's `pull_messages` runs.) On the fast
+        path no reply's objects are pulled beyond `cap` bytes; off it, replies come whole."""
         pending = set(self.grid.push_messages(messages))
         deadline, backoff = time.monotonic() + self.timeout, Backoff(floor=0.05, cap=0.5, ratio=0.1)
         replies: list[Message] = []
@@ -147,7 +193,7 @@ class Exchanger:
             pending.difference_update(m.metadata.reply_to_message_id for m in pulled)
 
         def poll(ids: list[str], taken: threading.Event) -> list[Message]:
-            return flower_internals.pull_replies(self.grid, ids, deadline, MIN_PULL_SECONDS, taken.set)
+            return flower_internals.pull_replies(self.grid, ids, deadline, MIN_PULL_SECONDS, taken.set, cap)
 
         pool = ThreadPoolExecutor(thread_name_prefix="florist-poll")
         polls: dict[Future[list[Message]], threading.Event] = {}  # set once the poll has taken its replies
@@ -169,7 +215,7 @@ class Exchanger:
         finally:  # after an error (or Ctrl-C) a poll still waiting for objects is not waited for
             pool.shutdown(wait=False, cancel_futures=True)
         if pending:  # a last poll, after the deadline: a reply in by then counts
-            replies += flower_internals.pull_replies(self.grid, sorted(pending), deadline, MIN_PULL_SECONDS)
+            replies += flower_internals.pull_replies(self.grid, sorted(pending), deadline, MIN_PULL_SECONDS, cap=cap)
         return _telling(replies)
 
     def fail(self, node: int, message_type: str, server_round: int, reason: str) -> None:
@@ -195,6 +241,10 @@ class Exchanger:
         """The exchanges since the last call."""
         exchanges, self.exchanges = self.exchanges, []
         return exchanges
+
+
+def _mb(size: int) -> str:
+    return f"{size / protocol.MB:.1f} MB"
 
 
 def _telling(replies: list[Message]) -> list[Message]:

@@ -35,6 +35,9 @@ PINNED = "1.39.0"  # the Flower release everything here was read from
 # How the ServerApp's Grid (`flwr/superlink/grid/http_grid.py`) words the error reply it makes
 # for a reply whose objects could not all be pulled.
 HALF_UPLOADED = "Reply message objects are unavailable"
+# What `supernode._capped` makes the Grid's reason for such a reply end with, when a reply's
+# objects passed its size cap: "<OVERSIZED> <bytes> bytes pulled, cap <bytes> bytes".
+OVERSIZED = "florist: over its size cap:"
 
 
 def _supernode() -> list[str]:
@@ -78,9 +81,26 @@ def _grid() -> list[str]:
     if HALF_UPLOADED not in inspect.getsource(http_grid):
         problems.append("the Grid no longer words a half-uploaded reply's error as florist reads it")
     pulls_objects = getattr(http_grid, "pull_objects", None) in (inflatable_utils.pull_objects, _bounded_pull_objects)
-    if not pulls_objects or "= pull_objects(" not in inspect.getsource(http_grid.HttpGrid.pull_messages):
+    pull = inspect.getsource(http_grid.HttpGrid.pull_messages)
+    if not pulls_objects or "= pull_objects(" not in pull:
         problems.append("the Grid no longer pulls a reply's objects with pull_objects")
-    return problems
+    if "pull_object_fn=" not in pull or "except ObjectPullError as e" not in pull or "{e}" not in pull:
+        problems.append("the Grid no longer turns a failed pull_object_fn into an error reply naming its reason")
+    return problems + _objects()
+
+
+def _objects() -> list[str]:
+    """How `supernode._weigh` reads a pulled object: its type, and an Array's chunk list."""
+    from flwr.app import Array
+    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE  # noqa: F401
+    from flwr.supercore.inflatable.inflatable_object import get_object_body, get_object_type_from_object_content
+
+    content = Array(dtype="float32", shape=(1,), stype="numpy.ndarray", data=bytes(4)).deflate()
+    if get_object_type_from_object_content(content) != "Array" or b'"arraychunk_ids"' not in get_object_body(
+        content, Array
+    ):
+        return ["an Array object no longer lists its chunks as florist reads them"]
+    return []
 
 
 def _fab() -> list[str]:
@@ -97,9 +117,11 @@ def _fab() -> list[str]:
 def _runtime() -> list[str]:
     """What the warm executor drives: the Runtime API's task loop, Flower's app runtimes."""
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # noqa: F401
+    from flwr.supercore.auth import load_superexec_auth_secret  # noqa: F401
     from flwr.supercore.constant import TASK_TYPE_TO_APPIO_API_ADDRESS_ARG, TASK_TYPE_TO_COMMAND, TaskType
-    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor  # noqa: F401
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor, SuperExecAuthHttpInterceptor  # noqa: F401
     from flwr.supercore.logger import mirror_output_to_queue, restore_output  # noqa: F401
+    from flwr.supercore.object_ref import load_app
     from flwr.supercore.runtime import RuntimeHttpClient  # noqa: F401
     from flwr.superlink.cli import flwr_serverapp
     from flwr.superlink.runtime import run_serverapp
@@ -107,6 +129,8 @@ def _runtime() -> list[str]:
     from flwr.supernode.runtime.run_clientapp import run_clientapp
 
     problems = []
+    if "_ensure_sys_path(project_dir)" not in inspect.getsource(load_app):
+        problems.append("load_app no longer puts the app folder on sys.path with _ensure_sys_path")
     if not {TaskType.CLIENT_APP, TaskType.SERVER_APP} <= set(TASK_TYPE_TO_COMMAND) & set(
         TASK_TYPE_TO_APPIO_API_ADDRESS_ARG
     ):
@@ -247,6 +271,14 @@ def half_uploaded(error: Any) -> bool:
     return error.code == ErrorCode.MESSAGE_UNAVAILABLE and error.reason.startswith(HALF_UPLOADED)
 
 
+def oversized(error: Any) -> tuple[int, int] | None:
+    """(bytes pulled, cap) when `error` (a reply's `Error`) is the deployment Grid's for a
+    reply whose objects were no longer pulled once they passed the exchange's size cap
+    (`supernode.pull_replies`); else None."""
+    found = re.search(rf"{re.escape(OVERSIZED)} (\d+) bytes pulled, cap (\d+) bytes", error.reason)
+    return (int(found[1]), int(found[2])) if half_uploaded(error) and found else None
+
+
 @contextlib.contextmanager
 def server_identity(run_id: int) -> Iterator[None]:
     """Flower's messages take their sender from the task identity a runtime sets for the
@@ -300,6 +332,7 @@ from florist.common.flower_internals.supernode import (  # noqa: E402
 __all__ = [
     "CHECKS",
     "HALF_UPLOADED",
+    "OVERSIZED",
     "PINNED",
     "acquire_task",
     "app_component",
@@ -313,6 +346,7 @@ __all__ = [
     "installed_fab",
     "mismatch",
     "online_node_ids",
+    "oversized",
     "pace_supernode",
     "publishable_files",
     "pull_replies",

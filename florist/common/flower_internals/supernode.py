@@ -13,7 +13,9 @@
   would hold that poll for Flower's 2 h, and every reply behind it. `pull_replies` bounds each
   reply's pull by the round's deadline (the Grid then answers with an error whose reason starts
   with `HALF_UPLOADED`) and says when a poll has got that far, so that the next one can start
-  beside it.
+  beside it. It also stops pulling a reply's objects once they pass the exchange's size cap
+  (`max-reply-mb`): the Grid then answers with the same error, its reason naming the bytes
+  pulled and the cap (`flower_internals.oversized`), and a 2 GB reply is never pulled whole.
 
 Each does nothing (Flower's stock behaviour) unless `fast_path()` says yes.
 """
@@ -62,18 +64,26 @@ _patching = threading.Lock()
 
 
 def pull_replies(
-    grid: Any, message_ids: list[str], until: float, at_least: float, on_objects: Callable[[], None] = lambda: None
+    grid: Any,
+    message_ids: list[str],
+    until: float,
+    at_least: float,
+    on_objects: Callable[[], None] = lambda: None,
+    cap: int | None = None,
 ) -> list[Any]:
     """`grid.pull_messages(message_ids)`, except that Flower's deployment Grid, on the fast
     path, gives up on a reply whose objects are not all there at `until` (`time.monotonic()`),
     though never sooner than `at_least` seconds after it starts pulling them, and calls
     `on_objects()` whenever it starts: by then the replies it returns are off the SuperLink, so
-    another poll cannot get them too. Any other Grid (simulation's, the in-process one) holds
-    replies whole: it is called as stock Flower would, never calls `on_objects`, and the guard
-    is not consulted."""
+    another poll cannot get them too. It also stops pulling a reply once the bytes of its
+    objects pass `cap` (None: no cap): the Grid makes that reply an error reply. Any other
+    Grid (simulation's, the in-process one), or stock Flower off the fast path, holds or pulls
+    replies whole: it is called as stock Flower would, never calls `on_objects`, the guard is
+    not consulted, and a reply over its cap is refused only once it is all there
+    (`Exchanger`)."""
     if not _bounded(grid):
         return list(grid.pull_messages(message_ids))
-    _poll.until, _poll.at_least, _poll.on_objects = until, at_least, on_objects
+    _poll.until, _poll.at_least, _poll.on_objects, _poll.cap = until, at_least, on_objects, cap
     try:
         return list(grid.pull_messages(message_ids))
     finally:
@@ -101,7 +111,55 @@ def _bounded_pull_objects(*args: Any, **kwargs: Any) -> Any:
     if (until := getattr(_poll, "until", None)) is not None:
         _poll.on_objects()
         kwargs["max_time"] = max(until - time.monotonic(), _poll.at_least)
+        if _poll.cap is not None and "pull_object_fn" in kwargs:  # as the Grid calls it
+            kwargs["pull_object_fn"] = _capped(kwargs["pull_object_fn"], _poll.cap)
+        elif _poll.cap is not None and len(args) > 1:
+            args = (args[0], _capped(args[1], _poll.cap), *args[2:])
     return inflatable_utils.pull_objects(*args, **kwargs)
+
+
+def _capped(pull_object_fn: Callable[[str], bytes], cap: int) -> Callable[[str], bytes]:
+    """`pull_object_fn` (one object's bytes by id, called from Flower's pull threads) that
+    raises Flower's `ObjectPullError` once the reply it pulls weighs more than `cap`: Flower then
+    stops the pull (its other threads finish the object each is pulling, at most
+    `FLWR_PRIVATE_MAX_CONCURRENT_OBJ_PULLS` chunks of 5 MB) and drops what it had. A reply
+    weighs the bytes of its objects, or, when more, what its Arrays declare they are cut into:
+    an Array may name one 5 MB chunk 400 times, 2 GB once inflated, for 5 MB pulled."""
+    from flwr.supercore.inflatable.inflatable_utils import ObjectPullError
+
+    counted, lock = {"other": 0, "chunks": 0, "declared": 0}, threading.Lock()
+
+    def pull(object_id: str) -> bytes:
+        content = pull_object_fn(object_id)
+        kind, declared = _weigh(content)
+        with lock:
+            counted["chunks" if kind == "ArrayChunk" else "other"] += len(content)
+            counted["declared"] += declared
+            total = counted["other"] + max(counted["chunks"], counted["declared"])
+        if total > cap:
+            raise ObjectPullError(object_id, f"{guard.OVERSIZED} {total} bytes pulled, cap {cap} bytes")
+        return content
+
+    return pull
+
+
+def _weigh(content: bytes) -> tuple[str, int]:
+    """An object's type, and for an Array, the fewest bytes its chunks can hold once inflated
+    (all but the last of them full; 0 where it cannot be read: Flower refuses it itself)."""
+    import json
+
+    from flwr.app import Array
+    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+    from flwr.supercore.inflatable.inflatable_object import get_object_body, get_object_type_from_object_content
+
+    try:
+        kind = get_object_type_from_object_content(content)
+        if kind != "Array":
+            return kind, 0
+        chunks = len(json.loads(get_object_body(content, Array))["arraychunk_ids"])
+    except Exception:
+        return "", 0
+    return kind, max(chunks - 1, 0) * FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 
 
 def pace_supernode(
