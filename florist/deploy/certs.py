@@ -55,9 +55,10 @@ def _pem_key(key) -> bytes:
     )
 
 
-def make_ca_and_server(out: Path, hosts: list[str]) -> dict[str, Path]:
+def make_ca_and_server(out: Path, hosts: list[str], keep_ca_key: bool = True) -> dict[str, Path]:
     """`ca.crt`/`ca.key` and `server.pem`/`server.key` valid for `hosts` (plus 127.0.0.1, which
-    the SuperLink's own ServerApp process dials)."""
+    the SuperLink's own ServerApp process dials). Without `keep_ca_key`, the CA's key is never
+    written: a CA for one federation signs its server certificate and nothing else."""
     hosts = list(dict.fromkeys([h.strip() for h in hosts if h.strip()] + ["127.0.0.1"]))
     now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
@@ -91,12 +92,14 @@ def make_ca_and_server(out: Path, hosts: list[str]) -> dict[str, Path]:
     )
     _folder(out)
     pem = serialization.Encoding.PEM
-    return {
+    written = {
         "ca": _write(out / "ca.crt", ca_cert.public_bytes(pem)),
-        "ca_key": _write(out / "ca.key", _pem_key(ca_key), private=True),
         "server_cert": _write(out / "server.pem", server_cert.public_bytes(pem)),
         "server_key": _write(out / "server.key", _pem_key(server_key), private=True),
     }
+    if keep_ca_key:
+        written["ca_key"] = _write(out / "ca.key", _pem_key(ca_key), private=True)
+    return written
 
 
 def covers(server_cert: Path, hosts: list[str]) -> bool:

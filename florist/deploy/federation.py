@@ -123,7 +123,8 @@ class LocalFederation(ServerAppRunners):
         for folder in (self.flwr_home, self.logs):
             folder.mkdir(parents=True, exist_ok=True)
         if self.tls and not covers(self.certs / "server.pem", [self.host]):
-            make_ca_and_server(self.certs, ["localhost", self.host])
+            # its CA's key is not kept: nothing under a run's folder can sign another certificate
+            make_ca_and_server(self.certs, ["localhost", self.host], keep_ca_key=False)
         self._write_connection()
         if self.executor == "warm" and self.auth_secret is None:
             self.auth_secret = self._make_auth_secret()

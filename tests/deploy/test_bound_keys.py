@@ -38,6 +38,7 @@ def test_another_auth_key_claiming_a_bound_node_key_is_refused_and_the_real_node
     fed = LocalFederation(tmp_path, configs, tls=True, auth=True, persistent=True)
     try:
         fed.start(num_started=2)
+        assert (fed.certs / "ca.crt").is_file() and not (fed.certs / "ca.key").exists()  # a one-federation CA
         first = submit(fed, out, **config)
         assert first["complete"]
         bound = Checkpoint.load(out).bindings
