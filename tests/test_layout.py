@@ -51,3 +51,10 @@ def test_a_layer_imports_only_the_layers_below_it(path):
     ceiling = LAYERS["server"] if half else own
     above = sorted(m for m in imported if (layer := _layer(m)) is not None and layer > ceiling)
     assert not above, f"{module} imports {above}, a layer above it"
+
+
+def test_test_files_have_unique_names():
+    """The tests folders have no __init__.py, so pytest imports each test file by its bare name:
+    two files of one name in two folders stop the whole collection."""
+    names = [p.name for p in Path(__file__).parent.rglob("test_*.py") if "apps" not in p.parts]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []

@@ -1,7 +1,7 @@
 """`bind-node-keys`: a node key belongs to the SuperNode that first claimed it (its Flower node
 id, which under SuperNode auth stands for its registered public key), and a resumed run keeps
 the binding, so another SuperNode cannot stand in for a node by naming its key. (Real
-SuperLink + SuperNodes with TLS and auth: tests/deploy/test_bound_keys.py.)"""
+SuperLink + SuperNodes with TLS and auth: tests/deploy/test_bound_keys_deployed.py.)"""
 
 import pytest
 import torch
