@@ -38,7 +38,7 @@ class RunConfig(Settings):
     round_timeout: float = setting(600.0, server=True)
     eval_every: int = setting(1, server=True)
     # data
-    dataset: str = setting("digits")  # or synthetic:ALPHA,BETA (florist/common/scenarios.py)
+    dataset: str = setting("digits", node=True)  # or synthetic:ALPHA,BETA, a hub id or folder (common/scenarios.py)
     partition: str = setting("dirichlet:0.3")
     shift: str = setting("none")  # or relabel:K / rotate:K: K clusters of clients, each its own labels or angle
     image_column: str = setting("")  # a Hugging Face dataset's image (or feature) column; found when empty

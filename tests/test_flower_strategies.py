@@ -237,7 +237,7 @@ def test_an_unknown_client_mod_is_a_one_line_error_naming_the_choices():
         RunConfig.from_mapping({"client-mods": "fixedclipping, clip"})
     grid = InProcessGrid(app, [{"partition-id": 0, "num-partitions": PARTITIONS, "client-mods": "fixedclip"}])
     [reply] = _send_train(grid, {})
-    assert reply.error.reason == "ValueError: " + expected.format("fixedclip")
+    assert reply.error.reason == "ValueError in train: " + expected.format("fixedclip")
 
 
 def test_client_mods_named_in_the_message_config_run_too():

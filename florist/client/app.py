@@ -10,8 +10,9 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from florist.client import guard
 from florist.client.deadline import deadline
-from florist.client.node import Node, Request, parse
+from florist.client.node import Node, Request, node_key, parse
 from florist.common import client_mods, data, devices, packing, protocol, training
 from florist.common.models import build_model
 from florist.strategies import STRATEGIES
@@ -36,14 +37,20 @@ def info(node: Node, request: Request) -> RecordDict:
 def frame(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
     """The outermost mod, around every message and every other mod: unpack the request
     (`common/packing.py`) and pack the reply the same way, stop the work at the message's
-    deadline (`client/deadline.py`), and report how long it took."""
+    deadline or the node's cap (`client/deadline.py`, `client/guard.py`), and report how long
+    it took. Whatever the work raises is logged here in full and becomes an error reply that
+    tells the server only a short reason (`guard.error_reply`): the node is left out as before."""
     start = time.perf_counter()
     # Replies to florist's own message types (`category.action`) always go packed; Flower's
     # standard ones (`train`, `evaluate`, `query`) only if their request came packed.
     packed = packing.is_packed(msg.content) or "." in msg.metadata.message_type
-    msg.content = packing.unpack(msg.content, "the server's message")
-    with deadline(msg):
-        reply = call_next(msg, context)
+    try:
+        seconds = guard.Limits.of(context.node_config).seconds(msg, f"node {node_key(context.node_config)}")
+        msg.content = packing.unpack(msg.content, "the server's message")
+        with deadline(msg, seconds):
+            reply = call_next(msg, context)
+    except Exception as err:
+        return guard.error_reply(msg, err)
     if reply.has_content():
         # Beside the `metrics` record, not in it: Flower's strategies expect exactly one MetricRecord.
         timing = reply.content.config_records.get(protocol.TIMING, ConfigRecord())

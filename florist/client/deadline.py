@@ -36,17 +36,22 @@ class DeadlineExceeded(TimeoutError):
 
 
 @contextlib.contextmanager
-def deadline(msg: Message) -> Iterator[None]:
-    """Run the block until `msg` expires; raise DeadlineExceeded in it when it does."""
+def deadline(msg: Message, longest: float | None = None) -> Iterator[None]:
+    """Run the block until `msg` expires, or for `longest` seconds at most (the node's own cap,
+    `client/guard.py`); raise DeadlineExceeded in it when it does. Never longer than the
+    message's time-to-live, whatever its `created_at` says."""
     ttl = msg.metadata.ttl
     remaining = msg.metadata.created_at + ttl - time.time()
     if remaining <= 0:
         raise DeadlineExceeded(f"the message expired {-remaining:.1f} s before its handler started (ttl {ttl:g} s)")
+    remaining = min(remaining, ttl, longest or ttl)
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         yield
         return
 
     def expire(*_: object) -> None:
+        if longest is not None and longest < ttl:
+            raise DeadlineExceeded(f"the handler ran past this node's cap of {longest:g} s (node-max-seconds)")
         raise DeadlineExceeded(f"the handler ran past its message's deadline ({ttl:g} s after it was sent)")
 
     previous = signal.signal(signal.SIGALRM, expire)

@@ -7,6 +7,8 @@ side fails loudly instead of becoming a default. A standard `train`/`evaluate` m
 of Flower's own strategies carries no florist settings: the run config is used, with the keys
 it shares with the message's config. Data and identity come from `--node-config`: `data-dir`
 for a node's own folder, else the embedded digits partition `partition-id` of `num-partitions`.
+Folders (`dataset`, `public-dir`) come from the node config too, and what one message may ask
+of the node is capped by it (`client/guard.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 import zlib
 from pathlib import Path
 
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 
+from florist.client import guard
 from florist.client.state import NodeState
 from florist.common import data as data_lib
 from florist.common import datacache, devices, folders, protocol, scenarios, training
@@ -56,6 +60,7 @@ class Node:
     data: data_lib.ClientData
     state: NodeState
     node_config: dict
+    steps_taken: int = 0  # local optimizer steps this message has taken so far (`fit`)
 
     def new_model(self, name: str = "") -> Net:
         """The run's model (or `name`), initialised exactly as the server initialises it."""
@@ -71,6 +76,20 @@ class Node:
         return model
 
     @functools.cached_property
+    def limits(self) -> guard.Limits:
+        """What one message may ask of this node (`node-max-*` in its `--node-config`)."""
+        return guard.Limits.of(self.node_config)
+
+    def local_steps(self, epochs: int, steps: int | None = None) -> int:
+        """The optimizer steps `fit(model, epochs, steps=steps)` takes on this node's train split."""
+        return steps if steps is not None else epochs * math.ceil(len(self.data.x_train) / self.cfg.batch_size)
+
+    def check_steps(self, count: int) -> None:
+        """Refuse, before any of them is taken, `count` more local steps than this message's
+        cap (`node-max-steps`) allows."""
+        self.limits.check_steps(self.steps_taken + count, f"node {self.key}")
+
+    @functools.cached_property
     def device(self) -> torch.device:
         """Where this node trains and predicts (`device`, a node's `--node-config` first)."""
         return devices.resolve(self.cfg.device, f"node {self.key}: device")
@@ -82,6 +101,9 @@ class Node:
         if not self.data.labelled:
             raise ValueError(f"node {self.key}: this strategy needs labelled data, but the node's data has no y")
         cfg, d = self.cfg, self.data
+        count = self.local_steps(epochs, options.get("steps"))
+        self.check_steps(count)
+        self.steps_taken += count
         augment = training.augmenter(cfg.augment, d.input_shape, *self.seed(salt, 0xA6))
         settings = {
             "epochs": epochs,
@@ -129,6 +151,7 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
     node_config = dict(context.node_config)
     config = dict(msg.content.config_records.get(protocol.CONFIG, {}))
     source = f"the server's {msg.metadata.message_type!r} message"
+    key = node_key(node_config)
     if "strategy" in config:  # florist's server: exactly the declared keys
         spec = strategy_spec(str(config["strategy"]))
         expected = {
@@ -144,12 +167,12 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
                 f"{source} does not match strategy {spec.name!r}: unknown keys {unknown}, missing keys {missing}"
             )
         shared = {*RunConfig.keys(True), *spec.settings.keys(True)}
-        cfg = RunConfig.from_mapping({k: v for k, v in config.items() if k in shared})
+        cfg = _run_config({k: v for k, v in config.items() if k in shared}, node_config, key)
         request = exchange.request.from_mapping(config, strict=True)
         server_round, run_id = (coerce(key, config[key], int) for key in ("server-round", "run-id"))
     else:  # one of Flower's strategies: the run config, and what it shares with the message
         run = dict(context.run_config) | {k: v for k, v in config.items() if k in RunConfig.keys()}
-        cfg = RunConfig.from_mapping({k: v for k, v in run.items() if k != "server-round"})
+        cfg = _run_config({k: v for k, v in run.items() if k != "server-round"}, node_config, key)
         request, server_round, run_id = exchange.request(), int(config.get("server-round", 0)), msg.metadata.run_id
     cfg = cfg.for_node(node_config)
     key, seen, client = _identity(node_config, cfg)
@@ -158,20 +181,33 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
     return node, Request(request, msg.content)
 
 
+def _run_config(values: dict, node_config: dict, key: str) -> RunConfig:
+    """The server's settings `values` as this node takes them: with its own folders
+    (`guard.own_paths`), and refused, before anything is allocated, beyond its class cap."""
+    cfg = RunConfig.from_mapping(guard.own_paths(values, node_config, f"node {key}"))
+    guard.Limits.of(node_config).check_classes(cfg.num_classes, f"node {key}")
+    return cfg
+
+
+def node_key(node_config: dict) -> str:
+    """This node's key: `node-key` from its config, else `partition-N`, else (a node with a
+    `data-dir`) a hash of its folder's path."""
+    if "node-key" in node_config:
+        return str(node_config["node-key"])
+    if "data-dir" in node_config:  # opaque: the server and every log would otherwise learn where the data is
+        folder = str(Path(str(node_config["data-dir"])).expanduser().absolute())
+        return "node-" + hashlib.sha256(folder.encode()).hexdigest()[:12]
+    return f"partition-{node_config.get('partition-id')}"
+
+
 def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.ClientData]:
     """(node key, seen, data) from the node config."""
     if "data-dir" in node_config:
-        data_dir = str(node_config["data-dir"])
-        client = _cached_folder(data_dir, cfg.num_classes, cfg.seed, cfg.val_fraction)
-        # Opaque: the server and every log would otherwise learn where the node keeps its data.
-        default_key = "node-" + hashlib.sha256(str(Path(data_dir).expanduser().absolute()).encode()).hexdigest()[:12]
-        seen = not bool(node_config.get("unseen", False))
-    else:
-        pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
-        client = scenarios.client_data(pid, num, cfg)
-        default_key = f"partition-{pid}"
-        seen = pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed)
-    return str(node_config.get("node-key", default_key)), seen, client
+        client = _cached_folder(str(node_config["data-dir"]), cfg.num_classes, cfg.seed, cfg.val_fraction)
+        return node_key(node_config), not bool(node_config.get("unseen", False)), client
+    pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
+    client = scenarios.client_data(pid, num, cfg)
+    return node_key(node_config), pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed), client
 
 
 def _cached_folder(data_dir: str, num_classes: int, seed: int, val_fraction: float) -> data_lib.ClientData:

@@ -96,10 +96,10 @@ def _read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.nda
     else:
         try:
             folder = ImageFolder(str(path))
-        except (FileNotFoundError, RuntimeError) as err:
+        except (FileNotFoundError, RuntimeError) as err:  # its text, a listing of the folder, stays the cause
             raise ValueError(
-                f"{path} is not a valid ImageFolder tree (one sub-folder of images per class) nor a "
-                f"folder of images: {err}"
+                f"{path} is not a valid ImageFolder tree (one sub-folder of images per class) nor a folder of "
+                "images (a sub-folder without images, or files of no image type)"
             ) from err
         files, y = [f for f, _ in folder.samples], np.asarray(folder.targets)
     images = [_load_image(f) for f in files]

@@ -21,3 +21,12 @@ def atomic_write(path: Path, writer: Callable[[IO[bytes]], object]) -> Path:
 def cache_dir() -> Path:
     """`$XDG_CACHE_HOME/florist` (usually `~/.cache/florist`)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "florist"
+
+
+def open_log(path: Path, append: bool = False) -> IO[bytes]:
+    """`path` opened for writing a log, never through a link: a link planted where the log goes
+    is replaced by the log (O_NOFOLLOW: one planted between the two steps fails the open)."""
+    if path.is_symlink():
+        path.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_APPEND if append else os.O_TRUNC)
+    return os.fdopen(os.open(path, flags, 0o644), "ab" if append else "wb")

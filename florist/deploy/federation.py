@@ -31,6 +31,7 @@ from florist.deploy.bundle import app_dir
 from florist.deploy.certs import covers, make_ca_and_server, make_node_key
 from florist.deploy.serving import ServerAppRunners
 from florist.deploy.spawning import (
+    LOCAL_NODE_CONFIG,
     Process,
     flower_bin,
     flower_env,
@@ -68,7 +69,7 @@ class LocalFederation(ServerAppRunners):
         self.workdir = Path(workdir).expanduser().resolve()
         # The nodes share this machine: each gets an equal share of its cores for torch, unless its config says.
         share = {"torch-threads": max(1, devices.usable_cores() // max(len(node_configs), 1))}
-        self.node_configs = [share | config for config in node_configs]
+        self.node_configs = [share | LOCAL_NODE_CONFIG | config for config in node_configs]
         self.tls, self.auth, self.max_wait_time = tls, auth, max_wait_time
         if executor == "warm" and not flower_internals.fast_path():  # which has said why, once
             executor = "flower"  # no fork server, no warm executors: Flower's SuperExec, SuperNodes and SuperLink

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from florist.common.storage import open_log
 from florist.deploy import forkserver, netns
 from florist.deploy.spawning import Process, flower_bin, spawn
 
@@ -43,7 +44,7 @@ class ServerAppRunners:
             *self._signed(),
         ]
         try:
-            with open(self.logs / "server-executor.log", "ab") as log_file:
+            with open_log(self.logs / "server-executor.log", append=True) as log_file:
                 self.server_executor = forkserver.request(str(self.fork_socket), argv, log_file.fileno())
         except OSError as err:
             self._serve_runs_stock(f"the fork server is unreachable ({err})")

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from florist.common.storage import open_log
+
 
 def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
     """Environment for every Flower process: FLWR_HOME (when given), no telemetry, no run-time
@@ -54,6 +56,13 @@ def flower_bin(name: str) -> str:
     """A Flower executable from this Python's environment (works without an activated venv)."""
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else name
+
+
+# Beside its own keys, in the node config of every SuperNode that florist starts for its user on
+# this machine (`federation.LocalFederation`: deploy-local, local-federation): its server is the
+# user's own, whose folders it reads and whose requests it takes without caps (client/guard.py).
+# Never in the node config of a box that joins a federation (`join.py`).
+LOCAL_NODE_CONFIG = {"trusted-server": True}
 
 
 def toml_node_config(values: dict[str, Any]) -> str:
@@ -104,7 +113,7 @@ class Process:
 def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> Process:
     """Start `args` in its own session (so Ctrl-C reaches us first and `stop` can clean up its
     process group), output appended to `log_path`."""
-    with open(log_path, "ab") as handle:
+    with open_log(log_path, append=True) as handle:
         popen = subprocess.Popen(
             args, stdout=handle, stderr=subprocess.STDOUT, env=env or flower_env(), cwd=cwd, start_new_session=True
         )

@@ -95,7 +95,8 @@ def run_in_process(
     from florist.client.app import app as default_client_app
     from florist.server.app import run
 
-    nodes = [{"partition-id": i, "num-partitions": num_clients} for i in range(num_clients)]
+    # The user's own clients, on this machine: they trust its server (client/guard.py).
+    nodes = [{"partition-id": i, "num-partitions": num_clients, "trusted-server": True} for i in range(num_clients)]
     grid = InProcessGrid(client_app or default_client_app, nodes, cpus_per_client=cpus_per_client)
     with server_identity(grid.run_id):
         run(grid, cfg, on_round, grid.run_id)  # type: ignore[arg-type]  (the Grid calls florist makes)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from florist.common import storage
 from florist.common.processes import terminate_marked
 from florist.config import RunConfig
 
@@ -90,13 +91,14 @@ def simulate(
     from flwr.simulation import run_simulation
 
     from florist.client.app import app as default_client_app
+    from florist.client.guard import trusted_server_in_environment
     from florist.server.app import make_server_app
 
     if num_clients < cfg.min_nodes:
         raise ValueError(f"num-clients ({num_clients}) must be at least min-nodes ({cfg.min_nodes})")
     resources = resources or client_resources()
     gpus = _gpu_count() if resources["num_gpus"] > 0 else 0
-    with _without_deprecation_warning():
+    with _without_deprecation_warning(), trusted_server_in_environment():  # the user's own clients (client/guard.py)
         run_simulation(
             server_app=make_server_app(cfg.to_mapping(), on_round),
             client_app=client_app or default_client_app,
@@ -150,7 +152,7 @@ def simulate_in_child(
         results_file.unlink(missing_ok=True)
     resources = resources or client_resources()
     command = [sys.executable, "-m", __name__, json.dumps(cfg.to_mapping()), str(num_clients), json.dumps(resources)]
-    with open(log_path, "wb") as log_file:
+    with storage.open_log(log_path) as log_file:
         child = subprocess.Popen(
             command,
             stdout=log_file,

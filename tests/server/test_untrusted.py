@@ -86,3 +86,17 @@ def test_a_folder_nodes_default_key_is_opaque(tmp_path):
         np.savez(folder / f"{split}.npz", x=rng.random((8, 1, 8, 8), dtype="float32"), y=rng.integers(0, 10, 8))
     key = _identity({"data-dir": str(folder)}, RunConfig())[0]
     assert protocol.NODE_KEY.fullmatch(key) and "alice" not in key and "patients" not in key
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_a_log_replaces_a_planted_link_instead_of_writing_through_it(tmp_path, append):
+    from florist.common.storage import open_log
+
+    outside = tmp_path / "outside"
+    outside.write_text("keep me")
+    (tmp_path / "simulation.log").symlink_to(outside)
+    with open_log(tmp_path / "simulation.log", append) as log:
+        log.write(b"the run's log")
+    assert outside.read_text() == "keep me"
+    assert not (tmp_path / "simulation.log").is_symlink()
+    assert (tmp_path / "simulation.log").read_bytes() == b"the run's log"

@@ -141,9 +141,11 @@ def evaluate(node: Node, request: Request) -> RecordDict:
     training, then distillation toward the nearest of the final centroids."""
     model, meta = _owned_model(node, node.server_round)
     if meta is None and request.settings.scratch_rounds > 0:
+        rounds = request.settings.scratch_rounds  # each a round's `_fit`: refused before the first if too many steps
+        node.check_steps(rounds * node.local_steps(node.cfg.local_epochs, node.cfg.settings.steps or None))
         public = public_set(node, request.settings.public_hash)
         centroids, cluster = _centroids(node, request.content, public), -1
-        for i in range(request.settings.scratch_rounds):
+        for i in range(rounds):
             _, cluster = _fit(node, model, public, centroids if i else None, salt=2 + i)
         meta = {"rounds": 0, "cluster": cluster}
         _save(node, model, **meta)
