@@ -47,10 +47,11 @@ class Encoder(nn.Module):
 class EmbeddingNet(Encoder):
     """PeFLL's φ(x, y): the sample (an image pooled to at most 8×8 per channel) placed in the
     slot of its label, i.e. its outer product with the one-hot label, then two fully connected
-    layers. The descriptor, their mean over the samples, is then a learned function of each
-    label's mean sample: what tells clients apart whose labels mean different things, even
-    before training. A conv trunk's features joined with the label do not, at initialization,
-    and 30 server steps do not teach them to (README, PeFLL)."""
+    layers with a ReLU between them; the descriptor is their mean over the samples (the ReLU
+    comes first, so it is not a function of each label's mean sample alone). The label's slot
+    tells clients apart whose labels mean different things, even before training; a conv
+    trunk's features joined with the label do not, at initialization, and 30 server steps do
+    not teach them to (README, PeFLL). florist's network, not the paper's."""
 
     uses_labels = True
 
