@@ -29,8 +29,8 @@ class HyperNetSettings(Settings):
     batch: int = setting(32)  # samples per descriptor while training (OD-PFL encodes all)
     local_steps: int = setting(50)  # client SGD steps k per round
     hidden: int = setting(100, server=True)  # hypernetwork hidden width
-    optimizer: str = setting("adam", server=True)  # adam (AdamW, as the authors' code) | sgd (Algorithm 2)
-    server_lr: float = setting(5e-3, server=True)  # server step β
+    optimizer: str = setting("adam", server=True)  # adam (AdamW, florist's) | sgd (Alg. 2's step at lr 1)
+    server_lr: float = setting(5e-3, server=True)  # server step s (Algorithm 2's β is the clients' step)
     l2_hyper: float = setting(1e-3, server=True)  # λ_h
     l2_embed: float = setting(1e-3, server=True)  # λ_v
     l2_model: float = setting(5e-5)  # λ_θ, the client's ‖θ‖² penalty
