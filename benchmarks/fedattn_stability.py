@@ -2,12 +2,16 @@
 drop below the best round so far, per seed, plus the per-round curves.
 
     python benchmarks/fedattn_stability.py --out results/fedattn [--seeds 1 2 3] [--num-clients 20] \
-        [--rounds 30] [--partition dirichlet:0.3] [--run-config "..."]
+        [--rounds 30] [--partition dirichlet:0.3] [--shift relabel:4] [--run-config "..."] \
+        [--variants fedavg fedattn fedattn-raw fedattn-no-self] [--runtime in-process]
 
 Variants: `fedavg`; `fedattn` with the defaults (warm-up, residual, penalty, clipping);
-`fedattn-raw`, the paper's form (no warm-up, no residual, no penalty, no clipping). Every round
-is evaluated. "Worst drop" is the largest fall of the seen mean accuracy below the best earlier
-round, counted after the warm-up. Writes --out/curves.png and --out/table.md.
+`fedattn-raw`, the paper's form (no warm-up, no residual, no penalty, no clipping);
+`fedattn-no-self`, the defaults with `fedattn-include-self=false` (a trained client attends over
+K others, not over itself and K − 1 others). Every round is evaluated. `--runtime in-process`
+runs each federation in this process without Ray (the same results, less overhead). "Worst
+drop" is the largest fall of the seen mean accuracy below the best earlier round, counted
+after the warm-up. Writes --out/curves.png and --out/table.md.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 from pathlib import Path
 
 from florist.config import RunConfig, parse_overrides
+from florist.runners.inprocess import run_in_process
 from florist.runners.simulation import simulate
 
 RAW = {"fedattn-warmup": 0, "fedattn-clip": 0.0, "fedattn-reg": 0.0, "fedattn-residual": False}
@@ -23,7 +28,9 @@ VARIANTS = {
     "fedavg": {"strategy": "fedavg"},
     "fedattn": {"strategy": "fedattn"},
     "fedattn-raw": {"strategy": "fedattn"} | RAW,
+    "fedattn-no-self": {"strategy": "fedattn", "fedattn-include-self": False},
 }
+DEFAULT_VARIANTS = ["fedavg", "fedattn", "fedattn-raw"]
 
 
 def worst_drop(curve: list[float], start: int) -> float:
@@ -43,8 +50,10 @@ def main() -> None:
     parser.add_argument("--num-clients", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--partition", default="dirichlet:0.3")
+    parser.add_argument("--shift", default="none")
+    parser.add_argument("--runtime", choices=("simulation", "in-process"), default="simulation")
     parser.add_argument("--run-config", default="")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -54,6 +63,7 @@ def main() -> None:
         for seed in args.seeds:
             values = {
                 "partition": args.partition,
+                "shift": args.shift,
                 "seed": seed,
                 "min-nodes": args.num_clients,
                 "eval-every": 1,
@@ -61,7 +71,7 @@ def main() -> None:
                 "results-dir": str(out / f"{name}-seed{seed}"),
             }
             cfg = RunConfig.from_mapping(values | parse_overrides(args.run_config) | variant)
-            results = simulate(cfg, args.num_clients)
+            results = (run_in_process if args.runtime == "in-process" else simulate)(cfg, args.num_clients)
             curve = [100 * r["accuracy"] for r in results["rounds"]]
             curves[(name, seed)] = curve
             start = cfg.settings.warmup if cfg.strategy == "fedattn" else 0

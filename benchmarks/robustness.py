@@ -5,11 +5,12 @@ rule's aggregation time per round, measured side by side on the same models.
     python benchmarks/robustness.py [--rounds 15] [--clients 5] [--seed 1] [--partition iid] \
         [--clip-norm 2.0] [--max-node-examples 250] [--timing-nodes 5 20 50] [--threads N] [--out DIR]
 
-In-process federations (florist/runners/inprocess.py); a client mod makes partition 0 malicious:
-`scale` sends θ_g + 1000·Δ (Δ its honest update from the θ_g it received), `flip` θ_g − Δ,
-`claim` flips and claims 10¹² examples in its replies, `claim+info` also reports 10¹² training
-examples at discovery. The clip-norm and the cap default to what suits this setting: honest
-updates lie 0.3-2 from the global model, honest nodes hold about 208 training examples.
+In-process federations (florist/runners/inprocess.py); a client mod (`client_mods.attack`, the
+one tests/test_adversarial.py uses) makes partition 0 malicious: `scale` sends θ_g + 1000·Δ (Δ its
+honest update from the θ_g it received), `flip` θ_g − Δ, `claim` flips and claims 10¹² examples
+in its replies, `claim-info` also reports 10¹² training examples at discovery. The clip-norm
+and the cap default to what suits this setting: honest updates lie 0.3-2 from the global
+model, honest nodes hold about 208 training examples.
 Timings: the honest run's last-round models (more nodes: the same models with small noise),
 the best of --repeats passes in which the rules take turns. 2-5 minutes on 2 cores at the defaults.
 """
@@ -22,43 +23,27 @@ import time
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord
 
 from florist.client.app import build_client_app
 from florist.common import protocol
+from florist.common.client_mods import ATTACKS, attack
 from florist.common.devices import usable_cores
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.server.aggregation import Aggregator
 
-ATTACKS = ("none", "scale", "flip", "claim", "claim+info")
 RULES = ("mean", "mean+clip", "mean+cap", "median", "trimmed:0.2", "krum:1", "multikrum:1")
 
 
-def malicious(attack: str, captured: dict | None = None):
-    """A client mod: partition 0 rewrites its `train` replies as `attack` says; with `captured`,
-    every node's last trained model and the model it received are kept there (for the timings)."""
+def capturing(captured: dict):
+    """A client mod: every node's last trained model, and the model it received, kept in
+    `captured` (for the timings)."""
 
     def mod(msg, context, call_next):
         reply = call_next(msg, context)
-        if msg.metadata.message_type not in ("train", "query.info") or not reply.has_content():
-            return reply
-        if captured is not None and msg.metadata.message_type == "train":
+        if msg.metadata.message_type == "train" and reply.has_content():
             captured["global"] = msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()
             captured[context.node_id] = reply.content.array_records[protocol.ARRAYS].to_torch_state_dict()
-        if context.node_config["partition-id"] != 0 or attack == "none":
-            return reply
-        if msg.metadata.message_type == "query.info":
-            if attack == "claim+info":
-                reply.content.metric_records[protocol.METRICS]["num-train"] = 10**12
-            return reply
-        sent = msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()
-        trained = reply.content.array_records[protocol.ARRAYS].to_torch_state_dict()
-        factor = 1000.0 if attack == "scale" else -1.0
-        poisoned = {k: sent[k] + factor * (v - sent[k]) if v.is_floating_point() else v for k, v in trained.items()}
-        reply.content.array_records[protocol.ARRAYS] = ArrayRecord(poisoned)
-        if attack.startswith("claim"):
-            reply.content.metric_records[protocol.METRICS]["num-examples"] = 10**12
         return reply
 
     return mod
@@ -73,7 +58,7 @@ def settings_of(rule: str, args: argparse.Namespace) -> dict:
     return {"aggregation": rule}
 
 
-def run(attack: str, rule: str, args: argparse.Namespace, out: Path, captured: dict | None = None) -> dict:
+def run(name: str, rule: str, args: argparse.Namespace, out: Path, captured: dict | None = None) -> dict:
     values = {
         "num-server-rounds": args.rounds,
         "partition": args.partition,
@@ -81,10 +66,11 @@ def run(attack: str, rule: str, args: argparse.Namespace, out: Path, captured: d
         "min-nodes": args.clients,
         "eval-every": 0,
         "seed": args.seed,
-        "results-dir": str(out / f"{attack}-{rule}"),
+        "results-dir": str(out / f"{name}-{rule}"),
     }
     cfg = RunConfig.from_mapping(values | settings_of(rule, args))
-    return run_in_process(cfg, args.clients, client_app=build_client_app([malicious(attack, captured)]))
+    mods = [attack(name, partition_id=0)] + ([capturing(captured)] if captured is not None else [])
+    return run_in_process(cfg, args.clients, client_app=build_client_app(mods))
 
 
 def accuracy_table(args: argparse.Namespace, out: Path, captured: dict) -> list[str]:
@@ -94,15 +80,15 @@ def accuracy_table(args: argparse.Namespace, out: Path, captured: dict) -> list[
         f"| attack \\ rule | {' | '.join(RULES)} |",
         "|---|" + "---:|" * len(RULES),
     ]
-    for attack in args.attacks:
+    for name in args.attacks:
         cells = []
         for rule in RULES:
-            results = run(attack, rule, args, out, captured if (attack, rule) == ("none", "mean") else None)
+            results = run(name, rule, args, out, captured if (name, rule) == ("none", "mean") else None)
             accuracy = 100 * results["summary"]["seen"]["mean_accuracy"]
             honest = accuracy if honest is None else honest
             blamed = {f["node_id"] for f in results["failures"]} - {100}
             cells.append(f"{accuracy:.1f} ({accuracy - honest:+.1f})" + (f" ⚠{len(blamed)}" if blamed else ""))
-        lines.append(f"| {attack} | {' | '.join(cells)} |")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
         print(lines[-1], flush=True)
     return lines
 

@@ -1,9 +1,10 @@
 """Robust aggregation (florist/server/aggregation.py) against one malicious node of five.
 
 In-process federations on the embedded digits (iid, 5 training nodes, 15 rounds, the default
-CNN): partition 0 rewrites its own training replies with a client mod. It scales its update
-×1000 relative to the model it received, flips its sign, or flips it and claims 10¹² examples
-(in its replies only, or at discovery too). Plain `mean` is shown to be hurt where the attack
+CNN): partition 0 rewrites its own training replies with `client_mods.attack`, the client mod
+benchmarks/robustness.py uses too. It scales its update ×1000 relative to the model it
+received, flips its sign, or flips it and claims 10¹² examples (in its replies only, or at
+discovery too). Plain `mean` is shown to be hurt where the attack
 is strong, so the defences are tested against something real; each rule is also checked on
 hand-made tensors, and against Flower's own functions fed float64."""
 
@@ -17,7 +18,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message
 
 from florist.client.app import build_client_app
-from florist.common import protocol
+from florist.common import client_mods, protocol
 from florist.config import RunConfig, parse_aggregation
 from florist.runners.inprocess import run_in_process
 from florist.server import aggregation
@@ -34,32 +35,6 @@ FIVE = {
     "eval-every": 0,
     "seed": 1,
 }
-MODEL_REPLIES = ("train", "train.attn")  # FedAvg's and FedAttn's training replies carry the model
-
-
-def malicious(attack: str, partition_id: int = 0):
-    """A client mod: node `partition_id` rewrites its training replies. `scale`: θ_g + 1000·Δ;
-    `flip`: θ_g − Δ (Δ its honest update from the received θ_g); `claim`: flip and claim 10¹²
-    examples; `claim-info`: also report 10¹² training examples at discovery."""
-
-    def mod(msg: Message, context: Context, call_next):
-        reply = call_next(msg, context)
-        if context.node_config["partition-id"] != partition_id or not reply.has_content():
-            return reply
-        if msg.metadata.message_type == "query.info" and attack == "claim-info":
-            reply.content.metric_records[protocol.METRICS]["num-train"] = 10**12
-        if msg.metadata.message_type not in MODEL_REPLIES:
-            return reply
-        sent = msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()
-        trained = reply.content.array_records[protocol.ARRAYS].to_torch_state_dict()
-        factor = 1000.0 if attack == "scale" else -1.0
-        poisoned = {k: sent[k] + factor * (v - sent[k]) if v.is_floating_point() else v for k, v in trained.items()}
-        reply.content.array_records[protocol.ARRAYS] = ArrayRecord(poisoned)
-        if attack.startswith("claim"):
-            reply.content.metric_records[protocol.METRICS]["num-examples"] = 10**12
-        return reply
-
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +47,7 @@ def federation(tmp_path_factory):
         if key not in cache:
             folder = tmp_path_factory.mktemp("adversarial")
             cfg = RunConfig.from_mapping(FIVE | settings | {"results-dir": str(folder)})
-            app = build_client_app([malicious(attack)]) if attack else None
+            app = build_client_app([client_mods.attack(attack)]) if attack else None
             cache[key] = run_in_process(cfg, 5, client_app=app)
         return cache[key]
 

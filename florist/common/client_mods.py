@@ -3,7 +3,9 @@ in code: `client-mods="fixedclipping"` is what `DifferentialPrivacyClientSideFix
 needs on every client. Names come from the node config, else the message's config (florist's
 server sends the run's), else the run config, as in `client/node.py`; a mod's `_mod` suffix
 may be left out. Flower's own mods are imported on first use: the run config is checked
-without them."""
+without them.
+
+Below them, outside MODS, `attack`: a malicious-node mod for tests and benchmarks only."""
 
 from __future__ import annotations
 
@@ -62,3 +64,56 @@ def configured(msg, context, call_next: Callable):
 
 def _around(mod: Callable, inner: Callable) -> Callable:
     return lambda msg, context: mod(msg, context, inner)
+
+
+# -- for tests and benchmarks only --------------------------------------------------------
+# A mod that plays one malicious node, so tests/test_adversarial.py and benchmarks/robustness.py
+# attack the same way. It is not in MODS: no configuration can switch it on.
+
+ATTACKS = ("none", "scale", "flip", "claim", "claim-info")
+MODEL_REPLIES = ("train", "train.attn")  # the replies that carry a trained model: FedAvg's, FedAttn's
+INFO = "query.info"  # discovery, where a node reports its `num-train`
+HUGE = 10**12
+
+
+def attack(name: str, partition_id: int = 0) -> Callable:
+    """FOR TESTS AND BENCHMARKS ONLY: a client mod with which node `partition_id` rewrites its
+    replies. `scale`: θ_g + 1000·Δ and `flip`: θ_g − Δ, where Δ is its honest update from the θ_g
+    it received (in every reply of `MODEL_REPLIES`); `claim`: flip and claim 10¹² examples in
+    those replies; `claim-info`: that, and report 10¹² training examples at discovery too;
+    `none`: honest."""
+    if name not in ATTACKS:
+        raise ValueError(f"unknown attack {name!r}; choose from {', '.join(ATTACKS)}")
+
+    def mod(msg, context, call_next):
+        reply = call_next(msg, context)
+        if name == "none" or context.node_config["partition-id"] != partition_id or not reply.has_content():
+            return reply
+        message_type = msg.metadata.message_type
+        if message_type == INFO and name == "claim-info":
+            reply.content.metric_records[_protocol().METRICS]["num-train"] = HUGE
+        if message_type in MODEL_REPLIES:
+            _poison(msg, reply, name)
+        return reply
+
+    return mod
+
+
+def _poison(msg, reply, name: str) -> None:
+    """Replace the reply's model θ with θ_g + factor·(θ − θ_g), θ_g the model `msg` sent."""
+    from flwr.app import ArrayRecord
+
+    protocol = _protocol()
+    sent = msg.content.array_records[protocol.ARRAYS].to_torch_state_dict()
+    trained = reply.content.array_records[protocol.ARRAYS].to_torch_state_dict()
+    factor = 1000.0 if name == "scale" else -1.0
+    poisoned = {k: sent[k] + factor * (v - sent[k]) if v.is_floating_point() else v for k, v in trained.items()}
+    reply.content.array_records[protocol.ARRAYS] = ArrayRecord(poisoned)
+    if name.startswith("claim"):
+        reply.content.metric_records[protocol.METRICS]["num-examples"] = HUGE
+
+
+def _protocol():
+    from florist.common import protocol
+
+    return protocol

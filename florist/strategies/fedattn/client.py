@@ -23,7 +23,9 @@ def representation(node: Node, model: Net) -> torch.Tensor:
 
 
 def bias_gradient(node: Node, model: Net) -> torch.Tensor:
-    """∂L/∂M at the model's current biases, L the mean cross-entropy over the train split."""
+    """∂L/∂M at the model's current biases, L the mean cross-entropy over the train split (in
+    eval mode, in the model's dtype). Sent at the M̃_i the server made, before any local step:
+    by the chain rule the server gets ∂L/∂W = (∂M̃_i/∂W)ᵀ·∂L/∂M̃_i for W_Q, W_K, W_V."""
     if not node.data.labelled:
         raise ValueError(f"node {node.key}: FedAttn trains on labels, but the node's data has no y")
     names, d = bias_names(model), node.data
@@ -31,7 +33,8 @@ def bias_gradient(node: Node, model: Net) -> torch.Tensor:
         model.eval()
         params = dict(model.named_parameters())
         targets = torch.from_numpy(np.array(d.y_train)).to(device)  # a copy: memory-mapped labels are read-only
-        loss = F.cross_entropy(model(training.inputs(d.x_train, device)), targets)
+        x = training.inputs(d.x_train, device).to(next(model.parameters()).dtype)
+        loss = F.cross_entropy(model(x), targets)
         grads = [g.cpu() for g in torch.autograd.grad(loss, [params[n] for n in names])]
     return flat_biases(dict(zip(names, grads)), names)
 

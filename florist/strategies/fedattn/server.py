@@ -5,6 +5,10 @@ W_Q, W_K, W_V with the client's gradient at M̃_i. G and M̄ are aggregated as F
 by the run's `aggregation` rule (with `clip-norm` and the weight caps); under a robust rule the
 M the attention reads are bounded too (`bounded`).
 
+A trained client's own (Z, M) is one of its K (`fedattn-include-self`, the default; off: its K
+nearest others). A sampled client the server has no (Z, M) of trains from M̄ and does not train
+the attention (`train_round`).
+
 Stability (the paper's runs broke at random rounds): `fedattn-warmup` FedAvg-only rounds
 first, attention over deviations from the mean biases (`fedattn-residual`), a penalty on
 ‖M̃_i − M̄‖² (`fedattn-reg`) and a clipped gradient norm (`fedattn-clip`).
@@ -87,24 +91,30 @@ class FedAttn(FedAvg):
         self.index = faiss.IndexFlatL2(self.z_dim)
         self.index.add(np.stack([self.memory[k][0].numpy() for k in self.index_keys]).astype(np.float32))
 
-    def neighbours(self, z: torch.Tensor) -> list[str]:
-        """The keys of the K known clients nearest to z (squared L2, exact FAISS search)."""
-        _, found = self.index.search(z.numpy()[None].astype(np.float32), min(self.settings.k, len(self.index_keys)))
-        return [self.index_keys[i] for i in found[0] if i >= 0]
+    def neighbours(self, z: torch.Tensor, key: str = "") -> list[str]:
+        """The keys of the K known clients nearest to z (squared L2, exact FAISS search). A
+        trained client's own stored Z is z itself, at distance 0: it is one of its K unless
+        `fedattn-include-self` is off, when client `key` is left out and K others are read."""
+        exclude = key if key in self.memory and not self.settings.include_self else None
+        count = min(self.settings.k + (exclude is not None), len(self.index_keys))
+        _, found = self.index.search(z.numpy()[None].astype(np.float32), count)
+        near = [self.index_keys[i] for i in found[0] if i >= 0 and self.index_keys[i] != exclude]
+        return near[: self.settings.k]
 
-    def personalize(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(M̃, attention weights) for a client with representation z (M̃ keeps its graph, on
-        the server's device). Without a usable neighbour, or when the attention's output is not
-        finite, the client gets M̄ and no weights, so a broken attention cannot spread NaN to
-        the clients."""
-        near = self.neighbours(z)
-        if near:
-            z, device = z.to(self.device), self.device
-            z_n = torch.stack([self.memory[k][0] for k in near]).to(device)
-            m_n = torch.stack([self.memory[k][1] for k in near]).to(device)
-            m_tilde = self.attention(z, z_n, m_n, self.mean_biases().to(device))
-            if torch.isfinite(m_tilde).all():
-                return m_tilde, self.attention.weights(z, z_n).detach().cpu()
+    def personalize(self, z: torch.Tensor, key: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+        """(M̃, attention weights) for client `key` with representation z (M̃ keeps its graph,
+        on the server's device). Without a usable neighbour, or when the attention's output is
+        not finite, the client gets M̄ and no weights, so a broken attention cannot spread NaN
+        to the clients."""
+        near = self.neighbours(z, key)
+        if not near:
+            return self.mean_biases(), torch.ones(0)
+        z, device = z.to(self.device), self.device
+        z_n = torch.stack([self.memory[k][0] for k in near]).to(device)
+        m_n = torch.stack([self.memory[k][1] for k in near]).to(device)
+        m_tilde = self.attention(z, z_n, m_n, self.mean_biases().to(device))
+        if torch.isfinite(m_tilde).all():
+            return m_tilde, self.attention.weights(z, z_n).detach().cpu()
         log.warning("fedattn: no finite attention output for a client; it gets the mean biases")
         return self.mean_biases(), torch.ones(0)
 
@@ -135,12 +145,24 @@ class FedAttn(FedAvg):
 
     # -- rounds --------------------------------------------------------------------------
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
+        """Each sampled node trains G with its M̃_i and replies with its model, Z_i and ∂L/∂M̃_i;
+        W_Q, W_K, W_V take one step on the mean over the attended nodes, then G and M̄ are
+        aggregated and every reply's (Z, M) is remembered.
+
+        A sampled node the server keeps no (Z, M) of (sampled for the first time, or joining
+        late), every node during the warm-up, and a node whose attention output is unusable
+        train from M̄, as in FedAvg. The paper defines M̃_i only from a stored Z_i and says
+        nothing of this case. M̄ does not depend on W_Q, W_K, W_V, so such a node's gradient
+        would move them by exactly 0: it is not used, and the step is the mean over the
+        attended nodes alone (not diluted by the others). Its model still counts for G and M̄,
+        and its Z and M are remembered, so it is attended from its next sampled round. Asking
+        it for Z first, as `evaluate` does, would add an exchange to every such round."""
         m_bar = self.mean_biases()
         m_tilde, requests = {}, {}
         for node in nodes:
             state = self.model.state_dict()
             if self.attending(server_round) and node.key in self.memory:
-                m, weights = self.personalize(self.memory[node.key][0])
+                m, weights = self.personalize(self.memory[node.key][0], node.key)
                 state = self.with_biases(m)
                 if len(weights):  # made by the attention: its gradient trains it
                     m_tilde[node.node_id] = m
@@ -189,7 +211,7 @@ class FedAttn(FedAvg):
             state = self.model.state_dict()
             if self.attending(server_round) and node.node_id in z:
                 with torch.no_grad():
-                    m, weights = self.personalize(z[node.node_id])
+                    m, weights = self.personalize(z[node.node_id], node.key)
                 state = self.with_biases(m)
                 extra[node.node_id] = {
                     "neighbours": len(weights),

@@ -25,6 +25,7 @@ class AttentionSettings(Settings):
     clip: float = setting(1.0, server=True)  # gradient-norm clip of the attention (0: none)
     reg: float = setting(0.1, server=True)  # penalty on ‖M̃_i − mean M‖² (0: none)
     residual: bool = setting(True, server=True)  # attend over deviations: M̃ = M̄ + Σ a·W_V(M − M̄)
+    include_self: bool = setting(True, server=True)  # a trained client's own (Z, M) is one of its K keys
 
     def checks(self):
         return [
