@@ -27,7 +27,7 @@ STRATEGY_NAMES = tuple(STRATEGIES)
 @dataclasses.dataclass(frozen=True)
 class RunConfig(Settings):
     """What every run has. Field `foo_bar` is run-config key `foo-bar`; the chosen strategy's
-    own settings are `settings` (e.g. `knn-sigma` is `cfg.settings.sigma` under knnper)."""
+    own settings are `settings` (e.g. `knn-sigmas` is `cfg.settings.sigmas` under knnper)."""
 
     strategy: str = setting("fedavg")
     num_server_rounds: int = setting(30)

@@ -47,8 +47,8 @@ def test_the_strategys_section_is_its_own_typed_settings():
 
 def test_a_nodes_config_overrides_only_what_its_section_declares():
     knn = RunConfig.from_mapping({"strategy": "knnper"}).settings
-    assert knn.for_node({"knn-index": "hnsw", "knn-sigma": 9.0}).index == "hnsw"
-    assert knn.for_node({"knn-sigma": 9.0}).sigma == 1.0  # not a node setting
+    assert knn.for_node({"knn-index": "hnsw", "knn-sigmas": "9"}).index == "hnsw"
+    assert knn.for_node({"knn-sigmas": "9"}).sigmas == knn.sigmas  # not a node setting
     dp = RunConfig.from_mapping({"strategy": "odpfl"}).settings.for_node({"dp-epsilon": 1})
     assert dp.dp_epsilon == 1.0 and math.isinf(RunConfig.from_mapping({"strategy": "odpfl"}).settings.dp_epsilon)
     with pytest.raises(ValueError, match="dp-epsilon must be > 0"):

@@ -1,5 +1,5 @@
 """Settings: dataclasses whose fields map to Flower's flat kebab-case run-config keys. Field
-`sigma` of a section with prefix `knn` is key `knn-sigma` (a field may name its key outright).
+`sigmas` of a section with prefix `knn` is key `knn-sigmas` (a field may name its key outright).
 Each field says whether it travels to the clients and whether a node's `--node-config` may
 override it. The run's common settings (`florist/config.py`) and each strategy's section
 (its `spec.py`) are such classes; nothing here imports torch."""

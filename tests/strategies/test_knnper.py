@@ -43,7 +43,7 @@ def test_lambda_zero_scores_exactly_as_the_global_model_for_every_k(make_node, k
     """λ forced to 0 through the real datastore and its search: the test probabilities are the
     global model's bit for bit, which needs a finite N×C p_kNN for this k (10,000 is more than
     the store holds) even where σ is so small that every exp(−d/σ) underflows unshifted."""
-    node = make_node({"strategy": "knnper", "knn-ks": str(k), "knn-sigma": 1e-5})
+    node = make_node({"strategy": "knnper", "knn-ks": str(k), "knn-sigmas": "1e-5", "knn-kernel": "squared"})
     model = node.new_model()
     scored = knnper.personalize(node, model, knnper.datastore_for(node, model, "v1"), lambdas=(0.0,))
     assert scored.choice.k == k and scored.choice.lam == 0.0
@@ -52,10 +52,10 @@ def test_lambda_zero_scores_exactly_as_the_global_model_for_every_k(make_node, k
 
 def vote(stored: np.ndarray, labels: np.ndarray, queries: np.ndarray, k: int, sigma: float) -> np.ndarray:
     """p_kNN by its definition, in float64 and without FAISS: each of a query's k nearest stored
-    points (squared L2) adds exp(−d/σ) to its label."""
+    points adds exp(−d/σ) to its label, d the Euclidean distance (the paper's kernel)."""
     p = np.zeros((len(queries), 10))
     for row, query in zip(p, queries.astype(np.float64)):
-        d = ((stored - query) ** 2).sum(1)
+        d = np.sqrt(((stored.astype(np.float64) - query) ** 2).sum(1))
         for i in np.argsort(d, kind="stable")[:k]:
             row[labels[i]] += np.exp(-d[i] / sigma)
     return p / p.sum(1, keepdims=True)
@@ -69,7 +69,7 @@ def test_lambda_one_is_the_knn_vote_over_the_train_and_validation_pairs(make_nod
     x, y = data.load_digits()
     train, rest = np.flatnonzero(y < 2)[:8], np.flatnonzero(y >= 2)[:8]
     tiny = data.ClientData(x[train], y[train], x[rest[:4]], np.full(4, 9), x[rest], y[rest], num_classes=10)
-    node = make_node({"strategy": "knnper", "knn-ks": "3", "knn-sigma": 0.02}, data=tiny)
+    node = make_node({"strategy": "knnper", "knn-ks": "3", "knn-sigmas": "0.02"}, data=tiny)
     model = node.new_model()
     scored = knnper.personalize(node, model, knnper.datastore_for(node, model, "v1"), lambdas=(1.0,))
     stored = training.embed(model, np.concatenate([tiny.x_train, tiny.x_val]))
@@ -115,3 +115,24 @@ def test_datastore_add_without_a_datastore_says_so(tmp_path):
     assert (
         main(["datastore", "add", "--state-dir", str(tmp_path), "--node-key", "n1", "--data-dir", str(tmp_path)]) == 2
     )
+
+
+@pytest.mark.parametrize("path", ["choose", "kept"])
+def test_the_evaluation_path_mixes_the_knn_even_at_lambda_zero(make_node, monkeypatch, path):
+    """With λ = 0 chosen on validation (`choose`) or kept from phase 1 (`kept`), the test split
+    is still scored through the kNN and the mixture: a poisoned p_kNN (NaN) must surface. A
+    shortcut that skipped the search or the mixture at λ = 0 would return p_global instead."""
+    node = make_node({"strategy": "knnper", "knn-ks": "3"})
+    model = node.new_model()
+    store = knnper.datastore_for(node, model, "v1")
+    calls = []
+
+    def poisoned(distances, labels, num_classes, sigma, kernel="paper"):
+        calls.append(len(distances))
+        return np.full((len(distances), num_classes), np.nan)
+
+    monkeypatch.setattr(knnper, "knn_proba", poisoned)
+    kept = knnper.Choice(0.0, 3, 1.0, 0.0, 1.0) if path == "kept" else None
+    with pytest.raises(ValueError, match="p_kNN"):
+        knnper.personalize(node, model, store, lambdas=(0.0,), choice=kept)
+    assert calls  # the kNN was searched and voted, not skipped

@@ -1,10 +1,14 @@
 """kNN-Per's client half: the global model from FedAvg, plus a local FAISS datastore of
 (features(x), y) pairs (`datastore.py`), mixed as λ·p_kNN + (1 − λ)·p_global.
 
-λ and k are chosen per client on its validation split against the store of its train split: a
-validation point in the store would find itself, with its own label, and favour large λ. The
+λ, k and σ are chosen per client on its validation split against the store of its train split:
+a validation point in the store would find itself, with its own label, and favour large λ. The
 test split is then scored with the validation pairs joined to a copy of that store, so it holds
 the client's whole training set, as the paper's does. The saved store never holds them.
+
+Under `knn-train-on-val`, phase 2 trains on train + validation, so a seen client's validation
+split no longer tells how well the global model generalizes: it keeps the choice made with
+phase 1's final model (sent beside the current one) and scores the test split with it.
 
 Both terms are probabilities, so the mixture is one too (the reference code's default mixes
 logits with probabilities, which is not a distribution; florist does not)."""
@@ -22,18 +26,29 @@ from florist.client.state import NodeState
 from florist.common import folders, protocol, training
 from florist.common.models import Net, build_model
 from florist.common.training import log_loss
+from florist.strategies.fedavg import client as fedavg_client
 from florist.strategies.knnper.datastore import Datastore, train_fingerprint
+from florist.strategies.knnper.spec import in_phase_two, phase_rounds
 
 GLOBAL_MODEL = "global.npz"  # kept beside the datastore so new samples can be embedded later
+CHOICE = "choice"  # phase 1's (λ, k, σ) under knn-train-on-val, a `save_round` version of the run
 LAMBDA_GRID = tuple(round(0.1 * i, 1) for i in range(11))
 
 
-def knn_proba(distances: np.ndarray, labels: np.ndarray, num_classes: int, sigma: float) -> np.ndarray:
-    """p_kNN for each query from its k neighbours' squared-L2 distances and labels (N×k each).
+def knn_proba(
+    distances: np.ndarray, labels: np.ndarray, num_classes: int, sigma: float, kernel: str = "paper"
+) -> np.ndarray:
+    """p_kNN for each query from its k neighbours' squared-L2 distances (FAISS's) and labels
+    (N×k each). `paper` weighs a neighbour by exp(−d/σ) with d the Euclidean distance (Eqs. 6
+    and 40); `squared` by exp(−d²/σ), which on 128-d features is near one-hot for σ ~ 1.
 
     Distances are shifted by each row's minimum before exponentiating: the shift cancels in
     the normalisation and keeps exp() from underflowing to an all-zero row.
     """
+    if kernel == "paper":
+        distances = np.sqrt(np.maximum(distances, 0.0))  # FAISS may return -1e-7 for a point itself
+    elif kernel != "squared":
+        raise ValueError(f"unknown kNN kernel {kernel!r}: paper or squared")
     weights = np.exp(-(distances - distances.min(axis=1, keepdims=True)) / sigma)
     proba = np.zeros((len(distances), num_classes))
     np.add.at(proba, (np.arange(len(distances))[:, None], labels), weights)
@@ -43,6 +58,8 @@ def knn_proba(distances: np.ndarray, labels: np.ndarray, num_classes: int, sigma
 def mix(p_knn: np.ndarray, p_global: np.ndarray, lam: float) -> np.ndarray:
     """λ·p_kNN + (1 − λ)·p_global. No shortcut at λ = 0: the sum is still p_global bit for bit
     when p_kNN is a finite N×C array, and a NaN or misshapen p_kNN does not go unnoticed."""
+    if p_knn.shape != p_global.shape or not np.isfinite(p_knn).all():
+        raise ValueError(f"p_kNN must be a finite {p_global.shape} array, got {p_knn.shape} with NaN/Inf or not")
     return lam * p_knn + (1 - lam) * p_global
 
 
@@ -52,22 +69,25 @@ class Choice:
     k: int
     accuracy: float
     loss: float
+    sigma: float = 1.0
 
 
-def select(p_global: np.ndarray, p_knn_by_k: dict[int, np.ndarray], y: np.ndarray, lambdas=LAMBDA_GRID) -> Choice:
-    """The (λ, k) with the best validation accuracy; ties broken by the lower validation
-    log-loss, then by the smaller λ and k.
+def select(
+    p_global: np.ndarray, p_knn_by: dict[tuple[int, float], np.ndarray], y: np.ndarray, lambdas=LAMBDA_GRID
+) -> Choice:
+    """The (λ, k, σ) with the best validation accuracy (`p_knn_by` maps (k, σ) to p_kNN); ties
+    broken by the lower validation log-loss, then by the smaller λ, k and σ.
 
     Validation splits hold a few dozen samples, so many λ reach the same accuracy; the
     log-loss separates them by how much probability lands on the true labels, which picks the
     λ the data supports instead of defaulting to the smallest.
     """
     candidates = []
-    for k, p_knn in sorted(p_knn_by_k.items()):
+    for (k, sigma), p_knn in sorted(p_knn_by.items()):
         for lam in lambdas:
             p = mix(p_knn, p_global, lam)
-            candidates.append(Choice(lam, k, float((p.argmax(1) == y).mean()), log_loss(p, y)))
-    return min(candidates, key=lambda c: (-c.accuracy, c.loss, c.lam, c.k))
+            candidates.append(Choice(lam, k, float((p.argmax(1) == y).mean()), log_loss(p, y), sigma))
+    return min(candidates, key=lambda c: (-c.accuracy, c.loss, c.lam, c.k, c.sigma))
 
 
 def datastore_for(node: Node, model: Net, version: str) -> Datastore:
@@ -101,15 +121,27 @@ def datastore_for(node: Node, model: Net, version: str) -> Datastore:
     return store
 
 
-def stored_proba(node: Node, store: Datastore, embeddings: np.ndarray, k: int) -> np.ndarray:
+def stored_proba(node: Node, store: Datastore, embeddings: np.ndarray, k: int, sigma: float) -> np.ndarray:
     """p_kNN for already-embedded inputs from their k nearest stored embeddings."""
-    return knn_proba(*store.search(embeddings, k), node.cfg.num_classes, node.cfg.settings.sigma)
+    return knn_proba(*store.search(embeddings, k), node.cfg.num_classes, sigma, node.cfg.settings.kernel)
+
+
+def proba_grid(node: Node, store: Datastore, embeddings: np.ndarray) -> dict[tuple[int, float], np.ndarray]:
+    """p_kNN for every (k, σ) of the grids, from one search for the largest k: FAISS returns
+    the neighbours nearest first, so the k nearest are the first k columns."""
+    knn = node.cfg.settings
+    distances, labels = store.search(embeddings, max(knn.k_grid))
+    return {
+        (k, sigma): knn_proba(distances[:, :k], labels[:, :k], node.cfg.num_classes, sigma, knn.kernel)
+        for k in knn.k_grid
+        for sigma in knn.sigma_grid
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class Scored:
-    """The mixture's and the global model's test-split probabilities, the (λ, k) chosen and the
-    size of the store the test split was searched in."""
+    """The mixture's and the global model's test-split probabilities, the (λ, k, σ) chosen and
+    the size of the store the test split was searched in."""
 
     mixed: np.ndarray
     p_global: np.ndarray
@@ -117,21 +149,72 @@ class Scored:
     datastore_size: int
 
 
-def personalize(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID) -> Scored:
-    """Choose λ and k on the validation split against `store` (the train split's), then score
-    the test split against a copy of it with the validation pairs added under the store's policy."""
+def choose(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID, emb_val: np.ndarray | None = None) -> Choice:
+    """(λ, k, σ) chosen on the validation split against `store` (the train split's)."""
     d = node.data
-    emb_val = training.embed(
-        model, d.x_val, device=node.device
-    )  # once: searched for every k, then stored for the test split
-    by_k = {k: stored_proba(node, store, emb_val, k) for k in node.cfg.settings.k_grid}
-    choice = select(training.predict_proba(model, d.x_val, device=node.device), by_k, d.y_val, lambdas)
+    emb_val = training.embed(model, d.x_val, device=node.device) if emb_val is None else emb_val
+    p_global = training.predict_proba(model, d.x_val, device=node.device)
+    return select(p_global, proba_grid(node, store, emb_val), d.y_val, lambdas)
+
+
+def personalize(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID, choice: Choice | None = None) -> Scored:
+    """Choose λ, k and σ on the validation split against `store` (the train split's), unless
+    `choice` was made already (phase 1's, under knn-train-on-val), then score the test split
+    against a copy of the store with the validation pairs added under the store's policy."""
+    d = node.data
+    emb_val = training.embed(model, d.x_val, device=node.device)  # once: searched, then stored for the test split
+    choice = choice or choose(node, model, store, lambdas, emb_val)
     whole = store.joined(emb_val, d.y_val)
     p_global = training.predict_proba(model, d.x_test, device=node.device)
-    mixed = mix(
-        stored_proba(node, whole, training.embed(model, d.x_test, device=node.device), choice.k), p_global, choice.lam
-    )
+    emb_test = training.embed(model, d.x_test, device=node.device)
+    mixed = mix(stored_proba(node, whole, emb_test, choice.k, choice.sigma), p_global, choice.lam)
     return Scored(mixed, p_global, choice, len(whole))
+
+
+def phase_one_choice(node: Node, request: Request) -> Choice | None:
+    """Under knn-train-on-val in phase 2: the (λ, k, σ) this node chose with phase 1's final
+    model (sent under `side`), kept in its state folder for the run and made on first need (a
+    node that missed the end of phase 1 or lost its folder chooses the same). None otherwise,
+    and for a node that never trained (unseen, late joiner): its validation split was in no
+    training, so it chooses with the current model, as without the option."""
+    knn, cfg = node.cfg.settings, node.cfg
+    if not in_phase_two(knn, cfg.num_server_rounds, node.server_round) or not node.seen:
+        return None
+    if protocol.SIDE not in request.content.array_records:
+        raise protocol.ProtocolError(
+            f"node {node.key}: under knn-train-on-val, a phase-2 evaluation needs phase 1's model under 'side'"
+        )
+    version = request.content.array_records[protocol.SIDE].object_id
+    kept = node.state.load_round(CHOICE, node.run_id, node.server_round)
+    if kept is not None and kept[1].get("model_version") == version:
+        try:
+            return Choice(**kept[1]["choice"])
+        except (KeyError, TypeError):  # a damaged file in the node's own folder: choose again
+            pass
+    chooser = node.new_model()
+    chooser.load_state_dict(
+        protocol.arrays_of(request.content, chooser.state_dict(), f"node {node.key}", protocol.SIDE)
+    )
+    d = node.data
+    store = Datastore(training.embed(chooser, d.x_train[:1]).shape[1], knn.index, knn.capacity, knn.policy)
+    store.add(training.embed(chooser, d.x_train, device=node.device), d.y_train)  # unsaved: one use per run
+    choice = choose(node, chooser, store)
+    last = phase_rounds(knn, cfg.num_server_rounds)
+    node.state.save_round(CHOICE, {}, node.run_id, last, model_version=version, choice=dataclasses.asdict(choice))
+    return choice
+
+
+def train(node: Node, request: Request) -> RecordDict:
+    """FedAvg's local training; in phase 2 of knn-train-on-val on the train and validation
+    splits together (the reply's `num-examples` counts both; the server caps a node's weight
+    at the train size it reported at discovery)."""
+    knn, d = node.cfg.settings, node.data
+    if in_phase_two(knn, node.cfg.num_server_rounds, node.server_round) and d.labelled:
+        both = dataclasses.replace(
+            d, x_train=np.concatenate([d.x_train, d.x_val]), y_train=np.concatenate([d.y_train, d.y_val])
+        )
+        node = dataclasses.replace(node, data=both)
+    return fedavg_client.train(node, request)
 
 
 def evaluate(node: Node, request: Request) -> RecordDict:
@@ -139,13 +222,17 @@ def evaluate(node: Node, request: Request) -> RecordDict:
     test split beside the global model (λ = 0)."""
     model = node.received_model(request)
     store = datastore_for(node, model, request.content.array_records[protocol.ARRAYS].object_id)
-    scored = personalize(node, model, store)
+    kept = phase_one_choice(node, request)
+    scored = personalize(node, model, store, choice=kept)
     extra = {
         "global-accuracy": float((scored.p_global.argmax(1) == node.data.y_test).mean()),
         "lambda": scored.choice.lam,
         "k": scored.choice.k,
+        "sigma": scored.choice.sigma,
         "datastore-size": scored.datastore_size,
     }
+    if node.cfg.settings.train_on_val:
+        extra["phase-one-choice"] = int(kept is not None)
     return node.score_reply(scored.mixed, **extra)
 
 

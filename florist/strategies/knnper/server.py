@@ -1,17 +1,66 @@
 """kNN-Per's server half is FedAvg's, its aggregation (`aggregation`, `clip-norm`,
-`max-node-examples`) included: only the evaluation exchange differs."""
+`max-node-examples`) included: only the evaluation exchange differs. Under `knn-train-on-val`
+it runs the paper's two phases: at the first round of phase 2 it keeps phase 1's final model
+(`chooser`, checkpointed) and restarts the global model from its initialisation; every
+phase-2 evaluation of the seen nodes sends the chooser beside the current model, so each node
+can make (or reuse) its phase-1 choice whenever it missed the end of phase 1."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from florist.common import protocol
+from florist.common.models import Net
+from florist.server.strategy import TESTED, TRAINED, NodeInfo, metrics_of
 from florist.strategies.fedavg.server import FedAvg
-from florist.strategies.knnper.spec import EVALUATE_KNNPER
+from florist.strategies.knnper.spec import EVALUATE_KNNPER, TRAIN_KNNPER, in_phase_two, phase_rounds
 
 
 class KnnPer(FedAvg):
     evaluation = EVALUATE_KNNPER
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        rounds = self.cfg.num_server_rounds
+        if self.settings.train_on_val and (rounds < 2 or rounds % 2):
+            raise ValueError(
+                f"knn-train-on-val runs two phases of num-server-rounds / 2 rounds: num-server-rounds must be "
+                f"even and >= 2, got {rounds}"
+            )
+        self.chooser: Net | None = None  # phase 1's final model, in phase 2 of knn-train-on-val
+
+    def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
+        """FedAvg's round on kNN-Per's training exchange; the first round of phase 2 keeps the
+        global model as the chooser and starts again from the run's initialisation."""
+        if self.settings.train_on_val and server_round == phase_rounds(self.settings, self.cfg.num_server_rounds) + 1:
+            self.chooser, self.model = self.model, self.new_model()
+        request = self.request(TRAIN_KNNPER, server_round, protocol.to_record(self.model))
+        replies = self.broadcast(TRAIN_KNNPER, nodes, server_round, request, TRAINED, self.model.state_dict())
+        return self.aggregate([(n, replies[n.node_id]) for n in nodes if n.node_id in replies])
+
+    def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
+        """The seen nodes' scores; in phase 2 with the chooser beside the global model."""
+        side = None
+        if in_phase_two(self.settings, self.cfg.num_server_rounds, server_round) and self.chooser is not None:
+            side = protocol.to_record(self.chooser)
+        request = self.request(self.evaluation, server_round, protocol.to_record(self.model), side=side)
+        return metrics_of(self.broadcast(self.evaluation, nodes, server_round, request, TESTED))
+
+    def serve(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
+        """Nodes that never trained choose on their validation split with the current model."""
+        request = self.request(self.evaluation, server_round, protocol.to_record(self.model))
+        return metrics_of(self.broadcast(self.evaluation, nodes, server_round, request, TESTED))
+
+    def state(self) -> dict[str, Any]:
+        chooser = {} if self.chooser is None else {"chooser": self.chooser.state_dict()}
+        return super().state() | chooser
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        if "chooser" in state:
+            self.chooser = self.new_model()
+            self.chooser.load_state_dict(state["chooser"])
 
 
 def report(results: dict[str, Any], folder: Path) -> list[str]:
