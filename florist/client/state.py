@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from florist.common.storage import atomic_write, cache_dir
 
 META = "__meta__"  # the JSON `meta` of a `save_round` version, stored beside its arrays
 OTHER_RUNS = 2  # runs besides the current one whose round state a node keeps (to resume them)
+ACTIVE_SECONDS = 3600.0  # ... besides those that saved this recently: they may be running now, beside this one
 
 
 def default_root() -> Path:
@@ -84,16 +86,17 @@ class NodeState:
         """Keep `arrays` (and small JSON `meta`) as `name` after `server_round` of run `run_id`.
         Of this run's other versions only the newest before this round stays: a server that
         dies before it checkpoints this round resumes from that one; later rounds' (a resumed
-        run's abandoned future) go. Of other runs, the last `OTHER_RUNS` stay, resumable too."""
+        run's abandoned future) go. Of other runs, the last `OTHER_RUNS` stay, resumable too, and so
+        does every run that saved within `ACTIVE_SECONDS`: runs sharing the node's folder at the
+        same time (a compare beside a simulate) must not delete each other's models."""
         self.save_arrays(f"{name}-{run_id}-{server_round}.npz", {**arrays, META: np.array(json.dumps(meta))})
         versions = self._versions(name)
         older = [r for (run, r) in versions if run == run_id and r < server_round]
         keep = {(run_id, server_round)} | ({(run_id, max(older))} if older else set())
-        by_age = sorted(
-            {run for run, _ in versions} - {run_id},
-            key=lambda run: max(versions[v].stat().st_mtime for v in versions if v[0] == run),
-        )
-        keep |= {v for v in versions if v[0] in by_age[len(by_age) - OTHER_RUNS :]}
+        saved = {run: max(path.stat().st_mtime for v, path in versions.items() if v[0] == run) for run, _ in versions}
+        by_age = sorted(set(saved) - {run_id}, key=saved.get)
+        active = {run for run in by_age if time.time() - saved[run] < ACTIVE_SECONDS}
+        keep |= {v for v in versions if v[0] in set(by_age[len(by_age) - OTHER_RUNS :]) | active}
         for version in set(versions) - keep:
             versions[version].unlink(missing_ok=True)
 

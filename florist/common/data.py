@@ -88,7 +88,9 @@ def load_embedded(dataset: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 PARTITIONS = (
-    "'iid', 'dirichlet:ALPHA' (ALPHA > 0), 'pathological:K' (K classes per client, 1 <= K <= 10) or "
+    "'iid', 'dirichlet:ALPHA' (ALPHA > 0: each label's samples spread over the clients by Dir(ALPHA)), "
+    "'inner-dirichlet:ALPHA' (equal-size clients, each one's label mix drawn from Dir(ALPHA)), "
+    "'pathological:K' (K classes per client, 1 <= K <= 10) or "
     "'natural:COLUMN' (a dataset's own grouping, e.g. natural:writer_id)"
 )
 
@@ -103,7 +105,7 @@ def parse_partition(spec: str) -> tuple[str, float | int | str | None]:
             return kind, None
         if kind == "natural" and arg:
             return kind, arg
-        if kind == "dirichlet" and float(arg) > 0 and float(arg) < float("inf"):
+        if kind in ("dirichlet", "inner-dirichlet") and float(arg) > 0 and float(arg) < float("inf"):
             return kind, float(arg)
         if kind == "pathological" and 1 <= int(arg) <= DIGITS_CLASSES:
             return kind, int(arg)
@@ -115,7 +117,8 @@ def parse_partition(spec: str) -> tuple[str, float | int | str | None]:
 def make_partitioner(
     spec: str, num_partitions: int, seed: int, min_partition_size: int = 10, partition_by: str = "label"
 ):
-    """A flwr-datasets partitioner from `iid`, `dirichlet:ALPHA` or `pathological:K`."""
+    """A flwr-datasets partitioner from `iid`, `dirichlet:ALPHA`, `inner-dirichlet:ALPHA` or
+    `pathological:K`."""
     from flwr_datasets.partitioner import (
         DirichletPartitioner,
         IidPartitioner,
@@ -125,6 +128,8 @@ def make_partitioner(
     kind, arg = parse_partition(spec)
     if kind == "iid":
         return IidPartitioner(num_partitions=num_partitions)
+    if kind == "inner-dirichlet":
+        return _inner_dirichlet(num_partitions, partition_by, arg, seed)
     if kind == "dirichlet":
         return DirichletPartitioner(
             num_partitions=num_partitions,
@@ -145,17 +150,92 @@ def make_partitioner(
     )
 
 
+def _inner_dirichlet(num_partitions: int, partition_by: str, alpha: float, seed: int):
+    """A flwr-datasets partitioner of equal-size clients whose label mixes are drawn from
+    Dir(α): the split of the non-IID papers that go down to α = 0.01 (PerFed-CKT's), where a
+    per-label Dirichlet leaves most of 100 clients empty. flwr-datasets' own
+    InnerDirichletPartitioner divides by zero at such α (a client whose only class runs out
+    gets NaN probabilities), so the draw is `inner_dirichlet_indices`."""
+    from flwr_datasets.partitioner import Partitioner
+
+    class InnerDirichlet(Partitioner):
+        def __init__(self):
+            super().__init__()
+            self.parts: list[np.ndarray] | None = None
+
+        @property
+        def num_partitions(self) -> int:
+            return num_partitions
+
+        def load_partition(self, partition_id: int):
+            if self.parts is None:
+                labels = np.asarray(self.dataset[partition_by])
+                self.parts = inner_dirichlet_indices(labels, num_partitions, alpha, seed)
+            return self.dataset.select(self.parts[partition_id])
+
+    return InnerDirichlet()
+
+
+def inner_dirichlet_indices(labels: np.ndarray, num_partitions: int, alpha: float, seed: int) -> list[np.ndarray]:
+    """Row indices of `num_partitions` equal-size clients (sizes differ by at most one), each
+    client's label mix p ~ Dir(α): its rows are drawn class by class from p, and when a class it
+    wants is used up, from its other classes by p, then from whatever classes are left. Every
+    round of draws fills the client or uses up a class, so it ends."""
+    rng = np.random.default_rng(seed)
+    classes = np.unique(labels)
+    pools = [rng.permutation(np.flatnonzero(labels == c)) for c in classes]
+    left = np.array([len(pool) for pool in pools])
+    priors = rng.dirichlet(np.full(len(classes), alpha), size=num_partitions)
+    parts: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * num_partitions
+    for i in rng.permutation(num_partitions):
+        need = len(labels) // num_partitions + (i < len(labels) % num_partitions)
+        taken = []
+        while need:
+            weights = priors[i] * (left > 0)
+            weights = weights if weights.sum() > 0 else left.astype(float)
+            counts = np.minimum(rng.multinomial(need, weights / weights.sum()), left)
+            for c in np.flatnonzero(counts):
+                taken.append(pools[c][left[c] - counts[c] : left[c]])
+            left -= counts
+            need -= int(counts.sum())
+        parts[i] = np.sort(np.concatenate(taken)) if taken else parts[i]
+    return parts
+
+
 def _embedded_order(seed: int, dataset: str = "digits") -> np.ndarray:
     """The seeded order of an embedded dataset: the public set P is its head, clients share the rest."""
     return np.random.default_rng(seed).permutation(len(load_embedded(dataset)[1]))
 
 
-def embedded_public(size: int, seed: int, dataset: str = "digits") -> np.ndarray:
-    """The default public unlabeled set P: `size` samples that no client owns (their x only)."""
+def embedded_public(size: int, seed: int, dataset: str = "digits", shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """The public unlabeled set P: the head of `dataset`'s seeded order, `size` samples (their
+    x only) that no client of a run on `dataset` owns. With `shape` (C×H×W) other than the
+    dataset's, resized to it (`resize_images`): P drawn from another distribution than the
+    clients' (e.g. MNIST for digits clients, as the paper's CIFAR-100 for CIFAR-10 clients)."""
     count = len(load_embedded(dataset)[1])
     if not 0 < size < count:
         raise ValueError(f"public-size must be in [1, {count}), got {size}")
-    return load_embedded(dataset)[0][_embedded_order(seed, dataset)[:size]]
+    x = load_embedded(dataset)[0][_embedded_order(seed, dataset)[:size]]
+    return x if shape is None or tuple(shape) == x.shape[1:] else resize_images(x, tuple(shape))
+
+
+def resize_images(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """N×C×H×W images as float32 in [0, 1] of `shape` C'×H'×W': area-averaged when shrinking,
+    bilinear when growing; one channel repeated to C', or C channels averaged to one."""
+    if len(shape) != 3 or x.ndim != 4:
+        raise ValueError(f"cannot resize samples of shape {x.shape[1:]} to {shape}: both must be images C×H×W")
+    if x.shape[1] != shape[0] and 1 not in (x.shape[1], shape[0]):
+        raise ValueError(f"cannot map {x.shape[1]} channels to {shape[0]}: one side must have one channel")
+    import torch
+    import torch.nn.functional as F
+
+    t = torch.from_numpy(np.ascontiguousarray(x)).float()
+    t = t / 255.0 if x.dtype == np.uint8 else t
+    shrink = shape[1] <= x.shape[2] and shape[2] <= x.shape[3]
+    t = F.interpolate(t, size=shape[1:], mode="area") if shrink else F.interpolate(t, size=shape[1:], mode="bilinear")
+    if t.shape[1] != shape[0]:
+        t = t.mean(1, keepdim=True) if shape[0] == 1 else t.expand(-1, shape[0], -1, -1)
+    return np.ascontiguousarray(t.clamp(0, 1).numpy(), dtype=np.float32)
 
 
 @functools.cache

@@ -70,6 +70,7 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
         "|---|---|---:|---:|---:|",
         *("| " + " | ".join(row) + " |" for row in summary_rows(results)),
         "",
+        *best_round(results),
         f"Training time {sum(r['seconds'] for r in rounds):.1f} s; bytes up "
         f"{sum(r['bytes_up'] for r in rounds):,}, down {sum(r['bytes_down'] for r in rounds):,}.",
     ]
@@ -87,6 +88,20 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def best_round(results: dict[str, Any]) -> list[str]:
+    """The seen clients' mean accuracy at the best and the last evaluated round beside the
+    table's final figure: papers often report the best round."""
+    figures = results.get("round_accuracy") or {}
+    if figures.get("best") is None:
+        return []
+    return [
+        f"Seen clients' mean accuracy per evaluated round: best {pct(figures['best'])}% (round "
+        f"{figures['best_round']}), last {pct(figures['last'])}% (round {figures['last_round']}); the table "
+        "shows the final evaluation.",
+        "",
+    ]
 
 
 def by_cluster(results: dict[str, Any]) -> list[str]:

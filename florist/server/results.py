@@ -82,6 +82,7 @@ class Results:
             "rounds": self.rounds,
             "clients": self.clients,
             "summary": self.summary(),
+            "round_accuracy": round_accuracy(self.rounds),
             "failures": self.failures,
         }
 
@@ -102,6 +103,21 @@ class Results:
 
         self.save()
         write_report(self.to_json(), self.folder)
+
+
+def round_accuracy(rounds: list[dict[str, Any]]) -> dict[str, float | int | None]:
+    """The seen clients' mean accuracy at the best evaluated round (the papers' figure; the
+    earliest on a tie) and at the last one (the final evaluation, in `summary`, is florist's)."""
+    evaluated = [r for r in rounds if r["accuracy"] is not None and math.isfinite(r["accuracy"])]
+    if not evaluated:
+        return {"best": None, "best_round": None, "last": None, "last_round": None}
+    best = max(evaluated, key=lambda r: r["accuracy"])
+    return {
+        "best": best["accuracy"],
+        "best_round": best["round"],
+        "last": evaluated[-1]["accuracy"],
+        "last_round": evaluated[-1]["round"],
+    }
 
 
 def check_results_dir(path: str) -> Path:

@@ -1,7 +1,10 @@
+import os
+import time
+
 import numpy as np
 import pytest
 
-from florist.client.state import NodeState
+from florist.client.state import ACTIVE_SECONDS, NodeState
 
 
 def test_arrays_and_json_survive_a_new_instance(tmp_path):
@@ -59,8 +62,27 @@ def test_round_state_is_read_as_of_a_round_so_a_resumed_run_never_sees_its_aband
     assert sorted(p.name for p in state.path("").glob("model-*")) == ["model-7-2.npz"]
 
 
+def _age(state: NodeState, run: int, seconds: float) -> None:
+    for path in state.path("").glob(f"model-{run}-*"):
+        os.utime(path, (time.time() - seconds,) * 2)
+
+
 def test_a_node_keeps_round_state_of_the_last_other_runs_only(tmp_path):
     state = NodeState(tmp_path, "n1", "local")
-    for run in range(1, 6):
+    for run in range(1, 5):
         state.save_round("model", {"w": np.zeros(1)}, run, 1)
+        _age(state, run, 2 * ACTIVE_SECONDS - run)  # finished long ago, in this order
+    state.save_round("model", {"w": np.zeros(1)}, 5, 1)
     assert sorted(p.name for p in state.path("").glob("model-*")) == ["model-3-1.npz", "model-4-1.npz", "model-5-1.npz"]
+
+
+def test_runs_that_saved_lately_are_kept_however_many_they_are(tmp_path):
+    """Runs that share a node's folder at the same time (several compares on one machine) must
+    not delete each other's models: a node that lost its model would be scored with a fresh one."""
+    state = NodeState(tmp_path, "n1", "perfedckt")
+    for run in range(1, 6):
+        state.save_round("model", {"w": np.full(1, run)}, run, 1)
+    _age(state, 1, 2 * ACTIVE_SECONDS)
+    state.save_round("model", {"w": np.zeros(1)}, 6, 1)
+    assert all(state.load_round("model", run, 1) is not None for run in range(2, 7))
+    assert state.load_round("model", 1, 1) is None  # old, and not among the last OTHER_RUNS

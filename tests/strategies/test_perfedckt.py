@@ -26,7 +26,7 @@ def _cfg(**values) -> RunConfig:
 
 
 def _fingerprint(cfg: RunConfig) -> str:
-    return public_fingerprint(cfg)
+    return public_fingerprint(cfg, (1, 8, 8))
 
 
 def test_nearest_centroid_is_the_argmin_of_squared_distances():
@@ -164,7 +164,10 @@ def test_three_architectures_train_together(tmp_path):
     assert evaluated[0] == {"train.ckt": 3, "evaluate.ckt": 3}
     assert 3 <= evaluated[1]["evaluate.ckt"] <= evaluated[2]["evaluate.ckt"] <= 5
     state = torch.load(tmp_path / "out" / "checkpoint.pt")["state"]
-    assert tuple(state["centroids"].shape)[1:] == (cfg.public_size, 10) and len(state["centroids"]) <= 3
+    assert (
+        tuple(state["centroids"].shape)[1:] == (cfg.public_size, 10)
+        and len(state["centroids"]) <= cfg.settings.clusters
+    )
     report = (tmp_path / "out" / "report.md").read_text()
     assert "FedAvg with the same clients" in report and "Accuracy per client model" in report
     assert json.loads((tmp_path / "out" / "results.json").read_text())["complete"]
@@ -188,3 +191,15 @@ def test_soft_decisions_are_logits_or_probabilities(make_node):
     probs = client_half.soft_decisions(_node(make_node, ckt_soft="probs"), model, public)
     np.testing.assert_allclose(probs, torch.from_numpy(logits).softmax(1).numpy(), rtol=1e-6)
     np.testing.assert_allclose(probs.sum(1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("unseen", "distilled"), [("rounds", False), ("paper", True)])
+def test_a_node_without_a_model_trains_as_ckt_unseen_says(make_node, unseen, distilled):
+    """`rounds`: its first round is local training (no centroid); `paper`: distilled toward the
+    nearest final centroid from its first round on, as Algorithm 1 trains a late first pick."""
+    node = _node(make_node, ckt_unseen=unseen, ckt_steps=2)
+    centroids = np.random.default_rng(0).dirichlet(np.ones(10), size=(3, node.cfg.public_size)).astype(np.float32)
+    arrays = ArrayRecord({CENTROIDS: torch.from_numpy(centroids)})
+    request = Request(PublicSettings(public_hash=_fingerprint(node.cfg), scratch_rounds=1), protocol.content(arrays))
+    client_half.evaluate(node, request)
+    assert (client_half._owned_model(node, 1)[1]["cluster"] >= 0) == distilled

@@ -13,8 +13,9 @@ from flwr.app import ArrayRecord, RecordDict
 
 from florist.client.node import Node, Request
 from florist.common import data as data_lib
-from florist.common import folders, protocol, scenarios, training
+from florist.common import folders, protocol, training
 from florist.common.models import Net
+from florist.strategies.perfedckt import public as public_lib
 from florist.strategies.perfedckt.spec import CENTROIDS, SOFT
 
 MODEL = "model"
@@ -37,12 +38,15 @@ def public_set(node: Node, expected: str) -> np.ndarray:
     if folder:
         x, source = folders.folder_public(folder, node.cfg.num_classes), f"public-dir {folder!r}"
     else:
-        x, source = scenarios.public_set(node.cfg), f"the embedded {node.cfg.dataset}"
+        x, source = (
+            public_lib.public_set(node.cfg, node.data.input_shape),
+            f"public-dataset {node.cfg.settings.public_dataset!r}",
+        )
     found = data_lib.fingerprint(x)
     if found != expected:
         raise ValueError(
             f"node {node.key}: its public set P (from {source}) has fingerprint {found}, but the server expects "
-            f"{expected}. Every node must hold the same P: check public-dir, public-size and seed"
+            f"{expected}. Every node must hold the same P: check public-dir, public-dataset, public-size and seed"
         )
     if x.shape[1:] != node.data.input_shape:
         raise ValueError(f"node {node.key}: P has samples of shape {x.shape[1:]}, its data {node.data.input_shape}")
@@ -138,15 +142,18 @@ def evaluate(node: Node, request: Request) -> RecordDict:
     """Test the node's own model. A node without one (never sampled, or held out) tests a fresh
     model while training runs; when the server says `scratch-rounds` (the final evaluation and
     the serve phase) it trains one first, as a seen node did over that many rounds: local
-    training, then distillation toward the nearest of the final centroids."""
+    training, then distillation toward the nearest of the final centroids (`ckt-unseen =
+    paper`: distilled from its first round on, as Algorithm 1 trains a client first sampled
+    after round one, its centroid picked by its fresh model)."""
     model, meta = _owned_model(node, node.server_round)
     if meta is None and request.settings.scratch_rounds > 0:
         rounds = request.settings.scratch_rounds  # each a round's `_fit`: refused before the first if too many steps
         node.check_steps(rounds * node.local_steps(node.cfg.local_epochs, node.cfg.settings.steps or None))
         public = public_set(node, request.settings.public_hash)
         centroids, cluster = _centroids(node, request.content, public), -1
+        paper = node.cfg.settings.unseen == "paper"  # as Algorithm 1 treats a client first sampled after round one
         for i in range(rounds):
-            _, cluster = _fit(node, model, public, centroids if i else None, salt=2 + i)
+            _, cluster = _fit(node, model, public, centroids if i or paper else None, salt=2 + i)
         meta = {"rounds": 0, "cluster": cluster}
         _save(node, model, **meta)
     params = sum(p.numel() for p in model.parameters())

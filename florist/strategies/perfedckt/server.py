@@ -15,7 +15,7 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 
 from florist.common import data as data_lib
-from florist.common import folders, scenarios
+from florist.common import folders
 from florist.common.metrics import summarize
 from florist.common.models import build_model
 from florist.config import RunConfig
@@ -23,12 +23,13 @@ from florist.server.report import pct
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, ServerStrategy, mean_loss, message_config, metrics_of
 from florist.strategies.fedavg.server import exchange_bytes
 from florist.strategies.fedavg.spec import TRAIN
+from florist.strategies.perfedckt import public as public_lib
 from florist.strategies.perfedckt.spec import CENTROIDS, EVALUATE_CKT, SOFT, TRAIN_CKT, CktSettings
 
 
-def public_fingerprint(cfg: RunConfig) -> str:
+def public_fingerprint(cfg: RunConfig, input_shape: tuple[int, ...]) -> str:
     """The fingerprint of P every node must match: `public-hash` when given, else that of
-    `public-dir` read here, else that of the run's embedded public set."""
+    `public-dir` read here, else that of the run's `public-dataset` at the clients' `input_shape`."""
     ckt, num_classes = cfg.settings, cfg.num_classes
     if ckt.public_hash:
         if not re.fullmatch(r"[1-9][0-9]*-[0-9a-f]{16}", ckt.public_hash):
@@ -44,7 +45,7 @@ def public_fingerprint(cfg: RunConfig) -> str:
             raise FileNotFoundError(
                 f"{err}. If P is only on the nodes, set public-hash to what `florist public-hash DIR` prints there"
             ) from err
-    return data_lib.fingerprint(scenarios.public_set(cfg))
+    return data_lib.fingerprint(public_lib.public_set(cfg, input_shape))
 
 
 def cluster(points: np.ndarray, clusters: int, seed: int) -> np.ndarray:
@@ -72,7 +73,7 @@ class PerFedCKT(ServerStrategy):
         cfg = self.cfg
         for name in filter(None, (n.strip() for n in self.settings.client_models.split(","))):
             build_model(name, self.input_shape, cfg.num_classes)  # a wrong name or shape fails here, not on a node
-        self.public_hash = public_fingerprint(cfg)
+        self.public_hash = public_fingerprint(cfg, tuple(self.input_shape))
         self.soft_shape = (int(self.public_hash.split("-")[0]), self.cfg.num_classes)
         self.centroids: np.ndarray | None = None  # c × |P| × C, none before the first round
         self.trained: set[str] = set()  # keys of the nodes that own a model of this run

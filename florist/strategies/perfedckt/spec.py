@@ -15,7 +15,7 @@ import dataclasses
 
 from florist.common.settings import Settings, setting
 from florist.strategies.base import Exchange, StrategySpec
-from florist.strategies.perfedckt import commands
+from florist.strategies.perfedckt import commands, public
 
 CENTROIDS = "centroids"  # c × |P| × C, down
 SOFT = "soft-decisions"  # |P| × C, up
@@ -24,12 +24,15 @@ SOFT = "soft-decisions"  # |P| × C, up
 @dataclasses.dataclass(frozen=True)
 class CktSettings(Settings):
     prefix = "ckt"
-    clusters: int = setting(3, server=True)  # c, k-means clusters of the soft decisions
+    clusters: int = setting(4, server=True)  # c, k-means clusters of the soft decisions (README: the c sweep)
     lambda_: float = setting(2.0, key="ckt-lambda")  # λ, weight of the distillation term (the paper's grid: 0.05-4)
     soft: str = setting("probs")  # s(w, x): class probabilities (the paper), or the raw logits
     public_batch: int = setting(128)  # b', samples of P per distillation step (the paper's 128)
     steps: int = setting(50)  # τ local iterations (0: local-epochs passes over the train split)
-    public_dir: str = setting("", key="public-dir", node=True)  # a folder with P instead of the digits' slice
+    public_dir: str = setting("", key="public-dir", node=True)  # a folder with P instead of public-dataset
+    public_dataset: str = setting("same", key="public-dataset")  # P's source: same | digits | mnist5k (resized)
+    public_shift: str = setting("none", key="public-shift")  # rotate:K: P upright (none) or in every cluster's view
+    unseen: str = setting("rounds")  # a node without a model: rounds (local first, then distilled) | paper
     public_hash: str = setting("", key="public-hash", server=True)  # P's fingerprint when only nodes hold P
     client_models: str = setting("", key="client-models")  # architectures by partition id, cycling
 
@@ -44,6 +47,8 @@ class CktSettings(Settings):
             (self.soft in ("logits", "probs"), "ckt-soft must be logits or probs"),
             (self.public_batch >= 1, "ckt-public-batch must be >= 1"),
             (self.steps >= 0, "ckt-steps must be >= 0 (0: local-epochs passes over the train split)"),
+            (self.unseen in ("rounds", "paper"), "ckt-unseen must be rounds or paper"),
+            *public.checks(self.public_dataset, self.public_shift),
         ]
 
 
