@@ -125,3 +125,48 @@ def test_odpfl_serves_held_out_clients_from_their_unlabeled_data(tmp_path):
     assert f"| {novel['client']} | {novel['num_train']} | 3 | 1e-05 | {novel['dp_sigma']:.4f} | analytic |" in report
     assert all(math.isfinite(r["train_loss"]) for r in results["rounds"])
     assert results["summary"]["seen"]["mean_accuracy"] > 0.5  # two classes per client; chance over ten is 0.1
+
+
+def test_the_set_encoder_normalises_on_request_and_reads_the_mean_out_through_psi():
+    torch.manual_seed(0)
+    x = torch.rand(30, 1, 8, 8)
+    free = SetEncoder((1, 8, 8), 10, 6, normalize=False)
+    assert not torch.allclose(free(x).norm(dim=1), torch.ones(30))
+    sphere = SetEncoder((1, 8, 8), 10, 6, psi="mlp")
+    torch.testing.assert_close(sphere(x).norm(dim=1), torch.ones(30))
+    with torch.no_grad():
+        torch.testing.assert_close(sphere.describe(x), sphere.psi(sphere(x).mean(0)))
+    with pytest.raises(ValueError, match="odpfl-psi"):
+        SetEncoder((1, 8, 8), 10, 6, psi="transformer")
+
+
+@pytest.mark.parametrize(("normalize", "epsilon", "expected"), [("always", math.inf, True), ("dp", math.inf, False)])
+def test_odpfl_normalize_dp_normalises_only_when_the_run_is_private(normalize, epsilon, expected):
+    cfg = RunConfig.from_mapping({"strategy": "odpfl", "odpfl-normalize": normalize, "dp-epsilon": epsilon})
+    assert cfg.settings.normalized is expected
+    private = RunConfig.from_mapping({"strategy": "odpfl", "odpfl-normalize": "dp", "dp-epsilon": 1.0})
+    assert private.settings.normalized
+
+
+@pytest.mark.parametrize("psi", ["identity", "mlp"])
+def test_a_noising_node_normalises_even_when_the_server_says_not_to_and_noises_before_psi(tmp_path, make_node, psi):
+    """The node's privacy never rests on the server: with a finite ε it puts φ on the unit
+    sphere (the 2/|D| bound) although the request says the run's encoder is not normalised,
+    and the noise goes on the mean, before ψ. A huge ε makes the noise negligible, so what is
+    sent is ψ(mean of unit vectors)."""
+    torch.manual_seed(0)
+    node = _unlabeled_node(tmp_path, make_node, **{"dp-epsilon": 1e7})
+    node = make_node({"strategy": "odpfl", "odpfl-psi": psi}, "newcomer", node.data, {"dp-epsilon": 1e7}, seen=False)
+    encoder = SetEncoder((1, 8, 8), 10, 6, normalize=False, psi=psi)
+    request = Request(
+        DescribeSettings(embed_dim=6, predict=True, serve=True, normalize=False),
+        protocol.content(protocol.to_record(encoder)),
+    )
+    sent = client_half.describe(node, request).array_records[protocol.ARRAYS].to_torch_state_dict()[DESCRIPTOR]
+    encoder.normalize = True
+    with torch.no_grad():
+        expected = encoder.describe(torch.from_numpy(node.data.x_train))
+    torch.testing.assert_close(sent, expected, atol=1e-4, rtol=0)
+    encoder.normalize = False
+    with torch.no_grad():
+        assert not torch.allclose(sent, encoder.describe(torch.from_numpy(node.data.x_train)), atol=1e-2)

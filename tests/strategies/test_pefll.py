@@ -61,11 +61,23 @@ def _simulate(tmp_path, name, num_clients, client_app=None, **overrides):
     return cfg, results, torch.load(tmp_path / name / "checkpoint.pt")["state"]
 
 
-@pytest.mark.parametrize("strategy", ["pefll", "odpfl"])
-def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradient(tmp_path, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "extra"),
+    [
+        ("pefll", {}),
+        ("odpfl", {}),
+        ("pefll", {"hn-standardize": True}),
+        ("pefll", {"hn-encoder": "label-channels"}),
+        ("pefll", {"hn-encoder": "slots"}),
+        ("odpfl", {"odpfl-normalize": "dp", "odpfl-psi": "mlp"}),  # the paper's: φ free, ψ learned
+    ],
+)
+def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradient(tmp_path, strategy, extra):
     """One client, one plain SGD step of size α, no regularization: the update the three
     exchanges produce is −α·∇L of L(h(v(S; η_v); η_h); S), differentiated end to end
-    (OD-PFL's encoder reads x only: v(X; η_v))."""
+    (OD-PFL's encoder reads x only: v(X; η_v); standardized, h reads (v − m)/s with m and s
+    those of this first descriptor, held fixed)."""
+    standardize = extra.get("hn-standardize", False)
     alpha = 1.0
     cfg, results, after = _simulate(
         tmp_path,
@@ -84,7 +96,8 @@ def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradi
             "hn-server-lr": 1.0,
             "min-train-nodes": 1,
             "hn-embed-dim": 3,
-        },
+        }
+        | extra,
     )
     assert results["complete"] and not results["failures"]
 
@@ -93,7 +106,8 @@ def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradi
         0, 1, "iid", cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size, public_size=cfg.public_size
     )
     x, y = torch.from_numpy(client.x_train), torch.from_numpy(client.y_train)
-    theta = server.hyper(server.embed.describe(x, y))
+    v = server.embed.describe(x, y)
+    theta = server.hyper((v - v.mean().detach()) / v.std().detach() if standardize else v)
     loss = F.cross_entropy(torch.func.functional_call(build_model("cnn", (1, 8, 8), 10), theta, (x,)), y)
     loss.backward()
     for prefix, net in (("hyper", server.hyper), ("embed", server.embed)):

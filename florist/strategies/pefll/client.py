@@ -40,13 +40,15 @@ MODEL_FILE = "model.npz"  # the last θ = h(v) received, in the node's folder
 ANALYTIC_FROM = 1.0  # from this ε on, σ is calibrated analytically (the classic proof needs ε < 1)
 
 
-def _encoder(node: Node, request: Request) -> Encoder:
-    """The server's encoder (`PeFLL.encoder`, `ODPFL.encoder`), chosen by the node's own run
-    config: no server can make an OD-PFL node describe itself by its labels."""
-    unlabeled = isinstance(node.cfg.settings, OnDemandSettings)
-    return (SetEncoder if unlabeled else EmbeddingNet)(
-        node.data.input_shape, node.cfg.num_classes, request.settings.embed_dim
-    )
+def _encoder(node: Node, request: Request, noised: bool = False) -> Encoder:
+    """The server's encoder (`PeFLL.new_encoder`, `ODPFL.new_encoder`), chosen by the node's
+    own run config: no server can make an OD-PFL node describe itself by its labels, and a node
+    that noises its descriptor puts φ on the unit sphere whatever the request says."""
+    settings, shape, classes = node.cfg.settings, node.data.input_shape, node.cfg.num_classes
+    if isinstance(settings, OnDemandSettings):
+        normalize = request.settings.normalize or noised
+        return SetEncoder(shape, classes, request.settings.embed_dim, normalize=normalize, psi=settings.psi)
+    return EmbeddingNet(shape, classes, request.settings.embed_dim, kind=settings.encoder)
 
 
 def _samples(node: Node, encoder: Encoder, whole: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -66,21 +68,25 @@ def _samples(node: Node, encoder: Encoder, whole: bool) -> tuple[torch.Tensor, t
 
 
 def describe(node: Node, request: Request) -> RecordDict:
-    """Message 1 (and the first of predict): the descriptor under the received encoder."""
-    encoder = _encoder(node, request)
+    """Message 1 (and the first of predict): the descriptor under the received encoder. A
+    served OD-PFL node with a finite ε noises the mean of φ, before ψ (post-processing)."""
+    settings = node.cfg.settings
+    private = request.settings.serve and isinstance(settings, OnDemandSettings)
+    noised = private and math.isfinite(settings.dp_epsilon)
+    encoder = _encoder(node, request, noised)
     reference = encoder.state_dict()
     encoder.load_state_dict(protocol.arrays_of(request.content, reference, f"node {node.key}: the server's message"))
-    settings = node.cfg.settings
     x, y = _samples(node, encoder, whole=request.settings.predict)
-    with torch.no_grad():
-        v = encoder.describe(x, y, chunk=settings.encode_batch)
     metrics = {"num-examples": len(x)}
-    if request.settings.serve and isinstance(settings, OnDemandSettings):
-        epsilon, delta = settings.dp_epsilon, settings.dp_delta
-        sigma = gaussian_sigma(epsilon, delta, len(x))
-        v = privatize(v, sigma) if sigma > 0 else v
-        private = {"dp-epsilon": epsilon, "dp-delta": delta, "dp-analytic": int(is_analytic(epsilon))}
-        metrics |= {"dp-sigma": sigma} | ({} if math.isinf(epsilon) else private)
+    with torch.no_grad():
+        pooled = encoder.pool(x, y, chunk=settings.encode_batch)
+        if private:
+            epsilon, delta = settings.dp_epsilon, settings.dp_delta
+            sigma = gaussian_sigma(epsilon, delta, len(x))
+            pooled = privatize(pooled, sigma) if sigma > 0 else pooled
+            dp = {"dp-epsilon": epsilon, "dp-delta": delta, "dp-analytic": int(is_analytic(epsilon))}
+            metrics |= {"dp-sigma": sigma} | (dp if noised else {})
+        v = encoder.readout(pooled)
     if not request.settings.predict:
         node.state.remember(ENCODER, encoder.state_dict(), server_round=node.server_round)
     return protocol.content(ArrayRecord({DESCRIPTOR: v}), metrics=metrics)

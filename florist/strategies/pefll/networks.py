@@ -13,11 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from florist.common.models import Net
+from florist.strategies.pefll.spec import ENCODERS
 
 
 def _trunk(in_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
-    """Per-sample features for OD-PFL's set encoder: a small conv net for images (pooled to
-    2×2, so any image size works), flattening for vectors. Returns the module and its width."""
+    """Per-sample features (OD-PFL's set encoder, PeFLL's `trunk` and `label-channels`): a small
+    conv net for images (pooled to 2×2, so any image size works), flattening for vectors.
+    Returns the module and its width."""
     if len(in_shape) == 3:
         convs = nn.Sequential(
             nn.Conv2d(in_shape[0], 16, 3, padding=1),
@@ -33,58 +35,119 @@ def _trunk(in_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
 
 
 class Encoder(nn.Module):
-    """A per-sample network whose mean over a client's samples is the client's descriptor."""
+    """A per-sample network whose mean over a client's samples, read out by ψ (`readout`, the
+    identity unless a subclass says otherwise), is the client's descriptor."""
 
     uses_labels: ClassVar[bool]
 
-    def describe(self, x: torch.Tensor, y: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+    def pool(self, x: torch.Tensor, y: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
         """The exact mean of the per-sample outputs, `chunk` samples at a time (0: all at once)."""
         step = chunk or len(x)
         parts = [self(x[i : i + step], None if y is None else y[i : i + step]) for i in range(0, len(x), step)]
         return sum(part.sum(0) for part in parts) / len(x)
 
+    def readout(self, pooled: torch.Tensor) -> torch.Tensor:
+        return pooled
+
+    def describe(self, x: torch.Tensor, y: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+        """The descriptor ψ(mean φ)."""
+        return self.readout(self.pool(x, y, chunk))
+
 
 class EmbeddingNet(Encoder):
-    """PeFLL's φ(x, y): the sample (an image pooled to at most 8×8 per channel) placed in the
-    slot of its label, i.e. its outer product with the one-hot label, then two fully connected
-    layers with a ReLU between them; the descriptor is their mean over the samples (the ReLU
-    comes first, so it is not a function of each label's mean sample alone). The label's slot
-    tells clients apart whose labels mean different things, even before training; a conv
-    trunk's features joined with the label do not, at initialization, and 30 server steps do
-    not teach them to (README, PeFLL). florist's network, not the paper's."""
+    """PeFLL's φ(x, y), one of three networks (`hn-encoder`), each ending in two fully connected
+    layers with a ReLU between them; the descriptor is the mean of φ over the samples.
+
+    - `label-channels` (default): the one-hot label as constant image channels beside x, then
+      OD-PFL's conv trunk, as the authors' CNNEmbed (`--embed-y`); vectors: x joined with the
+      one-hot label. Clients that never trained get models as good as the seen ones' on label
+      skew, the paper's claim (README, PeFLL, for the figures).
+    - `trunk`: the conv trunk on x, its features joined with the one-hot label (florist's
+      network up to a5c703d); on label skew as `label-channels`.
+    - `slots`: x pooled to at most 8×8 per channel, placed in the slot of its label (the outer
+      product with the one-hot label). It tells apart clients whose labels mean different
+      things (`relabel:K`), where the others do not within tens of rounds, but clients that
+      never trained fare worse on label skew (one held-out client of eight at 22 % on a
+      2-class split), most of all at a large server step.
+    The ReLU comes before the mean, so no variant is a function of each label's mean sample
+    alone. florist's networks, not the paper's."""
 
     uses_labels = True
+    kinds = ENCODERS
 
-    def __init__(self, in_shape: tuple[int, ...], num_classes: int, embed_dim: int, hidden: int = 64):
+    def __init__(
+        self,
+        in_shape: tuple[int, ...],
+        num_classes: int,
+        embed_dim: int,
+        hidden: int = 64,
+        kind: str = "label-channels",
+    ):
         super().__init__()
-        self.num_classes = num_classes
-        if len(in_shape) == 3:
+        if kind not in self.kinds:
+            raise ValueError(f"hn-encoder must be one of {', '.join(self.kinds)}, got {kind!r}")
+        self.num_classes, self.kind = num_classes, kind
+        image = len(in_shape) == 3
+        if kind == "slots" and image:
             side = (min(in_shape[1], 8), min(in_shape[2], 8))
             self.body, width = nn.Sequential(nn.AdaptiveAvgPool2d(side), nn.Flatten()), in_shape[0] * math.prod(side)
-        else:
-            self.body, width = nn.Flatten(), math.prod(in_shape)
-        self.head = nn.Sequential(nn.Linear(width * num_classes, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim))
+            width *= num_classes
+        elif kind == "slots":
+            self.body, width = nn.Flatten(), math.prod(in_shape) * num_classes
+        elif kind == "label-channels" and image:
+            self.body, width = _trunk((in_shape[0] + num_classes, *in_shape[1:]))
+        else:  # trunk, or label-channels on vectors: the features joined with the label
+            self.body, width = _trunk(in_shape)
+            width += num_classes
+        self.head = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        slots = self.body(x).unsqueeze(1) * F.one_hot(y, self.num_classes).to(x.dtype).unsqueeze(2)
-        return self.head(slots.flatten(1))
+        label = F.one_hot(y, self.num_classes).to(x.dtype)
+        if self.kind == "slots":
+            features = (self.body(x).unsqueeze(1) * label.unsqueeze(2)).flatten(1)
+        elif self.kind == "label-channels" and x.dim() == 4:
+            planes = label[:, :, None, None].expand(-1, -1, *x.shape[2:])
+            features = self.body(torch.cat([x, planes], dim=1))
+        else:
+            features = torch.cat([self.body(x), label], dim=1)
+        return self.head(features)
 
 
 class SetEncoder(Encoder):
-    """OD-PFL's DeepSets encoder on unlabeled samples: g(D) = ψ(mean_i φ(x_i)), with φ's
-    output on the unit sphere and ψ the identity. Then replacing one of the |D| samples moves
-    g by at most 2/|D| in L2, the sensitivity the served node's Gaussian noise is calibrated
-    to; a learned ψ after the mean would void that bound."""
+    """OD-PFL's DeepSets encoder on unlabeled samples: g(D) = ψ(mean_i φ(x_i)). `normalize`
+    puts φ's outputs on the unit sphere: then replacing one of the |D| samples moves the mean by
+    at most 2/|D| in L2, the sensitivity a served node's Gaussian noise is calibrated to. The
+    noise goes on the mean, before ψ, so a learned ψ (`psi="mlp"`: the paper's DS, an MLP
+    after the pooling) is post-processing and keeps the guarantee. `psi="identity"`: g is the
+    mean itself."""
 
     uses_labels = False
+    readouts = ("identity", "mlp")
 
-    def __init__(self, in_shape: tuple[int, ...], num_classes: int, embed_dim: int, hidden: int = 64):
+    def __init__(
+        self,
+        in_shape: tuple[int, ...],
+        num_classes: int,
+        embed_dim: int,
+        hidden: int = 64,
+        normalize: bool = True,
+        psi: str = "identity",
+    ):
         super().__init__()
+        if psi not in self.readouts:
+            raise ValueError(f"odpfl-psi must be one of {', '.join(self.readouts)}, got {psi!r}")
         body, width = _trunk(in_shape)
+        self.normalize = normalize
         self.phi = nn.Sequential(body, nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim))
+        if psi == "mlp":
+            self.psi = nn.Sequential(nn.Linear(embed_dim, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        return F.normalize(self.phi(x), dim=1)
+        out = self.phi(x)
+        return F.normalize(out, dim=1) if self.normalize else out
+
+    def readout(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.psi(pooled) if hasattr(self, "psi") else pooled
 
 
 class HyperNetwork(nn.Module):
@@ -112,6 +175,31 @@ class HyperNetwork(nn.Module):
         flat = self.out(self.body(v))
         chunks = flat.split([math.prod(s) for s in self.shapes.values()])
         return {name: chunk.view(shape) for (name, shape), chunk in zip(self.shapes.items(), chunks)}
+
+
+class Standardizer(nn.Module):
+    """The authors' descriptor standardization (PeFLL's train.py): the mean m and standard
+    deviation s over the components of the first descriptor the server uses, fixed from then
+    on; every descriptor, seen or new, goes to h as (v − m)/s. Gradients flow through it, so
+    Δv reaches the encoder scaled by 1/s. Off, it is the identity."""
+
+    def __init__(self, active: bool):
+        super().__init__()
+        self.active = active
+        self.register_buffer("shift", torch.zeros(()))
+        self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("fitted", torch.zeros((), dtype=torch.bool))
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return v
+        if not self.fitted:  # a constant or non-finite first descriptor: s = 1 (and m = 0 if not finite)
+            with torch.no_grad():
+                mean, std = v.mean(), (v.std() if v.numel() > 1 else torch.ones(()))
+                self.shift.copy_(mean if torch.isfinite(mean) else 0.0)
+                self.scale.copy_(std if torch.isfinite(std) and std > 1e-12 else 1.0)
+                self.fitted.fill_(True)
+        return (v - self.shift) / self.scale
 
 
 def default_embed_dim(num_train_clients: int) -> int:

@@ -15,7 +15,14 @@ from florist.common.models import build_model, seeded
 from florist.server.aggregation import Aggregator
 from florist.server.report import pct
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss
-from florist.strategies.pefll.networks import EmbeddingNet, Encoder, HyperNetwork, SetEncoder, default_embed_dim
+from florist.strategies.pefll.networks import (
+    EmbeddingNet,
+    Encoder,
+    HyperNetwork,
+    SetEncoder,
+    Standardizer,
+    default_embed_dim,
+)
 from florist.strategies.pefll.spec import (
     DESCRIBE,
     DESCRIPTOR,
@@ -23,6 +30,7 @@ from florist.strategies.pefll.spec import (
     TRAIN_ENCODER,
     TRAIN_GENERATED,
     HyperNetSettings,
+    OnDemandSettings,
 )
 
 Params = dict[str, torch.Tensor]
@@ -30,8 +38,8 @@ Params = dict[str, torch.Tensor]
 
 class PeFLL(ServerStrategy):
     settings: HyperNetSettings
-    encoder: type[Encoder] = EmbeddingNet  # describes a client by labelled pairs
-    checkpointed = ("hyper", "embed", "optimizer")
+    normalized = False  # OD-PFL's flag for its set encoder (PeFLL's network has no such choice)
+    checkpointed = ("hyper", "embed", "optimizer", "standardizer")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -40,33 +48,35 @@ class PeFLL(ServerStrategy):
         with seeded(cfg.seed):  # the three networks start alike for a seed
             template = build_model(cfg.model, self.input_shape, cfg.num_classes)
             self.hyper = HyperNetwork(template, self.embed_dim, hn.hidden)
-            self.embed: Encoder = self.encoder(self.input_shape, cfg.num_classes, self.embed_dim)
+            self.embed: Encoder = self.new_encoder()
         self.hyper.to(self.device), self.embed.to(self.device)  # built on the CPU: the same start on any device
+        self.standardizer = Standardizer(hn.standardize).to(self.device)
         self.template = template.state_dict()
         self.aggregator = Aggregator.of(cfg)  # over the clients' Δη when the run names a robust rule
-        # Both optimizers take the pseudo-gradient −mean Δη. SGD with learning rate β and weight
-        # decay 2λ is then η ← (1 − 2βλ)η + β·mean Δη: Algorithm 2's η ← (1 − 2βλ)η + mean Δη when
-        # β = 1 (the clients' Δη carry their own step size). AdamW decays alike before Adam's step.
-        groups = [
-            {"params": list(self.hyper.parameters()), "weight_decay": 2 * hn.l2_hyper},
-            {"params": list(self.embed.parameters()), "weight_decay": 2 * hn.l2_embed},
-        ]
-        optimizer = torch.optim.SGD if hn.optimizer == "sgd" else torch.optim.AdamW
-        self.optimizer = optimizer(groups, lr=hn.server_lr)
+        self.optimizer = server_optimizer(hn, self.hyper, self.embed)
+
+    def new_encoder(self) -> Encoder:
+        """PeFLL's embedding network of kind `hn-encoder`."""
+        return EmbeddingNet(self.input_shape, self.cfg.num_classes, self.embed_dim, kind=self.settings.encoder)
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """As the base's; a checkpoint from before `hn-standardize` existed has no standardizer."""
+        super().load_state({"standardizer": self.standardizer.state_dict()} | state)
 
     def describe(
         self, server_round: int, nodes: list[NodeInfo], predict: bool = False, serve: bool = False
     ) -> dict[int, Reply]:
         """η_v down, each node's descriptor v up (over its whole train split with `predict`)."""
         encoder = ArrayRecord(moved(self.embed.state_dict(), "cpu"))
-        request = self.request(DESCRIBE, server_round, encoder, embed_dim=self.embed_dim, predict=predict, serve=serve)
+        flags = {"embed_dim": self.embed_dim, "predict": predict, "serve": serve, "normalize": self.normalized}
+        request = self.request(DESCRIBE, server_round, encoder, **flags)
         reference = {DESCRIPTOR: torch.zeros(self.embed_dim)}
         return self.broadcast(DESCRIBE, nodes, server_round, request, ("num-examples",), reference)
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         described = self.describe(server_round, nodes)
         v = {node: r.arrays[DESCRIPTOR].to(self.device).clone().requires_grad_() for node, r in described.items()}
-        theta = {node: self.hyper(v[node]) for node in v}
+        theta = {node: self.hyper(self.standardizer(v[node])) for node in v}
         requests = {
             node: self.request(TRAIN_GENERATED, server_round, ArrayRecord(moved(t, "cpu"))) for node, t in theta.items()
         }
@@ -79,7 +89,11 @@ class PeFLL(ServerStrategy):
         }
         requests = {
             node: self.request(
-                TRAIN_ENCODER, server_round, ArrayRecord({DESCRIPTOR: g.cpu()}), embed_dim=self.embed_dim
+                TRAIN_ENCODER,
+                server_round,
+                ArrayRecord({DESCRIPTOR: g.cpu()}),
+                embed_dim=self.embed_dim,
+                normalize=self.normalized,
             )
             for node, g in dv.items()
         }
@@ -95,7 +109,8 @@ class PeFLL(ServerStrategy):
     def update(self, steps: dict[int, tuple[Params, Params, Params]]) -> None:
         """One optimizer step on −mean Δη from (θ_i, Δθ_i, Δη_v,i) per client. Δη_h,i = J_iᵀΔθ_i
         comes from one backward pass through Σ_i ⟨θ_i, Δθ_i⟩; under a robust `aggregation` (or
-        `clip-norm`), from one pass per client, and the rule replaces the mean."""
+        `clip-norm`), from one pass per client, and the rule replaces the mean. With
+        `hn-grad-clip`, the combined direction of both networks is clipped to that norm first."""
         self.optimizer.zero_grad()
         if not self.aggregator.plain:
             self.robust_gradients(steps)
@@ -103,6 +118,9 @@ class PeFLL(ServerStrategy):
             (-sum(_inner(theta, delta) for theta, delta, _ in steps.values()) / len(steps)).backward()
             for name, param in self.embed.named_parameters():
                 param.grad = -sum(d[name] for _, _, d in steps.values()) / len(steps)
+        if self.settings.grad_clip > 0:  # over both networks at once, as the authors' script
+            params = [*self.hyper.parameters(), *self.embed.parameters()]
+            torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
         self.optimizer.step()
 
     def robust_gradients(self, steps: dict[int, tuple[Params, Params, Params]]) -> None:
@@ -136,7 +154,8 @@ class PeFLL(ServerStrategy):
         described = self.describe(server_round, nodes, predict=True, serve=serve)
         with torch.no_grad():
             theta = {
-                node: moved(self.hyper(r.arrays[DESCRIPTOR].to(self.device)), "cpu") for node, r in described.items()
+                node: moved(self.hyper(self.standardizer(r.arrays[DESCRIPTOR].to(self.device))), "cpu")
+                for node, r in described.items()
             }
         requests = {node: self.request(EVALUATE_GENERATED, server_round, ArrayRecord(t)) for node, t in theta.items()}
         scored = self.ask(EVALUATE_GENERATED, requests, server_round, ("num-examples",) if serve else TESTED)
@@ -153,10 +172,33 @@ def _descriptor_fields(metrics: dict[str, float]) -> dict[str, float]:
     return {"descriptor-size": metrics["num-examples"]} | {k: v for k, v in metrics.items() if k.startswith("dp-")}
 
 
+def server_optimizer(hn: HyperNetSettings, hyper: torch.nn.Module, embed: torch.nn.Module) -> torch.optim.Optimizer:
+    """The server's step on the pseudo-gradient −mean Δη (`hn-optimizer`). SGD with learning
+    rate s and weight decay 2λ is η ← (1 − 2sλ)η + s·mean Δη: Algorithm 2's η ← (1 − 2βλ)η +
+    mean Δη at s = 1 (the clients' Δη carry their own step size). AdamW decays alike (decoupled)
+    before Adam's step; `adam` is plain Adam, as the authors' script: no weight decay at all."""
+    if hn.optimizer == "adam":
+        return torch.optim.Adam([*hyper.parameters(), *embed.parameters()], lr=hn.server_lr)
+    groups = [
+        {"params": list(hyper.parameters()), "weight_decay": 2 * hn.l2_hyper},
+        {"params": list(embed.parameters()), "weight_decay": 2 * hn.l2_embed},
+    ]
+    return (torch.optim.SGD if hn.optimizer == "sgd" else torch.optim.AdamW)(groups, lr=hn.server_lr)
+
+
 class ODPFL(PeFLL):
     """PeFLL's training on descriptors of unlabeled data."""
 
-    encoder = SetEncoder  # describes a client by its samples alone
+    settings: OnDemandSettings
+
+    @property
+    def normalized(self) -> bool:
+        return self.settings.normalized
+
+    def new_encoder(self) -> Encoder:
+        """The set encoder: it describes a client by its samples alone."""
+        od = self.settings
+        return SetEncoder(self.input_shape, self.cfg.num_classes, self.embed_dim, normalize=od.normalized, psi=od.psi)
 
 
 def report(results: dict[str, Any], folder: Path) -> list[str]:

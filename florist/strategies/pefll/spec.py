@@ -20,6 +20,8 @@ from florist.common.settings import Settings, setting
 from florist.strategies.base import Exchange, StrategySpec
 
 DESCRIPTOR = "descriptor"  # the array key of v (up, exchange 1) and of Δv (down, exchange 3)
+ENCODERS = ("label-channels", "trunk", "slots")  # PeFLL's embedding networks (`networks.EmbeddingNet`)
+OPTIMIZERS = ("sgd", "adam", "adamw")  # the server's step on the pseudo-gradient −mean Δη
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +31,11 @@ class HyperNetSettings(Settings):
     batch: int = setting(32)  # samples per descriptor while training (OD-PFL encodes all)
     local_steps: int = setting(50)  # client SGD steps k per round
     hidden: int = setting(100, server=True)  # hypernetwork hidden width
-    optimizer: str = setting("adam", server=True)  # adam (AdamW, florist's) | sgd (Alg. 2's step at lr 1)
+    encoder: str = setting("label-channels")  # PeFLL's φ: label-channels | trunk | slots (networks.EmbeddingNet)
+    optimizer: str = setting("adamw", server=True)  # adamw (florist's) | adam (the authors') | sgd (Alg. 2)
     server_lr: float = setting(5e-3, server=True)  # server step s (Algorithm 2's β is the clients' step)
+    grad_clip: float = setting(0.0, server=True)  # max norm of the server's update direction (0: off)
+    standardize: bool = setting(False, server=True)  # v ← (v − m)/s, m, s of round 1's first descriptor
     l2_hyper: float = setting(1e-3, server=True)  # λ_h
     l2_embed: float = setting(1e-3, server=True)  # λ_v
     l2_model: float = setting(5e-5)  # λ_θ, the client's ‖θ‖² penalty
@@ -43,8 +48,10 @@ class HyperNetSettings(Settings):
                 min(self.batch, self.local_steps, self.hidden) >= 1,
                 "hn-batch, hn-local-steps and hn-hidden must be >= 1",
             ),
-            (self.optimizer in ("sgd", "adam"), "hn-optimizer must be sgd or adam"),
+            (self.encoder in ENCODERS, f"hn-encoder must be one of {', '.join(ENCODERS)}"),
+            (self.optimizer in OPTIMIZERS, f"hn-optimizer must be one of {', '.join(OPTIMIZERS)}"),
             (self.server_lr > 0, "hn-server-lr must be > 0"),
+            (self.grad_clip >= 0, "hn-grad-clip must be >= 0 (0: off)"),
             (min(self.l2_hyper, self.l2_embed, self.l2_model) >= 0, "hn-l2-* must be >= 0"),
             (self.encode_batch >= 1, "odpfl-encode-batch must be >= 1"),
         ]
@@ -56,12 +63,23 @@ class OnDemandSettings(HyperNetSettings):
 
     dp_epsilon: float = setting(math.inf, key="dp-epsilon", node=True)  # ε (inf: no noise)
     dp_delta: float = setting(1e-5, key="dp-delta", node=True)  # δ
+    normalize: str = setting("always", key="odpfl-normalize", server=True)  # φ on the unit sphere: always | dp
+    psi: str = setting("identity", key="odpfl-psi")  # ψ after the mean: identity | mlp (the paper's DS)
 
     def checks(self):
         return super().checks() + [
             (self.dp_epsilon > 0, "dp-epsilon must be > 0 (inf: no noise)"),
             (0 < self.dp_delta < 1, "dp-delta must be in (0, 1)"),
+            (self.normalize in ("always", "dp"), "odpfl-normalize must be always or dp"),
+            (self.psi in ("identity", "mlp"), "odpfl-psi must be identity or mlp"),
         ]
+
+    @property
+    def normalized(self) -> bool:
+        """Whether φ's outputs go on the unit sphere in this run: always, or (`dp`, the paper's
+        choice) when the run's `dp-epsilon` is finite. A node that noises its descriptor
+        normalises whatever the run says: its privacy never rests on the server."""
+        return self.normalize == "always" or math.isfinite(self.dp_epsilon)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +87,13 @@ class DescribeSettings(Settings):
     embed_dim: int = setting(1)
     predict: bool = setting(False)  # describe by the whole train split (PeFLL-predict)
     serve: bool = setting(False)  # the node is being served (OD-PFL: it may add noise)
+    normalize: bool = setting(True)  # OD-PFL: φ's outputs on the unit sphere (`odpfl-normalize`)
 
 
 @dataclasses.dataclass(frozen=True)
 class BackpropSettings(Settings):
     embed_dim: int = setting(1)
+    normalize: bool = setting(True)  # OD-PFL: as in the round's describe
 
 
 def _client():
