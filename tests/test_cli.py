@@ -176,3 +176,14 @@ def test_a_class_only_held_out_clients_have_is_named_before_the_run(tmp_path):
         digit, owners = re.match(r"digit (\d+) belongs only to held-out client\(s\) ([\d, ]+):", warning).groups()
         assert int(digit) not in trained
         assert {int(o) for o in owners.split(", ")} <= held_out
+
+
+def test_a_larger_model_at_the_cnns_step_is_warned_about_before_the_run(tmp_path):
+    """The default lr was tuned on the 8×8 cnn; LeNet diverged at it on some PeFLL nodes."""
+    from florist.config import RunConfig
+    from florist.runners.preflight import check_run
+
+    cfg = RunConfig.from_mapping({"dataset": "mnist5k", "model": "lenet", "results-dir": str(tmp_path)})
+    assert [w for w in check_run(cfg, 4) if "lr 0.2 is tuned for the 8×8 cnn" in w and "lr=0.1" in w]
+    assert not [w for w in check_run(cfg.replace(lr=0.1), 4) if "tuned" in w]
+    assert not [w for w in check_run(cfg.replace(model="cnn"), 4) if "tuned" in w]

@@ -8,10 +8,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from florist.cli.options import count, decode_data, given, resource_options, scenario_options, stderr_console
+from florist.cli.options import (
+    count,
+    decode_data,
+    given,
+    resource_options,
+    run_simulated,
+    runtime_option,
+    scenario_options,
+    stderr_console,
+)
 from florist.cli.signals import interrupt_on_signals
 from florist.common import devices
 from florist.config import RunConfig
+from florist.runners import presets
 from florist.strategies import STRATEGIES
 
 
@@ -24,17 +34,25 @@ def add(sub: argparse._SubParsersAction) -> None:
         "resumes), then write OUT/compare.md (seen/unseen mean and bottom decile, mean ± std over seeds, kB and "
         "seconds per round), compare.json and compare.png.",
     )
-    cmp.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
-    cmp.add_argument("--seeds", default="1,2,3", help="comma-separated (default: 1,2,3)")
+    cmp.add_argument("--strategies", help="comma-separated (default: all, or the preset's)")
+    cmp.add_argument("--seeds", help="comma-separated (default: 1,2,3, or the preset's)")
     scenario_options(cmp)
-    cmp.add_argument("--num-clients", type=count, default=20, help="simulated clients (default: 20)")
+    cmp.add_argument("--num-clients", type=count, help="simulated clients (default: 20, or the preset's)")
     cmp.add_argument("--out", required=True, help="output folder")
+    runtime_option(cmp, "simulation, or the preset's")
     cmp.add_argument(
-        "--runtime",
-        choices=("simulation", "in-process"),
-        default="simulation",
-        help="simulation: Flower's simulation runtime (Ray); in-process: the same ServerApp and "
-        "ClientApp called directly, no Ray (same results, less overhead). Default: simulation",
+        "--preset",
+        metavar="NAME",
+        help="a paper's main experiment: its strategies, seeds, clients and run config, with the paper's figures "
+        "beside florist's in compare.md; flags given beside override it. NAME is one of "
+        f"{', '.join(presets.names())} or a .toml file of your own (copy one from florist/presets/)",
+    )
+    cmp.add_argument(
+        "--scale",
+        choices=presets.SCALES,
+        default="full",
+        help="with --preset: full (the paper's dataset, model and sizes; needs its hub dataset and a GPU) or small "
+        "(the same recipe on embedded data, minutes on a laptop). Default: full",
     )
     resource_options(cmp)
     cmp.set_defaults(func=run)
@@ -44,8 +62,10 @@ def run(args: argparse.Namespace) -> int:
     from florist.runners import compare
     from florist.runners.simulation import client_resources
 
+    preset = presets.load(args.preset, args.scale) if args.preset else None
+    _apply(args, preset)
     strategies, seeds = _names(args.strategies, "--strategies"), _seeds(args.seeds)
-    values = {"min-nodes": args.num_clients} | given(args)
+    values = {"min-nodes": args.num_clients} | (preset.run_config if preset else {}) | given(args)
     resources = client_resources(args.cpus_per_client, args.gpus_per_client)
     configs = compare.planned(Path(args.out).expanduser().absolute(), strategies, seeds, values)
     _check(configs, args.num_clients)
@@ -56,10 +76,24 @@ def run(args: argparse.Namespace) -> int:
     )
     interrupt_on_signals()
     all_results = _run_all(args, configs, resources)
-    compare.write(Path(args.out), all_results, scenario)
+    paper = compare.Paper(preset.source(), preset.scale, preset.paper_values) if preset else None
+    compare.write(Path(args.out), all_results, scenario, paper)
     print((Path(args.out) / "compare.md").read_text())
     print(f"compare.md, compare.json and compare.png in {args.out}/")
     return 0
+
+
+def _apply(args: argparse.Namespace, preset: presets.Preset | None) -> None:
+    """Fill the options the user left out from the preset, then from florist's defaults."""
+    fallback = {"strategies": ",".join(STRATEGIES), "seeds": "1,2,3", "num_clients": 20, "runtime": "simulation"}
+    if preset:
+        lists = {"strategies": ",".join(preset.strategies), "seeds": ",".join(map(str, preset.seeds))}
+        fallback |= (
+            lists | {"num_clients": preset.num_clients} | ({"runtime": preset.runtime} if preset.runtime else {})
+        )
+    for name, value in fallback.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
 
 def _check(configs: list[RunConfig], num_clients: int) -> None:
@@ -100,25 +134,11 @@ def _run_all(args: argparse.Namespace, configs: list[RunConfig], resources: dict
 
         def runner(cfg: RunConfig, num_clients: int) -> dict[str, Any]:
             on_round = lambda row: progress.update(rounds, completed=row["round"])  # noqa: E731
-            return _one_run(args.runtime, cfg, num_clients, on_round, resources)
+            return run_simulated(args.runtime, cfg, num_clients, on_round, resources)
 
         all_results = compare.compare(configs, args.num_clients, runner, on_run)
         progress.update(runs, completed=len(configs), description="runs")
     return all_results
-
-
-def _one_run(runtime: str, cfg: RunConfig, num_clients: int, on_round, resources: dict[str, Any]) -> dict[str, Any]:
-    if runtime == "in-process":
-        import logging
-
-        from florist.runners.inprocess import run_in_process
-
-        logging.getLogger("flwr").setLevel(logging.WARNING)  # the progress display says how far it got
-
-        return run_in_process(cfg, num_clients, on_round=on_round, cpus_per_client=resources["num_cpus"])
-    from florist.runners.simulation import simulate_in_child
-
-    return simulate_in_child(cfg, num_clients, on_round, resources)
 
 
 def _names(text: str, option: str) -> list[str]:

@@ -47,7 +47,12 @@ def scenario_options(parser: argparse.ArgumentParser) -> None:
         'synthetic:ALPHA,BETA (FedProx\'s; use model="mlp") | a Hugging Face id or local folder '
         "(default: digits)",
     )
-    parser.add_argument("--partition", help="iid | dirichlet:ALPHA | pathological:K (default: dirichlet:0.3)")
+    parser.add_argument(
+        "--partition",
+        help="iid | dirichlet:ALPHA (each label spread over the clients) | inner-dirichlet:ALPHA (equal-size "
+        "clients, each one's label mix drawn from Dir(ALPHA): the split of papers at tiny ALPHA) | pathological:K | "
+        "natural:COLUMN (hub data) (default: dirichlet:0.3)",
+    )
     parser.add_argument(
         "--shift",
         help="none | relabel:K | rotate:K: K clusters of clients with their own label "
@@ -77,6 +82,33 @@ def resource_options(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="GPUs Ray gives each simulated client, fractions allowed (default: 0.25 where torch sees a GPU, else 0)",
     )
+
+
+RUNTIMES = ("simulation", "in-process")
+
+
+def runtime_option(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument(
+        "--runtime",
+        choices=RUNTIMES,
+        help="simulation: Flower's simulation runtime (Ray: clients run side by side, each on its share of the "
+        "cores and GPUs); in-process: the same ServerApp and ClientApp called one after the other in this process, "
+        f"no Ray (the same results, no start-up; best for short runs on one machine). Default: {default}",
+    )
+
+
+def run_simulated(runtime: str, cfg: RunConfig, num_clients: int, on_round, resources: dict[str, Any]) -> dict:
+    """One run in the chosen runtime; returns its results."""
+    if runtime == "in-process":
+        import logging
+
+        from florist.runners.inprocess import run_in_process
+
+        logging.getLogger("flwr").setLevel(logging.WARNING)  # the progress display says how far it got
+        return run_in_process(cfg, num_clients, on_round=on_round, cpus_per_client=resources["num_cpus"])
+    from florist.runners.simulation import simulate_in_child
+
+    return simulate_in_child(cfg, num_clients, on_round, resources)
 
 
 def executor_option(parser: argparse.ArgumentParser) -> None:

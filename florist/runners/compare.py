@@ -9,6 +9,7 @@ the same figures and the per-run summaries, `compare.png` the bars with error ba
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -83,7 +84,10 @@ def table(all_results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         by_strategy.setdefault(results["strategy"], []).append(results)
     rows = {}
     for strategy, runs in by_strategy.items():
-        row: dict[str, Any] = {"seeds": [r["config"]["seed"] for r in runs]}
+        row: dict[str, Any] = {
+            "seeds": [r["config"]["seed"] for r in runs],
+            "scored": sum(any(r["summary"][g]["num_clients"] for g in GROUPS) for r in runs),
+        }
         for group in GROUPS:
             for figure in FIGURES:
                 values = [r["summary"][group][figure] for r in runs if r["summary"][group]["num_clients"]]
@@ -99,31 +103,80 @@ def table(all_results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def _mean_std(values: list[float]) -> list[float | None]:
-    return [float(np.mean(values)), float(np.std(values))] if values else [None, None]
+    """[mean, std] over runs; no spread from one run (None), nothing from none."""
+    if not values:
+        return [None, None]
+    return [float(np.mean(values)), float(np.std(values)) if len(values) > 1 else None]
 
 
-def markdown(rows: dict[str, dict[str, Any]], scenario: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class Paper:
+    """What a preset's paper reports, to print beside florist's figures."""
+
+    source: str  # the paper and its table, in words
+    scale: str  # full: the paper's own setting; small: the recipe on other data, for reference only
+    values: dict[str, dict[str, float]]  # strategy -> {"seen": %, "unseen": %}
+
+
+def paper_lines(rows: dict[str, dict[str, Any]], paper: Paper) -> list[str]:
+    """The paper's figures beside florist's, strategy by strategy (– where either has none)."""
+    caveat = (
+        "the paper's own setting"
+        if paper.scale == "full"
+        else "florist ran the recipe at --scale small (other data, smaller model): the paper's figures are "
+        "the reference, not the target"
+    )
+    lines = [
+        "",
+        f"## The paper's figures: {paper.source}",
+        "",
+        f"Client mean test accuracy (%); {caveat}.",
+        "",
+        "| strategy | paper seen | florist seen | paper unseen | florist unseen |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for strategy in dict.fromkeys([*paper.values, *rows]):
+        reported, row = paper.values.get(strategy, {}), rows.get(strategy)
+        cells = []
+        for group in GROUPS:
+            cells.append(f"{reported[group]:.1f}" if group in reported else "–")
+            cells.append(_pct(row[f"{group}_mean_accuracy"]) if row else "not run")
+        lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(rows: dict[str, dict[str, Any]], scenario: str, paper: Paper | None = None) -> str:
     lines = [
         f"# florist compare: {scenario}",
         "",
-        "Mean ± std over seeds of the per-run client means (%), costs per round.",
+        "Mean ± std over seeds of the per-run client means (%), costs per round; runs: those that scored "
+        "clients, of those made (a figure from one run has no ±).",
         "",
-        "| strategy | seeds | seen mean | seen bottom 10% | unseen mean | unseen bottom 10% | kB up | kB down | s |",
+        "| strategy | runs | seen mean | seen bottom 10% | unseen mean | unseen bottom 10% | kB up | kB down | s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for strategy, row in rows.items():
         cells = [_pct(row[f"{g}_{f}"]) for g in GROUPS for f in FIGURES]
         lines.append(
-            f"| {strategy} | {len(row['seeds'])} | "
+            f"| {strategy} | {_runs(row)} | "
             + " | ".join(cells)
             + f" | {row['kb_up']:,.1f} | {row['kb_down']:,.1f} | {row['seconds']:.2f} |"
         )
+    if paper:
+        lines += paper_lines(rows, paper)
     return "\n".join(lines) + "\n"
+
+
+def _runs(row: dict[str, Any]) -> str:
+    made, scored = len(row["seeds"]), row["scored"]
+    return str(made) if scored == made else f"{scored} of {made}"
 
 
 def _pct(pair: list[float | None]) -> str:
     mean, std = pair
-    return "–" if mean is None else f"{100 * mean:.1f} ± {100 * std:.1f}"
+    if mean is None:
+        return "–"
+    return f"{100 * mean:.1f}" if std is None else f"{100 * mean:.1f} ± {100 * std:.1f}"
 
 
 def plot(rows: dict[str, dict[str, Any]], scenario: str, path: Path) -> None:
@@ -148,11 +201,16 @@ def plot(rows: dict[str, dict[str, Any]], scenario: str, path: Path) -> None:
     plt.close(fig)
 
 
-def write(out: Path, all_results: list[dict[str, Any]], scenario: str) -> dict[str, dict[str, Any]]:
+def write(
+    out: Path, all_results: list[dict[str, Any]], scenario: str, paper: Paper | None = None
+) -> dict[str, dict[str, Any]]:
     """compare.md, compare.json and compare.png in `out`; returns the table's rows."""
     rows = table(all_results)
-    (out / "compare.md").write_text(markdown(rows, scenario))
+    (out / "compare.md").write_text(markdown(rows, scenario, paper))
     runs = [{"strategy": r["strategy"], "seed": r["config"]["seed"], "summary": r["summary"]} for r in all_results]
-    (out / "compare.json").write_text(json.dumps({"scenario": scenario, "rows": rows, "runs": runs}, indent=1))
+    figures = {"scenario": scenario, "rows": rows, "runs": runs} | (
+        {"paper": dataclasses.asdict(paper)} if paper else {}
+    )
+    (out / "compare.json").write_text(json.dumps(figures, indent=1))
     plot(rows, scenario, out / "compare.png")
     return rows

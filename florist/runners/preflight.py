@@ -24,7 +24,21 @@ def check_run(cfg: RunConfig, num_clients: int) -> list[str]:
     layout = scenarios.layout(cfg, num_clients)
     check_models(cfg, layout.input_shape, num_clients - len(layout.held_out))
     check_results_dir(cfg.results_dir)
-    return partition_warnings(cfg, layout)
+    return model_warnings(cfg) + partition_warnings(cfg, layout)
+
+
+TUNED_FOR = {"lenet": "lr=0.1 (PeFLL: hn-server-lr=1e-3)", "mobilenet_v2": "lr=0.03"}  # measured or the papers'
+
+
+def model_warnings(cfg: RunConfig) -> list[str]:
+    """The default step was tuned on the 8×8 `cnn`; a larger model may diverge at it."""
+    default_lr = RunConfig.__dataclass_fields__["lr"].default
+    if cfg.model in TUNED_FOR and cfg.lr == default_lr:
+        return [
+            f"lr {default_lr} is tuned for the 8×8 cnn; with model {cfg.model!r} it can diverge "
+            f"(try {TUNED_FOR[cfg.model]}, or a paper preset: florist compare --preset)"
+        ]
+    return []
 
 
 def check_models(cfg: RunConfig, input_shape: tuple[int, ...], num_seen: int) -> None:

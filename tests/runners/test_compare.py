@@ -53,3 +53,29 @@ def test_compare_writes_the_table_of_every_strategy_and_seed_and_keeps_finished_
 def test_compare_refuses_an_unknown_strategy_by_name(tmp_path, capsys):
     assert main(["compare", "--strategies", "fedavg,fedprox", "--out", str(tmp_path)]) == 2
     assert "--strategies: unknown strategy 'fedprox'" in capsys.readouterr().err
+
+
+def _run(strategy, seed, seen_clients, accuracy):
+    group = {"num_clients": seen_clients, "mean_accuracy": accuracy, "bottom_decile_accuracy": accuracy}
+    empty = {"num_clients": 0, "mean_accuracy": None, "bottom_decile_accuracy": None}
+    rounds = [{"bytes_up": 1000, "bytes_down": 2000, "seconds": 1.0}]
+    return {
+        "strategy": strategy,
+        "config": {"seed": seed},
+        "summary": {"seen": group, "unseen": empty},
+        "rounds": rounds,
+    }
+
+
+def test_the_table_counts_the_runs_that_scored_clients_and_shows_no_spread_for_one():
+    """A run that scored no client is not averaged in and is counted apart; a figure from a
+    single run is shown without ± (never "± 0.0")."""
+    from florist.runners.compare import markdown, table
+
+    rows = table(
+        [_run("fedavg", 1, 5, 0.794), _run("fedavg", 2, 0, None), _run("local", 1, 5, 0.5), _run("local", 2, 5, 0.7)]
+    )
+    assert rows["fedavg"]["scored"] == 1 and rows["fedavg"]["seen_mean_accuracy"] == [0.794, None]
+    text = markdown(rows, "s")
+    assert "| fedavg | 1 of 2 | 79.4 | 79.4 | – | – |" in text
+    assert "| local | 2 | 60.0 ± 10.0 |" in text and "± 0.0" not in text
