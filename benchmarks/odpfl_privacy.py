@@ -59,15 +59,15 @@ def main() -> None:
     ]
     server = ODPFL(cfg, None, clients[0].input_shape, num - len(novel))
     state = torch.load(args.run / "checkpoint.pt")["state"]
-    for prefix, net in (("hyper", server.hyper), ("embed", server.embed)):
-        net.load_state_dict(state[prefix])
+    server.load_state(state)
     model = build_model(cfg.model, clients[0].input_shape, cfg.num_classes)
     rng = np.random.default_rng(0)
 
     def accuracy(client: data_lib.ClientData, x: torch.Tensor, sigma: float) -> float:
         with torch.no_grad():
-            v = server.embed.describe(x)
-            model.load_state_dict(server.hyper(privatize(v, sigma) if sigma > 0 else v))
+            pooled = server.embed.pool(x)  # the node noises the mean, before ψ: as florist's nodes do
+            v = server.embed.readout(privatize(pooled, sigma) if sigma > 0 else pooled)
+            model.load_state_dict(server.hyper(server.standardizer(v)))
         return float((training.predict_proba(model, client.x_test).argmax(1) == client.y_test).mean())
 
     print(
