@@ -110,3 +110,28 @@ def test_personalized_strategies_score_every_client(tmp_path, strategy):
         assert (Path(results["config"]["results-dir"]) / "lambda_vs_size.png").exists()
     # on 2-class clients a personal model beats chance by far
     assert results["summary"]["seen"]["mean_accuracy"] > 0.6
+
+
+def test_florist_simulate_runtime_in_process_gives_the_simulations_results(fedavg_run, tmp_path, capsys):
+    """`florist simulate --runtime in-process`: the command a user types, no Ray, the same clients' scores."""
+    import json
+
+    from florist.cli import main
+
+    args = [
+        "simulate",
+        "--runtime",
+        "in-process",
+        "--num-clients",
+        "6",
+        "--rounds",
+        "3",
+        "--partition",
+        "dirichlet:0.5",
+    ]
+    assert main([*args, "--run-config", "local-epochs=2", "--results-dir", str(tmp_path / "cli")]) == 0
+    results = json.loads((tmp_path / "cli" / "results.json").read_text())
+    assert results["complete"] and "wall time" in capsys.readouterr().err
+    assert [(c["client"], c["accuracy"]) for c in results["clients"]] == [
+        (c["client"], c["accuracy"]) for c in fedavg_run["clients"]
+    ]

@@ -15,6 +15,8 @@ from florist.cli.options import (
     print_summary,
     resource_options,
     run_options,
+    run_simulated,
+    runtime_option,
     stderr_console,
 )
 from florist.cli.signals import interrupt_on_signals
@@ -35,13 +37,14 @@ def add(sub: argparse._SubParsersAction) -> None:
         help=f"simulated SuperNodes = partitions (default: {DEFAULT_NODES['simulate']})",
     )
     resource_options(sim)
+    runtime_option(sim, "simulation")
     sim.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from florist.runners.simulation import client_resources, simulate_in_child
+    from florist.runners.simulation import client_resources
     from florist.server.report import number
 
     (cfg, num_clients), console, start = checked_config(args), stderr_console(), time.monotonic()
@@ -65,6 +68,6 @@ def run(args: argparse.Namespace) -> int:
                 status=f"loss {number(row['train_loss'], '.3f')}  seen acc {number(row['accuracy'], '.1%')}",
             )
 
-        results = simulate_in_child(cfg, num_clients, on_round, resources)
+        results = run_simulated(args.runtime or "simulation", cfg, num_clients, on_round, resources)
     print_summary(results, console, time.monotonic() - start)
     return 0

@@ -105,6 +105,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
 
     final_round = cfg.num_server_rounds + 1
     scores = strategy.evaluate(final_round, seen) | strategy.serve(final_round, unseen)
+    check_replies(cfg, exchanger, exchanger.take_exchanges(), final_round)
     late = serve_late_joiners(exchanger, strategy, cfg, nodes, scores, bound)
     results.set_clients(nodes + late, scores)
     results.failures = exchanger.failures
@@ -153,8 +154,28 @@ def train_round(strategy: ServerStrategy, results: Results, seen: list[NodeInfo]
     if cfg.eval_every and server_round % cfg.eval_every == 0:
         accuracy = _mean_accuracy(strategy.evaluate(server_round, seen))
     up, down = exchanger.take_bytes()
-    extras = strategy.round_extras() | {"exchanges": exchanger.take_exchanges()}
+    exchanges = exchanger.take_exchanges()
+    check_replies(cfg, exchanger, exchanges, server_round)
+    extras = strategy.round_extras() | {"exchanges": exchanges}
     return results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, extras)
+
+
+def check_replies(cfg: RunConfig, exchanger: Exchanger, exchanges: list[dict[str, Any]], server_round: int) -> None:
+    """A round in which an exchange got fewer replies than `min-train-nodes` (or than the nodes
+    it asked, when fewer were asked) did not happen: raise, naming the exchange, the first
+    reason a node gave and how to go on, before the round is checkpointed, so the run keeps the
+    rounds before it and is never written complete."""
+    for e in exchanges:
+        if e["replies"] < min(cfg.min_train_nodes, e["nodes"]):
+            failed = [f for f in exchanger.failures if f["round"] == server_round]
+            reason = f"; first failure, {failed[0]['node']}: {failed[0]['reason']}" if failed else ""
+            final = server_round > cfg.num_server_rounds
+            kept = f"rounds 1-{server_round - 1} are" if server_round > 1 else "its start is"
+            raise RuntimeError(
+                f"{'the final evaluation' if final else f'round {server_round}'}: {e['replies']} of {e['nodes']} "
+                f"nodes answered {e['type']} (min-train-nodes {cfg.min_train_nodes}){reason}. The run stops; "
+                f"{kept} kept in {cfg.results_dir}: continue it with --resume {cfg.results_dir} once the nodes are back"
+            )
 
 
 def serve_late_joiners(

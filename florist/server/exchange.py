@@ -126,6 +126,7 @@ class Exchanger:
                 "type": message_type,
                 "seconds": round(seconds, 4),
                 "nodes": len(requests),
+                "replies": len(good),
                 "handler_seconds_max": slowest["handler"],
                 "data_seconds_max": slowest["data"],
             }
