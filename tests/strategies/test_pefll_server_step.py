@@ -23,8 +23,11 @@ def _networks(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
 def _step(settings: HyperNetSettings, steps: int = 3) -> list[torch.Tensor]:
     """The parameters after `steps` optimizer steps on the same seeded gradients."""
     hyper, embed = _networks()
-    optimizer = server_optimizer(settings, hyper, embed)
-    params = [*hyper.parameters(), *embed.parameters()]
+    return _seeded_steps(server_optimizer(settings, hyper, embed), [*hyper.parameters(), *embed.parameters()], steps)
+
+
+def _seeded_steps(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], steps: int) -> list[torch.Tensor]:
+    """`steps` optimizer steps, each on gradients drawn from the same seeded generator."""
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in params:
@@ -37,14 +40,7 @@ def _reference(optimizer: type[torch.optim.Optimizer], lr: float, decays: tuple[
     """The same steps taken by `torch.optim` directly, one weight decay per network."""
     hyper, embed = _networks()
     groups = [{"params": list(net.parameters()), "weight_decay": d} for net, d in zip((hyper, embed), decays)]
-    opt = optimizer(groups, lr=lr)
-    params = [*hyper.parameters(), *embed.parameters()]
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=generator)
-        opt.step()
-    return [p.detach().clone() for p in params]
+    return _seeded_steps(optimizer(groups, lr=lr), [*hyper.parameters(), *embed.parameters()], steps)
 
 
 SETTINGS = HyperNetSettings(server_lr=0.01, l2_hyper=0.3, l2_embed=0.1)
