@@ -69,7 +69,10 @@ done_step "base images"
 "$PY" -m florist certs --out "$FLORIST_CERTS" --hosts "superlink,localhost" --num-nodes 3 >/dev/null
 # Compose mounts secrets as they are on the host; the images' user (uid 49999) must read the keys.
 chown -R 49999:49999 "$FLORIST_CERTS" || fail "the containers' user (uid 49999) must own the keys: run as root"
-compose build -q || fail "docker compose build"
+# A build whose dependency layer is not cached downloads and unpacks ~7 GB (torch's CUDA wheels).
+root=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null) && free_gb=$(df -Pk "$root" 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}') \
+    && [ "${free_gb:-99}" -lt 12 ] && step "only $free_gb GB free under $root: an uncached image build needs about 12 GB (docker builder prune frees old build cache)"
+compose build --progress plain > "$WORK/build.log" 2>&1 || { grep -v "Downloading\|━" "$WORK/build.log" | tail -25 >&2; fail "docker compose build (its last lines above)"; }
 done_step "build"
 
 # 3. The stack, healthy.
