@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 from florist.config import RunConfig
 from florist.server.checkpoint import FILE as CHECKPOINT
 from florist.server.checkpoint import Checkpoint
+from florist.server.report import pyplot, save
 
 Runner = Callable[[RunConfig, int], dict[str, Any]]
 GROUPS = ("seen", "unseen")
@@ -180,12 +182,13 @@ def _pct(pair: list[float | None]) -> str:
 
 
 def plot(rows: dict[str, dict[str, Any]], scenario: str, path: Path) -> None:
-    import matplotlib
+    save(figure(rows, scenario), path)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 3.8))
+def figure(rows: dict[str, dict[str, Any]], scenario: str):
+    """Seen and unseen mean accuracy per strategy with the seeds' standard deviation; the
+    scenario line, long as it is, wrapped to the figure's width."""
+    fig, ax = pyplot().subplots(figsize=(max(6, 1.1 * len(rows)), 3.8))
     x, width = np.arange(len(rows)), 0.38
     for i, group in enumerate(GROUPS):
         pairs = [row[f"{group}_mean_accuracy"] for row in rows.values()]
@@ -193,12 +196,12 @@ def plot(rows: dict[str, dict[str, Any]], scenario: str, path: Path) -> None:
         stds = [100 * (s or 0.0) for _, s in pairs]
         ax.bar(x + (i - 0.5) * width, means, width, yerr=stds, capsize=3, label=group)
     ax.set_xticks(x, list(rows), rotation=20)
-    ax.set(ylabel="client mean accuracy (%)", title=f"florist compare: {scenario}", ylim=(0, 100))
+    columns = int(fig.get_figwidth() * 9)  # characters of a 10-point title per inch
+    ax.set_title(textwrap.fill(f"florist compare: {scenario}", columns), fontsize=10)
+    ax.set(ylabel="client mean accuracy (%)", ylim=(0, 100))
     ax.legend()
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def write(

@@ -150,13 +150,17 @@ def train_round(strategy: ServerStrategy, results: Results, seen: list[NodeInfo]
     round, and add the round's row (loss, accuracy, bytes, seconds, exchanges) to `results`."""
     cfg, exchanger, start = strategy.cfg, strategy.exchanger, time.monotonic()
     loss = strategy.train_round(server_round, strategy.sample(seen, server_round))
-    accuracy = None
+    accuracy, evaluated = None, {}
     if cfg.eval_every and server_round % cfg.eval_every == 0:
-        accuracy = _mean_accuracy(strategy.evaluate(server_round, seen))
+        scores = strategy.evaluate(server_round, seen)
+        accuracy = _mean_accuracy(scores)
+        # The global model's accuracy where clients report it beside their own (kNN-Per, FedAvg+finetune).
+        if scores and all("global-accuracy" in m for m in scores.values()):
+            evaluated = {"global_accuracy": _mean_accuracy(scores, "global-accuracy")}
     up, down = exchanger.take_bytes()
     exchanges = exchanger.take_exchanges()
     check_replies(cfg, exchanger, exchanges, server_round)
-    extras = strategy.round_extras() | {"exchanges": exchanges}
+    extras = strategy.round_extras() | evaluated | {"exchanges": exchanges}
     return results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, extras)
 
 
@@ -218,10 +222,10 @@ def serve_late_joiners(
     return served
 
 
-def _mean_accuracy(metrics: Mapping[int, Mapping[str, float]]) -> float | None:
+def _mean_accuracy(metrics: Mapping[int, Mapping[str, float]], key: str = "accuracy") -> float | None:
     if not metrics:
         return None
-    return weighted_mean([m["accuracy"] for m in metrics.values()], [m["num-examples"] for m in metrics.values()])
+    return weighted_mean([m[key] for m in metrics.values()], [m["num-examples"] for m in metrics.values()])
 
 
 def _log_round(row: dict[str, Any]) -> None:

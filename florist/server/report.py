@@ -155,26 +155,54 @@ def exchange_times(results: dict[str, Any]) -> list[str]:
 
 
 def write_report(results: dict[str, Any], folder: Path) -> None:
+    spec = STRATEGIES.get(results["strategy"])
+    own_section = spec.report()(results, folder) if spec and spec.report else []
+    (folder / "report.md").write_text(markdown(results, own_section))
+    for name, figure in (("accuracy_per_round", accuracy_figure), ("client_accuracy", client_figure)):
+        save(figure(results), folder / f"{name}.png")
+
+
+def pyplot():
+    """matplotlib's pyplot without a display (plots are files here)."""
     import matplotlib
-    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    spec = STRATEGIES.get(results["strategy"])
-    own_section = spec.report()(results, folder) if spec and spec.report else []
-    (folder / "report.md").write_text(markdown(results, own_section))
+    return plt
 
-    evaluated = [r for r in results["rounds"] if r["accuracy"] is not None]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["round"] for r in evaluated], [100 * r["accuracy"] for r in evaluated], marker=".")
-    ax.set(xlabel="round", ylabel="seen-client mean accuracy (%)", title=f"{results['strategy']}: accuracy per round")
-    ax.grid(alpha=0.3)
+
+def save(fig, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(folder / "accuracy_per_round.png", dpi=120)
-    plt.close(fig)
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+
+def accuracy_figure(results: dict[str, Any]):
+    """Seen clients' mean accuracy per evaluated round, on a fixed 0-100 % axis (an auto-scaled
+    one makes 96.5 -> 92.2 look like a collapse) with whole-round ticks; where the clients also
+    report the global model's accuracy (kNN-Per, FedAvg+finetune), its line beside it."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
+    for field, label in (("accuracy", "personalized"), ("global_accuracy", "global model")):
+        rows = [r for r in results["rounds"] if r.get(field) is not None]
+        if rows:
+            ax.plot([r["round"] for r in rows], [100 * r[field] for r in rows], marker=".", label=label)
+    if any(r.get("global_accuracy") is not None for r in results["rounds"]):
+        ax.legend()
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="round", ylabel="seen-client mean accuracy (%)", ylim=(0, 100))
+    ax.set_title(f"{results['strategy']}: accuracy per round")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def client_figure(results: dict[str, Any]):
+    """Every client's final accuracy as a dot over a box per group (seen, unseen)."""
+    import numpy as np
+
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
     groups = [("seen", True), ("unseen", False)]
     data = [
         [100 * c["accuracy"] for c in results["clients"] if c["seen"] == s and c["accuracy"] is not None]
@@ -187,6 +215,4 @@ def write_report(results: dict[str, Any], folder: Path) -> None:
     ax.set_xticks([1, 2], [f"{name} ({len(v)})" for (name, _), v in zip(groups, data)])
     ax.set(ylabel="client test accuracy (%)", title=f"{results['strategy']}: per-client accuracy")
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(folder / "client_accuracy.png", dpi=120)
-    plt.close(fig)
+    return fig
