@@ -187,3 +187,24 @@ def test_a_larger_model_at_the_cnns_step_is_warned_about_before_the_run(tmp_path
     assert [w for w in check_run(cfg, 4) if "lr 0.2 is tuned for the 8×8 cnn" in w and "lr=0.1" in w]
     assert not [w for w in check_run(cfg.replace(lr=0.1), 4) if "tuned" in w]
     assert not [w for w in check_run(cfg.replace(model="cnn"), 4) if "tuned" in w]
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ({"strategy": "fedattn", "num-server-rounds": 3}, "fedattn-warmup 5 >= num-server-rounds 3"),
+        ({"strategy": "fedattn", "num-server-rounds": 5}, "this run is FedAvg"),
+        ({"strategy": "fedattn", "num-server-rounds": 6}, None),
+        ({"strategy": "fedattn", "num-server-rounds": 3, "fedattn-warmup": 0}, None),
+        ({"num-server-rounds": 0}, "num-server-rounds 0: nothing trains"),
+        ({"num-server-rounds": 1}, None),
+    ],
+)
+def test_a_run_too_short_for_its_strategy_is_warned_about_before_it_starts(tmp_path, values, expected):
+    """FedAttn within its warm-up gave a table identical to FedAvg's with nothing said."""
+    from florist.config import RunConfig
+    from florist.runners.preflight import check_run
+
+    warnings = check_run(RunConfig.from_mapping(values | {"results-dir": str(tmp_path)}), 4)
+    found = [w for w in warnings if "num-server-rounds" in w]
+    assert (found and expected in found[0]) if expected else not found, warnings

@@ -69,6 +69,11 @@ class Settings:
         """(holds, message naming the key) for each constraint on the values."""
         return []
 
+    def warnings(self, num_rounds: int) -> list[str]:
+        """What will run, but not as the user likely meant with `num_rounds` rounds (e.g. a
+        warm-up that outlasts the run, so the algorithm never acts)."""
+        return []
+
 
 @dataclasses.dataclass(frozen=True)
 class NoSettings(Settings):

@@ -24,7 +24,14 @@ def check_run(cfg: RunConfig, num_clients: int) -> list[str]:
     layout = scenarios.layout(cfg, num_clients)
     check_models(cfg, layout.input_shape, num_clients - len(layout.held_out))
     check_results_dir(cfg.results_dir)
-    return model_warnings(cfg) + partition_warnings(cfg, layout)
+    return run_warnings(cfg) + model_warnings(cfg) + partition_warnings(cfg, layout)
+
+
+def run_warnings(cfg: RunConfig) -> list[str]:
+    """A run of no round, or one too short for its strategy to act (its settings' `warnings`)."""
+    if cfg.num_server_rounds == 0:
+        return ["num-server-rounds 0: nothing trains; the clients are only scored on the initial model"]
+    return cfg.settings.warnings(cfg.num_server_rounds)
 
 
 TUNED_FOR = {"lenet": "lr=0.1 (PeFLL: hn-server-lr=1e-3)", "mobilenet_v2": "lr=0.03"}  # measured or the papers'

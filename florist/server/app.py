@@ -18,7 +18,7 @@ from florist.common.metrics import weighted_mean
 from florist.config import RunConfig
 from florist.server.checkpoint import Checkpoint
 from florist.server.exchange import Exchanger
-from florist.server.report import number
+from florist.server.report import number, plural
 from florist.server.results import Results, check_results_dir
 from florist.server.strategy import NodeInfo, ServerStrategy, message_config
 from florist.strategies import strategy_spec
@@ -76,6 +76,8 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     # With `bind-node-keys`, a key belongs to the SuperNode (under SuperNode auth: the public key)
     # that first claimed it, for the whole run, resumed parts included.
     bound = (dict(resumed.bindings) if resumed else {}) if cfg.bind_node_keys else None
+    for warning in cfg.settings.warnings(cfg.num_server_rounds):  # `florist` commands said it before the run
+        log.warning(warning)
     nodes = start_nodes(exchanger, cfg, bound)
     seen, unseen = [n for n in nodes if n.seen], [n for n in nodes if not n.seen]
     strategy: ServerStrategy = strategy_spec(cfg.strategy).server()(cfg, exchanger, nodes[0].input_shape, len(seen))
@@ -111,13 +113,13 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     results.failures = exchanger.failures
     results.write()
     for group, summary in results.summary().items():
-        log.info(
-            "%s clients (%d): mean accuracy %.3f, bottom decile %.3f",
-            group,
-            summary["num_clients"],
-            summary["mean_accuracy"],
-            summary["bottom_decile_accuracy"],
-        )
+        if summary["num_clients"]:  # a run without unseen clients has no line for them
+            log.info(
+                "%s: mean accuracy %.3f, bottom decile %.3f",
+                plural(summary["num_clients"], f"{group} client"),
+                summary["mean_accuracy"],
+                summary["bottom_decile_accuracy"],
+            )
     log.info("results in %s", results.folder.resolve())
     return results
 
@@ -139,7 +141,9 @@ def start_nodes(exchanger: Exchanger, cfg: RunConfig, bound: dict[str, int] | No
         exchanger.fail(node.node_id, INFO.message_type, 0, f"input shape {node.input_shape}, most nodes' is {shape}")
     nodes = [n for n in nodes if n.input_shape == shape]
     seen = [n for n in nodes if n.seen]
-    log.info("%d nodes: %d seen (train), %d unseen (serve only)", len(nodes), len(seen), len(nodes) - len(seen))
+    log.info(
+        "%s: %d seen (train), %d unseen (serve only)", plural(len(nodes), "node"), len(seen), len(nodes) - len(seen)
+    )
     if not seen:
         raise RuntimeError("no seen node to train with: every node is held out as unseen")
     return nodes

@@ -37,6 +37,14 @@ class AttentionSettings(Settings):
             ),
         ]
 
+    def warnings(self, num_rounds: int) -> list[str]:
+        if 0 < num_rounds <= self.warmup:
+            return [
+                f"fedattn-warmup {self.warmup} >= num-server-rounds {num_rounds}: the attention never runs and "
+                "this run is FedAvg (raise the rounds or lower fedattn-warmup)"
+            ]
+        return []
+
 
 def _client():
     """The client half (imported on a node's first message: it imports torch)."""
