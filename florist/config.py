@@ -96,7 +96,7 @@ class RunConfig(Settings):
         sections = {spec.settings for spec in STRATEGIES.values()}
         known = own.union(*(s.keys() for s in sections))
         if unknown := sorted(set(values) - known):
-            raise ValueError(f"unknown run-config key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+            raise ValueError(f"unknown run-config key {unknown[0]!r}; {_closest(unknown[0], known)}")
         common = super().from_mapping({k: v for k, v in values.items() if k in own})
         for section in sections:
             section.from_mapping(values)
@@ -206,3 +206,11 @@ def parse_overrides(text: str) -> dict[str, Any]:
             raise ValueError(f"--run-config: {pair!r} is not key=value with a TOML value{hint}")
         values |= {next(iter(parsed)): value}
     return values
+
+
+def _closest(key: str, known: set[str]) -> str:
+    """A "did you mean" hint where a known key is close (`local_epochs`: `local-epochs`), else every key."""
+    import difflib
+
+    close = difflib.get_close_matches(key.replace("_", "-"), known, n=1, cutoff=0.75)
+    return f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"

@@ -30,6 +30,8 @@ BAD = {  # what the user typed (after `florist`) -> what the one line must say
     "unquoted string": (["simulate", "--run-config", "lr=abc"], "strings need quotes"),
     "commas": (["simulate", "--run-config", "lr=0.1,local-epochs=2"], "not commas"),
     "unknown key": (["simulate", "--run-config", "learning-rate=0.1"], "unknown run-config key 'learning-rate'"),
+    "python-style key": (["simulate", "--run-config", "local_epochs=2"], "did you mean 'local-epochs'?"),
+    "misspelled option": (["simulate", "--stratgy", "knnper"], "did you mean --strategy?"),
     "wrong type": (["simulate", "--run-config", 'lr="fast"'], "'lr' expects float"),
     "negative lr": (["simulate", "--run-config", "lr=-1.0"], "lr must be > 0"),
     "negative rounds": (["simulate", "--rounds", "-1"], "num-server-rounds must be >= 0"),
@@ -102,6 +104,7 @@ def test_a_mistake_is_one_line_and_exit_status_2(case, tmp_path, capsys):
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) <= 2 and "Traceback" not in err and expected in lines[0], err
+    assert all(f"florist {args[0]} --help" in hint for hint in lines[1:] if args[0] != "comparison"), err
     assert not (tmp_path / "results" / "simulation.log").exists()  # refused before the simulation started
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import sys
 from collections.abc import Iterable
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command in COMMANDS:
         command.add(sub)
     add_strategy_commands(sub, STRATEGIES.values())
+    parser.set_defaults(commands=sub.choices)  # a mistake after a command is that command's to explain
     return parser
 
 
@@ -72,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "supernode":
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command = args.commands[args.command]
+        options = [o for action in command._actions for o in action.option_strings]
+        close = difflib.get_close_matches(extra[0].split("=")[0], options, n=1)
+        command.error(f"unrecognized arguments: {' '.join(extra)}" + (f"; did you mean {close[0]}?" if close else ""))
     args.flower_args = extra
     debug = args.debug or os.environ.get("FLORIST_DEBUG", "") not in ("", "0")
     try:

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
                 network=network,
             ) as fed,
         ):
-            print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe()}", flush=True)
+            print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe(submit=False)}", flush=True)
             if not cfg.resume_from:
                 results_file.unlink(missing_ok=True)
             rc = subprocess.run(

@@ -44,8 +44,9 @@ def scenario_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dataset",
         help='digits | mnist5k (embedded; use model="lenet" on mnist5k) | '
-        'synthetic:ALPHA,BETA (FedProx\'s; use model="mlp") | a Hugging Face id or local folder '
-        "(default: digits)",
+        'synthetic:ALPHA,BETA (FedProx\'s; use model="mlp") | a Hugging Face id (uoft-cs/cifar10, '
+        "flwrlabs/femnist, ...) | a local folder (parquet/csv/json files, or one subfolder of images per "
+        "class; the same path on every Ray node) (default: digits)",
     )
     parser.add_argument(
         "--partition",

@@ -327,8 +327,8 @@ class LocalFederation(ServerAppRunners):
             ],
         )
 
-    def describe(self) -> str:
-        """What a user needs to know: addresses, and how to submit a run."""
+    def describe(self, submit: bool = True) -> str:
+        """What a user needs to know: addresses, and (`submit`) how to submit a run."""
         nodes = "\n".join(
             f"  SuperNode {i}: pid {n.pid}, runtime 127.0.0.1:{self.node_ports[i]}, node config "
             f"{toml_node_config(self.node_configs[i])}"
@@ -344,8 +344,12 @@ class LocalFederation(ServerAppRunners):
             f"  state: {self.database if self.persistent else 'in memory'}\n{nodes}\n"
             + ("Runtime APIs: tasks only for signed requests (SuperExec auth)\n" if self.auth_secret else "")
             + (f"{self.network.describe()}\n" if self.network else "")
-            + f"Submit a run from the florist checkout:\n"
-            f"  FLWR_HOME={self.flwr_home} FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 "
-            f"{where}flwr run . {CONNECTION} --stream --run-config 'min-nodes={len(self.nodes)} ...'\n"
-            f"Logs: {self.logs}"
+            + (
+                f"Submit a run from the florist checkout:\n"
+                f"  FLWR_HOME={self.flwr_home} FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1 "
+                f"{where}flwr run . {CONNECTION} --stream --run-config 'min-nodes={len(self.nodes)} ...'\n"
+                if submit
+                else ""
+            )
+            + f"Logs: {self.logs}"
         )

@@ -33,7 +33,8 @@ class Interrupted(KeyboardInterrupt):
 
     def __init__(self, results: dict[str, Any] | None, folder: Path):
         rounds = len(results["rounds"]) if results else 0
-        super().__init__(f"interrupted after {rounds} round{'s' * (rounds != 1)}; results in {folder}")
+        resume = f" (go on with --resume {folder})" if rounds else ""
+        super().__init__(f"interrupted after {rounds} round{'s' * (rounds != 1)}; results in {folder}{resume}")
 
 
 class _DropDeprecation(logging.Filter):

@@ -65,11 +65,13 @@ def test_ctrl_c_stops_the_run_and_keeps_the_finished_rounds(command, tmp_path):
     assert done.returncode == 130, done.stdout[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("florist: interrupted after ") and str(out) in last and "Traceback" not in done.stdout
+    assert last.endswith(f"(go on with --resume {out})"), last
     results = json.loads((out / "results.json").read_text())
     assert results["complete"] is False and len(results["rounds"]) >= 1
     assert not marked("FLORIST_TEST_TAG", tag)  # no process it started outlives it: Ray's, the federation's
     assert len(below) >= 3 and not [pid for pid in below if alive(pid)]  # nor one without the tag
     if command == "deploy-local":  # over the gRPC Fleet API, every message served warm: forked, not a new process
+        assert "Submit a run" not in done.stdout  # it submits the run itself
         logs = out / "federation" / "logs"
         superlink_log = (logs / "superlink.log").read_text()
         assert "Starting Fleet API (gRPC-rere)" in superlink_log and "[Fleet.ActivateNode]" in superlink_log
