@@ -333,7 +333,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
+    # One line per poll (httpx), and start-up chatter a node's user cannot act on: which of faiss's
+    # builds this CPU loads (each one tried prints a ModuleNotFoundError), alembic's plugins, matplotlib's cache.
+    for name in ("httpx", "faiss.loader", "alembic", "matplotlib"):
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def preload(ref: str, app_dir: str | None = None) -> PreloadedApp:
