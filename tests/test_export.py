@@ -1,4 +1,4 @@
-"""`florist export-data` writes a simulated client's partition as the folder `florist join`
+"""`florist export-partition` writes a simulated client's partition as the folder `florist join`
 reads: the same samples, train + validation together (a node carves its validation split)."""
 
 import numpy as np
@@ -12,7 +12,7 @@ from florist.config import RunConfig
 @pytest.mark.parametrize("dataset", ["digits", "mnist5k"])
 def test_an_exported_partition_is_the_simulated_clients_data_as_join_reads_it(tmp_path, dataset, capsys):
     args = ["--partition-id", "3", "--num-partitions", "8", "--dataset", dataset, "--partition", "dirichlet:0.5"]
-    assert main(["export-data", "--out", str(tmp_path / "box"), *args, "--seed", "4"]) == 0
+    assert main(["export-partition", "--out", str(tmp_path / "box"), *args, "--seed", "4"]) == 0
     assert "florist join --data-dir" in capsys.readouterr().out
     cfg = RunConfig.from_mapping({"dataset": dataset, "partition": "dirichlet:0.5", "seed": 4})
     simulated = scenarios.client_data(3, 8, cfg)
@@ -28,7 +28,7 @@ def test_an_exported_partition_is_the_simulated_clients_data_as_join_reads_it(tm
 
 def test_an_unlabeled_export_has_no_labels(tmp_path):
     assert (
-        main(["export-data", "--out", str(tmp_path), "--partition-id", "0", "--num-partitions", "4", "--unlabeled"])
+        main(["export-partition", "--out", str(tmp_path), "--partition-id", "0", "--num-partitions", "4", "--unlabeled"])
         == 0
     )
     read = folders.folder_client(tmp_path, 10, seed=0, val_fraction=0.2)

@@ -1,4 +1,4 @@
-"""`florist export-data`: one partition of a simulated scenario written as the data folder a
+"""`florist export-partition`: one partition of a simulated scenario written as the data folder a
 box joins with (`florist join --data-dir`), so a first deployment can use data whose results
 the simulation already showed."""
 
@@ -14,7 +14,7 @@ from florist.cli.options import count, given, scenario_options
 
 def add(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser(
-        "export-data",
+        "export-partition",
         help="write one client's partition as a data folder for `florist join`",
         description="Write partition --partition-id of --num-partitions (the scenario flags as for `florist "
         "simulate`) to --out as train.npz (train + validation: a node carves its validation split itself) and "
