@@ -27,9 +27,7 @@ def test_an_exported_partition_is_the_simulated_clients_data_as_join_reads_it(tm
 
 
 def test_an_unlabeled_export_has_no_labels(tmp_path):
-    assert (
-        main(["export-partition", "--out", str(tmp_path), "--partition-id", "0", "--num-partitions", "4", "--unlabeled"])
-        == 0
-    )
+    args = ["--out", str(tmp_path), "--partition-id", "0", "--num-partitions", "4", "--unlabeled"]
+    assert main(["export-partition", *args]) == 0
     read = folders.folder_client(tmp_path, 10, seed=0, val_fraction=0.2)
     assert read.y_train is None and read.y_test is None and len(read.x_train) > 0
