@@ -22,6 +22,9 @@ AGGREGATIONS = "mean | median | trimmed:BETA (0 <= BETA < 0.5) | krum:F | multik
 
 # The strategies `strategy` may name (the registry holds their specs, which import no torch).
 STRATEGY_NAMES = tuple(STRATEGIES)
+# The experiment trackers `trackers` may name (florist/server/tracking), with the module each
+# needs: the optional `tracking` extra installs them.
+TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,9 @@ class RunConfig(Settings):
     serve_count: int = setting(0, server=True)
     results_dir: str = setting("results", server=True)
     resume_from: str = setting("", server=True)  # a results folder whose run this one continues
+    # where the server logs each round beside results.json: tensorboard,mlflow,wandb (empty: nowhere)
+    trackers: str = setting("", server=True)
+    tracking_dir: str = setting("", server=True)  # the trackers' files (empty: the results folder; compare: its own)
     # the strategy's own section; not a run-config key itself
     settings: Settings = dataclasses.field(default=NoSettings(), metadata={"section": True})
 
@@ -162,6 +168,10 @@ class RunConfig(Settings):
             (self.num_classes >= 2, "num-classes must be >= 2"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
             (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),
+            (
+                not self.trackers.strip() or _parses(parse_trackers, self.trackers),
+                f"trackers must be comma-separated names of {', '.join(TRACKERS)}, got {self.trackers!r}",
+            ),
         ]
 
 
@@ -178,6 +188,14 @@ def parse_aggregation(spec: str) -> tuple[str, float]:
     if rule in ("krum", "multikrum") and arg.isascii() and arg.isdigit():
         return rule, float(int(arg))
     raise ValueError(f"aggregation must be {AGGREGATIONS}, got {spec!r}")
+
+
+def parse_trackers(text: str) -> list[str]:
+    """`"tensorboard, mlflow"` as tracker names, each once; a ValueError naming an unknown one."""
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if unknown := [n for n in names if n not in TRACKERS]:
+        raise ValueError(f"unknown tracker {unknown[0]!r}; choose from {', '.join(TRACKERS)}")
+    return names
 
 
 def _parses(parse, spec: str, kind: str = "") -> bool:

@@ -21,6 +21,7 @@ import pytest  # noqa: E402
 # two workers. pytest-xdist hands out whole files in this order (pyproject.toml's addopts), so the
 # workers end together rather than one waiting out a long file alone; each file keeps its order.
 LONGEST = [
+    "tests/runners/test_ray_cluster.py",
     "tests/test_fuzz.py",
     "tests/test_adversarial.py",
     "tests/deploy/test_interrupt.py",

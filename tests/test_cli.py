@@ -211,3 +211,32 @@ def test_a_run_too_short_for_its_strategy_is_warned_about_before_it_starts(tmp_p
     warnings = check_run(RunConfig.from_mapping(values | {"results-dir": str(tmp_path)}), 4)
     found = [w for w in warnings if "num-server-rounds" in w]
     assert (found and expected in found[0]) if expected else not found, warnings
+
+
+@pytest.mark.parametrize(
+    "cores, flags, env, expected",
+    [
+        (2, [], {}, "in-process"),
+        (16, [], {}, "simulation"),
+        (2, ["--gpus-per-client", "0.5"], {}, "simulation"),
+        (2, ["--ray-address", "10.0.0.1:6379"], {}, "simulation"),
+        (2, [], {"FLORIST_RAY_ADDRESS": "10.0.0.1:6379"}, "simulation"),
+        (2, ["--ray-address", ""], {"FLORIST_RAY_ADDRESS": "10.0.0.1:6379"}, "in-process"),
+        (16, ["--runtime", "in-process"], {}, "in-process"),
+        (2, ["--runtime", "simulation"], {}, "simulation"),
+    ],
+)
+def test_the_default_runtime_suits_the_machine_and_the_flags(monkeypatch, cores, flags, env, expected):
+    """In-process where Ray's start-up would be most of the run (a small machine, no GPU, no
+    cluster); Flower's simulation where clients side by side, GPUs or a cluster pay for it."""
+    from florist.cli import build_parser
+    from florist.cli.options import chosen_runtime
+    from florist.runners import simulation
+
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    monkeypatch.setattr(simulation, "gpu_count", lambda: 0)
+    monkeypatch.delenv("FLORIST_RAY_ADDRESS", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for command in (["simulate"], ["compare", "--out", "cmp"]):
+        assert chosen_runtime(build_parser().parse_args([*command, *flags])) == expected

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from florist.cli.options import (
+    chosen_runtime,
     count,
     decode_data,
     given,
@@ -17,6 +18,7 @@ from florist.cli.options import (
     runtime_option,
     scenario_options,
     stderr_console,
+    track_option,
 )
 from florist.cli.signals import interrupt_on_signals
 from florist.common import devices
@@ -39,7 +41,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     scenario_options(cmp)
     cmp.add_argument("--num-clients", type=count, help="simulated clients (default: 20, or the preset's)")
     cmp.add_argument("--out", required=True, help="output folder")
-    runtime_option(cmp, "simulation, or the preset's")
+    runtime_option(cmp, "the preset's, else ")
     cmp.add_argument(
         "--preset",
         metavar="NAME",
@@ -55,20 +57,22 @@ def add(sub: argparse._SubParsersAction) -> None:
         "(the same recipe on embedded data, minutes on a laptop). Default: full",
     )
     resource_options(cmp)
+    track_option(cmp)
     cmp.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from florist.runners import compare
+    from florist.runners import compare, raycluster
     from florist.runners.simulation import client_resources
 
     preset = presets.load(args.preset, args.scale) if args.preset else None
     _apply(args, preset)
+    args.ray_address = raycluster.address_of(args.ray_address, args.runtime)
     strategies, seeds = _names(args.strategies, "--strategies"), _seeds(args.seeds)
     values = {"min-nodes": args.num_clients} | (preset.run_config if preset else {}) | given(args)
-    resources = client_resources(args.cpus_per_client, args.gpus_per_client)
+    resources = client_resources(args.cpus_per_client, args.gpus_per_client, cluster=bool(args.ray_address))
     configs = compare.planned(Path(args.out).expanduser().absolute(), strategies, seeds, values)
-    _check(configs, args.num_clients)
+    _check(configs, args.num_clients, on_cluster=bool(args.ray_address))
     cfg0 = configs[0]
     scenario = (
         f"dataset {cfg0.dataset}, partition {cfg0.partition}, shift {cfg0.shift}, {args.num_clients} clients, "
@@ -85,7 +89,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _apply(args: argparse.Namespace, preset: presets.Preset | None) -> None:
     """Fill the options the user left out from the preset, then from florist's defaults."""
-    fallback = {"strategies": ",".join(STRATEGIES), "seeds": "1,2,3", "num_clients": 20, "runtime": "simulation"}
+    fallback = {
+        "strategies": ",".join(STRATEGIES),
+        "seeds": "1,2,3",
+        "num_clients": 20,
+        "runtime": chosen_runtime(args),
+    }
     if preset:
         lists = {"strategies": ",".join(preset.strategies), "seeds": ",".join(map(str, preset.seeds))}
         fallback |= (
@@ -96,11 +105,13 @@ def _apply(args: argparse.Namespace, preset: presets.Preset | None) -> None:
             setattr(args, name, value)
 
 
-def _check(configs: list[RunConfig], num_clients: int) -> None:
-    """Refuse before any run starts what cannot work; warn once about what is doubtful."""
+def _check(configs: list[RunConfig], num_clients: int, on_cluster: bool) -> None:
+    """Refuse before any run starts what cannot work; warn once about what is doubtful. A Ray
+    cluster's nodes (`on_cluster`) have devices of their own."""
     from florist.runners.preflight import check_run
 
-    devices.resolve(configs[0].device, "device")
+    if not on_cluster:
+        devices.resolve(configs[0].device, "device")
     warnings = {w for cfg in configs for w in check_run(cfg, num_clients)}
     for warning in sorted(warnings):
         print(f"florist: warning: {warning}", file=sys.stderr)
@@ -134,7 +145,7 @@ def _run_all(args: argparse.Namespace, configs: list[RunConfig], resources: dict
 
         def runner(cfg: RunConfig, num_clients: int) -> dict[str, Any]:
             on_round = lambda row: progress.update(rounds, completed=row["round"])  # noqa: E731
-            return run_simulated(args.runtime, cfg, num_clients, on_round, resources)
+            return run_simulated(args.runtime, cfg, num_clients, on_round, resources, args.ray_address)
 
         all_results = compare.compare(configs, args.num_clients, runner, on_run)
         progress.update(runs, completed=len(configs), description="runs")

@@ -53,8 +53,10 @@ def run(args: argparse.Namespace) -> int:
         check_usable()  # before the run's own checks, which take seconds
     (cfg, num_nodes), console, start = checked_config(args), stderr_console(), time.monotonic()
     results_dir = Path(cfg.results_dir).expanduser().resolve()
+    # The ServerApp runs in the federation's folder: paths it is given are absolute.
+    absolute = {"tracking_dir": str(Path(cfg.tracking_dir).expanduser().resolve())} if cfg.tracking_dir else {}
     # Under SuperNode auth a Flower node id stands for a registered public key: bind node keys to it.
-    cfg = cfg.replace(results_dir=str(results_dir), **({"bind_node_keys": True} if args.auth else {}))
+    cfg = cfg.replace(results_dir=str(results_dir), **absolute, **({"bind_node_keys": True} if args.auth else {}))
     workdir = Path(args.state_dir or results_dir / "federation").expanduser().resolve()
     results_file = results_dir / "results.json"
     interrupt_on_signals()

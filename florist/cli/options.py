@@ -4,12 +4,13 @@ client, the federation's), the run config those make, and the summary a finished
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from florist.common import devices
-from florist.config import STRATEGY_NAMES, RunConfig, parse_overrides
+from florist.config import STRATEGY_NAMES, RunConfig, parse_overrides, parse_trackers
 from florist.strategies import STRATEGIES
 
 DEFAULT_NODES = {"simulate": 20, "deploy-local": 3, "local-federation": 3}
@@ -38,6 +39,26 @@ def run_options(parser: argparse.ArgumentParser) -> None:
         help="continue the run whose results folder is DIR from its last "
         "finished round, with its own config (flags given beside must agree with it)",
     )
+    track_option(parser)
+
+
+def track_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--track",
+        type=trackers,
+        metavar="NAMES",
+        help="also log every round, the summary and the report to these experiment trackers, comma-separated: "
+        "tensorboard, mlflow, wandb (pip install 'florist[tracking]'); offline, under the results folder, unless "
+        "MLFLOW_TRACKING_URI, a W&B login or WANDB_MODE say otherwise. A resumed run goes on in the same tracker runs",
+    )
+
+
+def trackers(text: str) -> str:
+    """`--track`'s names, checked now (one line listing the valid ones)."""
+    try:
+        return ",".join(parse_trackers(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def scenario_options(parser: argparse.ArgumentParser) -> None:
@@ -81,25 +102,59 @@ def resource_options(parser: argparse.ArgumentParser) -> None:
         "--gpus-per-client",
         type=float,
         metavar="N",
-        help="GPUs Ray gives each simulated client, fractions allowed (default: 0.25 where torch sees a GPU, else 0)",
+        help="GPUs Ray gives each simulated client, fractions allowed (default: 0.25 where torch sees a GPU, or "
+        "with --ray-address where the cluster has one, else 0)",
+    )
+    parser.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="run the clients on this running Ray cluster: HOST:PORT of its head (`ray start --head --port PORT`), "
+        "ray://HOST:PORT or auto; every node needs florist's Python environment and the run's data (see the README). "
+        "Default: $FLORIST_RAY_ADDRESS, else a private Ray on this machine, on loopback only ('' asks for that)",
     )
 
 
 RUNTIMES = ("simulation", "in-process")
 
 
-def runtime_option(parser: argparse.ArgumentParser, default: str) -> None:
+MANY_CORES = 4  # from here on Ray's clients side by side make up for its start-up (25-35 s)
+
+
+def runtime_option(parser: argparse.ArgumentParser, default: str = "") -> None:
     parser.add_argument(
         "--runtime",
         choices=RUNTIMES,
         help="simulation: Flower's simulation runtime (Ray: clients run side by side, each on its share of the "
-        "cores and GPUs); in-process: the same ServerApp and ClientApp called one after the other in this process, "
-        f"no Ray (the same results, no start-up; best for short runs on one machine). Default: {default}",
+        "cores and GPUs; for many cores, GPUs shared by clients, Ray clusters); in-process: the same ServerApp and "
+        "ClientApp called one after the other in this process, no Ray (the same results, no start-up; best on a "
+        f"small machine and for short runs). Default: {default}simulation with --ray-address (or "
+        f"FLORIST_RAY_ADDRESS), on a GPU or on {MANY_CORES}+ cores, else in-process",
     )
 
 
-def run_simulated(runtime: str, cfg: RunConfig, num_clients: int, on_round, resources: dict[str, Any]) -> dict:
-    """One run in the chosen runtime; returns its results."""
+def chosen_runtime(args: argparse.Namespace) -> str:
+    """`--runtime`, or the one that suits this run where none is given (`runtime_option`'s help).
+    Measured on 2 cores (benchmarks/first_round.py): 20 clients, 30 rounds took 44.8 s in-process
+    and 63.1 s with Ray; 6 clients reached round 1 after 10.6 s in-process and 32.4 s with Ray."""
+    from florist.runners.raycluster import ADDRESS_ENV
+
+    if args.runtime:
+        return args.runtime
+    if args.ray_address or (args.ray_address is None and os.environ.get(ADDRESS_ENV)):
+        return "simulation"
+    if (os.cpu_count() or 1) >= MANY_CORES or (args.gpus_per_client or 0) > 0:
+        return "simulation"
+    if args.gpus_per_client is None:  # by default clients share a GPU where there is one
+        from florist.runners.simulation import gpu_count
+
+        return "simulation" if gpu_count() else "in-process"
+    return "in-process"
+
+
+def run_simulated(
+    runtime: str, cfg: RunConfig, num_clients: int, on_round, resources: dict[str, Any], address: str | None = None
+) -> dict:
+    """One run in the chosen runtime (with `address`, on that Ray cluster); returns its results."""
     if runtime == "in-process":
         import logging
 
@@ -109,7 +164,7 @@ def run_simulated(runtime: str, cfg: RunConfig, num_clients: int, on_round, reso
         return run_in_process(cfg, num_clients, on_round=on_round, cpus_per_client=resources["num_cpus"])
     from florist.runners.simulation import simulate_in_child
 
-    return simulate_in_child(cfg, num_clients, on_round, resources)
+    return simulate_in_child(cfg, num_clients, on_round, resources, address)
 
 
 def executor_option(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +195,7 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
         "seed": "seed",
         "unseen-fraction": "unseen_fraction",
         "results-dir": "results_dir",
+        "trackers": "track",
     }
     flags = {key: getattr(args, name, None) for key, name in names.items()}
     return {k: v for k, v in flags.items() if v is not None} | parse_overrides(args.run_config or "")
@@ -166,7 +222,8 @@ def checked_config(args: argparse.Namespace) -> tuple[RunConfig, int]:
     from florist.runners.preflight import check_run
 
     cfg, num_nodes = run_config(args)
-    devices.resolve(cfg.device, "device")  # this machine runs the nodes: one it lacks fails now, in one line
+    if not getattr(args, "ray_address", None):  # a Ray cluster's nodes have devices of their own
+        devices.resolve(cfg.device, "device")  # this machine runs the nodes: one it lacks fails now, in one line
     for warning in check_run(cfg, num_nodes):
         print(f"florist: warning: {warning}", file=sys.stderr)
     return cfg, num_nodes

@@ -10,6 +10,7 @@ from typing import Any
 from florist.cli.options import (
     DEFAULT_NODES,
     checked_config,
+    chosen_runtime,
     count,
     decode_data,
     print_summary,
@@ -37,18 +38,21 @@ def add(sub: argparse._SubParsersAction) -> None:
         help=f"simulated SuperNodes = partitions (default: {DEFAULT_NODES['simulate']})",
     )
     resource_options(sim)
-    runtime_option(sim, "simulation")
+    runtime_option(sim)
     sim.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from florist.runners import raycluster
     from florist.runners.simulation import client_resources
     from florist.server.report import number
 
+    args.runtime = chosen_runtime(args)
+    args.ray_address = raycluster.address_of(args.ray_address, args.runtime)
     (cfg, num_clients), console, start = checked_config(args), stderr_console(), time.monotonic()
-    resources = client_resources(args.cpus_per_client, args.gpus_per_client)
+    resources = client_resources(args.cpus_per_client, args.gpus_per_client, cluster=bool(args.ray_address))
     interrupt_on_signals()
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -68,6 +72,6 @@ def run(args: argparse.Namespace) -> int:
                 status=f"loss {number(row['train_loss'], '.3f')}  seen acc {number(row['accuracy'], '.1%')}",
             )
 
-        results = run_simulated(args.runtime or "simulation", cfg, num_clients, on_round, resources)
+        results = run_simulated(args.runtime, cfg, num_clients, on_round, resources, args.ray_address)
     print_summary(results, console, time.monotonic() - start)
     return 0

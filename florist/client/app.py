@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -56,8 +58,23 @@ def frame(msg: Message, context: Context, call_next: Callable[[Message, Context]
         timing = reply.content.config_records.get(protocol.TIMING, ConfigRecord())
         timing["handler-seconds"] = time.perf_counter() - start
         reply.content[protocol.TIMING] = timing
+        if place := ray_place():
+            reply.content[protocol.PLACE] = ConfigRecord(place)
         reply.content = packing.pack(reply.content) if packed else reply.content
     return reply
+
+
+def ray_place() -> dict[str, str]:
+    """Where this reply is made, when a Ray actor makes it (Flower's simulation): the Ray node's
+    id and address, and the host's name, which the server keeps per client in results.json
+    (`protocol.place_of`). Nothing elsewhere: a deployed node tells the server no more than
+    its replies need. Ray is not imported for the question."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return {}
+    node, ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+    place = {"ray-node": node, "ray-node-ip": ip, "host": socket.gethostname()}
+    return {key: value for key, value in place.items() if protocol.PLACE_FORMS[key].fullmatch(value)}
 
 
 def exchanges() -> list[Exchange]:

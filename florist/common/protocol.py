@@ -19,6 +19,12 @@ from florist.common.packing import NPY_HEADER_MAX
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 SIDE = "side"  # arrays sent beside the model (FedAttn: representation, bias gradient)
 TIMING = "timing"  # ConfigRecord of every florist reply: `handler-seconds`, the handler's own time
+PLACE = "place"  # ConfigRecord of a reply made in a Ray actor: where it ran (`client/app.py`)
+PLACE_FORMS = {  # what each of its keys may hold: it goes into results.json
+    "ray-node": re.compile(r"[0-9a-f]{1,64}"),
+    "ray-node-ip": re.compile(r"[0-9A-Fa-f.:]{2,45}"),
+    "host": re.compile(r"[A-Za-z0-9._-]{1,253}"),
+}
 COUNTS = ("num-examples", "num-train", "num-val", "num-test")  # metrics that count samples
 MAX_COUNT = 2**53  # the largest count a float holds exactly
 INFO_METRICS = ("num-train", "num-test", "seen")  # what a `query.info` reply must carry
@@ -129,9 +135,10 @@ def arrays_of(
     return state_of(content.array_records[key], reference, source, convert)
 
 
-def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> dict[str, float]:
+def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> dict[str, float | str]:
     """The `metrics` record of a reply: the `required` keys present, every value a finite
-    number, and the counts (`COUNTS`) whole numbers from 0 to `MAX_COUNT`."""
+    number, and the counts (`COUNTS`) whole numbers from 0 to `MAX_COUNT`. Beside them, where
+    the reply says it ran (`place_of`), which a client's row in results.json keeps."""
     if METRICS not in content.metric_records:
         raise ProtocolError(f"{source}: reply has no {METRICS!r} MetricRecord")
     metrics = dict(content.metric_records[METRICS])
@@ -142,7 +149,17 @@ def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> d
             raise ProtocolError(f"{source}: metric {key!r} is {what} a finite number (got {value!r})")
         if key in COUNTS and not (value == int(value) and 0 <= value <= MAX_COUNT):
             raise ProtocolError(f"{source}: metric {key!r} counts samples, but is {value!r}")
-    return metrics
+    return metrics | place_of(content, source)
+
+
+def place_of(content: RecordDict, source: str) -> dict[str, str]:
+    """Where a reply says it ran (its `PLACE` record; empty when it has none), each key one of
+    `PLACE_FORMS` and of its form."""
+    place = dict(content.config_records.get(PLACE, {}))
+    for key, value in place.items():
+        if key not in PLACE_FORMS or not isinstance(value, str) or not PLACE_FORMS[key].fullmatch(value):
+            raise ProtocolError(f"{source}: {PLACE} {key!r} is not one of {sorted(PLACE_FORMS)} in its form")
+    return place
 
 
 # What a node may call itself: short, printable, no path or escape sequence (it goes into logs,

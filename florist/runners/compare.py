@@ -33,10 +33,14 @@ def run_folder(out: Path, strategy: str, seed: int) -> Path:
 
 
 def planned(out: Path, strategies: list[str], seeds: list[int], values: Mapping[str, Any]) -> list[RunConfig]:
-    """The run configs of the comparison, checked before any run starts."""
+    """The run configs of the comparison, checked before any run starts. Their trackers write
+    to `out` (unless `values` say where): TensorBoard's runs side by side, one MLflow experiment
+    and one W&B group named after it, a tracker run per strategy and seed."""
     return [
         RunConfig.from_mapping(
-            dict(values) | {"strategy": s, "seed": seed, "results-dir": str(run_folder(out, s, seed))}
+            {"tracking-dir": str(out)}
+            | dict(values)
+            | {"strategy": s, "seed": seed, "results-dir": str(run_folder(out, s, seed))}
         )
         for s in strategies
         for seed in seeds

@@ -11,6 +11,7 @@ from __future__ import annotations
 from florist.common import scenarios
 from florist.config import RunConfig
 from florist.server.results import check_results_dir
+from florist.server.tracking import check_installed
 from florist.strategies import strategy_spec
 
 
@@ -24,6 +25,7 @@ def check_run(cfg: RunConfig, num_clients: int) -> list[str]:
     layout = scenarios.layout(cfg, num_clients)
     check_models(cfg, layout.input_shape, num_clients - len(layout.held_out))
     check_results_dir(cfg.results_dir)
+    check_installed(cfg)
     return run_warnings(cfg) + model_warnings(cfg) + partition_warnings(cfg, layout)
 
 

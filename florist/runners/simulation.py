@@ -18,6 +18,7 @@ from typing import Any
 from florist.common import storage
 from florist.common.processes import terminate_marked
 from florist.config import RunConfig
+from florist.runners import raycluster
 
 MARKER = "FLORIST_RUN"  # in the environment of the child and of every Ray process it starts
 # Ray 2.x turns a node address of 127.0.0.1 into this machine's network address, and its GCS,
@@ -57,56 +58,70 @@ def _without_deprecation_warning() -> Iterator[None]:
         FLOWER_LOGGER.removeFilter(drop)
 
 
-def client_resources(cpus: float = 1.0, gpus: float | None = None) -> dict[str, float]:
+def client_resources(cpus: float = 1.0, gpus: float | None = None, cluster: bool = False) -> dict[str, Any]:
     """Ray's resources for one simulated client (`--cpus-per-client`, `--gpus-per-client`;
-    fractions share a core or GPU between clients). `gpus` None: 0.25 of a GPU where torch
-    sees one, none elsewhere. A ValueError where this machine cannot give them: Ray would
-    wait for them forever."""
-    cores = os.cpu_count() or 1
-    if not 0 < cpus <= cores:
-        raise ValueError(f"--cpus-per-client must be in (0, {cores}] (this machine's cores), got {cpus}")
-    if gpus is not None and gpus < 0:
+    fractions share a core or GPU between clients). `gpus` None: `raycluster.GPU_SHARE` of a GPU where
+    torch sees one, none elsewhere. A ValueError where this machine cannot give them: Ray would
+    wait for them forever. On a `cluster` this machine's cores and GPUs say nothing: `gpus`
+    stays None and both are fitted to the cluster's nodes once connected (`raycluster.fit`)."""
+    if not cpus > 0:
+        raise ValueError(f"--cpus-per-client must be > 0, got {cpus}")
+    if gpus is not None and not gpus >= 0:
         raise ValueError(f"--gpus-per-client must be >= 0, got {gpus}")
+    if cluster:
+        return {"num_cpus": cpus, "num_gpus": gpus}
+    cores = os.cpu_count() or 1
+    if cpus > cores:
+        raise ValueError(f"--cpus-per-client must be in (0, {cores}] (this machine's cores), got {cpus}")
     if gpus != 0:
-        count = _gpu_count()
+        count = gpu_count()
         if gpus is None:
-            gpus = 0.25 if count else 0.0
+            gpus = raycluster.GPU_SHARE if count else 0.0
         elif gpus > count:
             raise ValueError(f"--gpus-per-client {gpus}: torch sees {count} GPU(s) on this machine")
     return {"num_cpus": cpus, "num_gpus": gpus}
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count()
 
 
 def simulate(
-    cfg: RunConfig, num_clients: int, on_round=None, client_app=None, resources: dict[str, float] | None = None
+    cfg: RunConfig,
+    num_clients: int,
+    on_round=None,
+    client_app=None,
+    resources: dict[str, Any] | None = None,
+    address: str | None = None,
 ) -> dict[str, Any]:
     """Run `cfg` on `num_clients` simulated SuperNodes, each given `resources` (by default
     `client_resources()`); return the parsed results.json. A client's torch uses as many
-    threads as it has CPUs, unless `torch-threads` says otherwise. Ray listens on loopback only."""
-    local_ray()  # before Ray is imported
+    threads as it has CPUs, unless `torch-threads` says otherwise. Without an `address` Ray is
+    this machine's and listens on loopback only; with one, the clients run on that cluster
+    (`runners/raycluster.py`)."""
+    if not address:
+        local_ray()  # before Ray is imported
     from flwr.simulation import run_simulation
 
     from florist.client.app import app as default_client_app
-    from florist.client.guard import trusted_server_in_environment
+    from florist.client.guard import TRUSTED_SERVER_ENV, trusted_server_in_environment
     from florist.server.app import make_server_app
 
     if num_clients < cfg.min_nodes:
         raise ValueError(f"num-clients ({num_clients}) must be at least min-nodes ({cfg.min_nodes})")
-    resources = resources or client_resources()
-    gpus = _gpu_count() if resources["num_gpus"] > 0 else 0
+    resources = resources or client_resources(cluster=bool(address))
     with _without_deprecation_warning(), trusted_server_in_environment():  # the user's own clients (client/guard.py)
+        if address:  # the cluster's workers have their raylet's environment, not this one: they get the variable
+            resources = raycluster.join(init_args(0, address), cfg, resources, {TRUSTED_SERVER_ENV: "1"})
         run_simulation(
             server_app=make_server_app(cfg.to_mapping(), on_round),
             client_app=client_app or default_client_app,
             num_supernodes=num_clients,
             backend_config={
                 "client_resources": resources,
-                "init_args": init_args(gpus),
+                "init_args": init_args(gpu_count() if resources["num_gpus"] and not address else 0, address),
             },
         )
     return json.loads((Path(cfg.results_dir).expanduser() / "results.json").read_text())
@@ -138,21 +153,27 @@ def simulate_in_child(
     cfg: RunConfig,
     num_clients: int,
     on_round: Callable[[dict[str, Any]], None] | None = None,
-    resources: dict[str, float] | None = None,
+    resources: dict[str, Any] | None = None,
+    address: str | None = None,
 ) -> dict[str, Any]:
     """`simulate` in a child process in a session of its own, so that Ctrl-C (KeyboardInterrupt
     here) stops it and every Ray process it started within seconds: the ServerApp runs in a
     thread no signal reaches, and Ray's own shutdown can take half a minute. Progress comes from
     the results.json the ServerApp rewrites after every round; the child's output (Ray's
     included) goes to RESULTS_DIR/simulation.log, and its error, if any, is raised here as one
-    line. On Ctrl-C, raises `Interrupted` with the rounds saved so far."""
+    line. On Ctrl-C, raises `Interrupted` with the rounds saved so far.
+
+    On the cluster at `address` the child is a driver and started none of Ray's processes: the
+    cluster's workers are its raylets' children and do not carry the child's marker, so Ctrl-C
+    stops the driver alone, and Ray ends the actors it owned; the cluster keeps running."""
     folder = Path(cfg.results_dir).expanduser().absolute()
     folder.mkdir(parents=True, exist_ok=True)
     results_file, log_path, token = folder / "results.json", folder / "simulation.log", secrets.token_hex(8)
     if not cfg.resume_from:  # a resumed run goes on from what is there
         results_file.unlink(missing_ok=True)
-    resources = resources or client_resources()
-    command = [sys.executable, "-m", __name__, json.dumps(cfg.to_mapping()), str(num_clients), json.dumps(resources)]
+    resources = resources or client_resources(cluster=bool(address))
+    settings = [json.dumps(cfg.to_mapping()), str(num_clients), json.dumps(resources), address or ""]
+    command = [sys.executable, "-m", __name__, *settings]
     with storage.open_log(log_path) as log_file:
         child = subprocess.Popen(
             command,
@@ -198,9 +219,10 @@ def _read(results_file: Path) -> dict[str, Any] | None:
 
 def _main(argv: list[str]) -> int:
     """The child of `simulate_in_child`: argv = [run config as JSON, number of clients,
-    client resources as JSON]."""
+    client resources as JSON, the Ray cluster's address or ""]."""
     try:
-        simulate(RunConfig.from_mapping(json.loads(argv[0])), int(argv[1]), resources=json.loads(argv[2]))
+        cfg, resources = RunConfig.from_mapping(json.loads(argv[0])), json.loads(argv[2])
+        simulate(cfg, int(argv[1]), resources=resources, address=argv[3] or None)
     except Exception as err:  # the parent shows this line; the traceback stays in the log
         import traceback
 

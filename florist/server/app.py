@@ -21,6 +21,7 @@ from florist.server.exchange import Exchanger
 from florist.server.report import number, plural
 from florist.server.results import Results, check_results_dir
 from florist.server.strategy import NodeInfo, ServerStrategy, message_config
+from florist.server.tracking import Tracking, check_installed
 from florist.strategies import strategy_spec
 from florist.strategies.base import INFO
 
@@ -89,29 +90,38 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
         strategy.load_state(resumed.state)
         done, results.rounds, exchanger.failures = resumed.round, resumed.rounds, resumed.failures
         log.info("resuming the run of %s after round %d", cfg.resume_from, done)
-    for server_round in range(done + 1, cfg.num_server_rounds + 1):
-        row = train_round(strategy, results, seen, server_round)
-        keys = [n.key for n in nodes]
-        state = Checkpoint(
-            server_round,
-            cfg.to_mapping(),
-            exchanger.run_id,
-            keys,
-            strategy.state(),
-            exchanger.failures,
-            results.rounds,
-            bound or {},
-        )
-        results.checkpoint(state)
-        (on_round or _log_round)(row)
+    keys = [n.key for n in nodes]
+    with Tracking.start(cfg) as tracking:  # what the run's trackers get: rounds once checkpointed
+        tracking.log_rounds(results.rounds, exchanger.failures)  # a resumed run's, where a tracker missed some
+        for server_round in range(done + 1, cfg.num_server_rounds + 1):
+            row = train_round(strategy, results, seen, server_round)
+            state = Checkpoint(
+                server_round,
+                cfg.to_mapping(),
+                exchanger.run_id,
+                keys,
+                strategy.state(),
+                exchanger.failures,
+                results.rounds,
+                bound or {},
+            )
+            results.checkpoint(state)
+            tracking.log_rounds(results.rounds, exchanger.failures)
+            (on_round or _log_round)(row)
 
-    final_round = cfg.num_server_rounds + 1
-    scores = strategy.evaluate(final_round, seen) | strategy.serve(final_round, unseen)
-    check_replies(cfg, exchanger, exchanger.take_exchanges(), final_round)
-    late = serve_late_joiners(exchanger, strategy, cfg, nodes, scores, bound)
-    results.set_clients(nodes + late, scores)
-    results.failures = exchanger.failures
-    results.write()
+        final_round = cfg.num_server_rounds + 1
+        scores = strategy.evaluate(final_round, seen) | strategy.serve(final_round, unseen)
+        check_replies(cfg, exchanger, exchanger.take_exchanges(), final_round)
+        late = serve_late_joiners(exchanger, strategy, cfg, nodes, scores, bound)
+        results.set_clients(nodes + late, scores)
+        results.failures = exchanger.failures
+        results.write()
+        tracking.finish(results.to_json(), results.folder)
+    _log_summary(results)
+    return results
+
+
+def _log_summary(results: Results) -> None:
     for group, summary in results.summary().items():
         if summary["num_clients"]:  # a run without unseen clients has no line for them
             log.info(
@@ -121,25 +131,30 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
                 summary["bottom_decile_accuracy"],
             )
     log.info("results in %s", results.folder.resolve())
-    return results
 
 
 def start_nodes(exchanger: Exchanger, cfg: RunConfig, bound: dict[str, int] | None = None) -> list[NodeInfo]:
     """The nodes of the run, once `min-nodes` are connected and have said who they are: those
-    with the input shape most of them have (the others are left out, named); refuses a run with
-    none that answered or with none to train. `bound`: as `discover`'s."""
-    nodes = discover(exchanger, cfg, exchanger.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout), bound=bound)
-    if not nodes:
+    with the input shape most of them have (the others are left out, named); refuses a run in
+    which fewer of them are usable than `min-train-nodes` (or than were asked, when fewer were),
+    as `check_replies` refuses such a round, or with none to train. `bound`: as `discover`'s."""
+    asked = exchanger.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout)
+    nodes = discover(exchanger, cfg, asked, bound=bound)
+    if nodes:
+        shapes = [n.input_shape for n in nodes]
+        shape = max(shapes, key=shapes.count)  # the most common; on a tie, the first node's in key order
+        for node in (n for n in nodes if n.input_shape != shape):
+            exchanger.fail(
+                node.node_id, INFO.message_type, 0, f"input shape {node.input_shape}, most nodes' is {shape}"
+            )
+        nodes = [n for n in nodes if n.input_shape == shape]
+    if not nodes or len(nodes) < min(cfg.min_train_nodes, len(asked)):
         first = exchanger.failures[0] if exchanger.failures else {"node": "-", "reason": "-"}
         raise RuntimeError(
-            f"no node answered the info request ({len(exchanger.failures)} failed; the first, "
+            f"{f'only {len(nodes)} of {len(asked)} nodes' if nodes else 'no node'} answered the info request "
+            f"usably (min-train-nodes {cfg.min_train_nodes}; {len(exchanger.failures)} failed, the first, "
             f"{first['node']}: {first['reason']})"
         )
-    shapes = [n.input_shape for n in nodes]
-    shape = max(shapes, key=shapes.count)  # the most common; on a tie, the first node's in key order
-    for node in (n for n in nodes if n.input_shape != shape):
-        exchanger.fail(node.node_id, INFO.message_type, 0, f"input shape {node.input_shape}, most nodes' is {shape}")
-    nodes = [n for n in nodes if n.input_shape == shape]
     seen = [n for n in nodes if n.seen]
     log.info(
         "%s: %d seen (train), %d unseen (serve only)", plural(len(nodes), "node"), len(seen), len(nodes) - len(seen)
@@ -251,6 +266,7 @@ def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundC
     def main(grid: Grid, context: Context) -> None:
         cfg = RunConfig.from_mapping({**context.run_config, **(overrides or {})})
         check_results_dir(cfg.results_dir)  # before any work: a run that cannot be saved is not started
+        check_installed(cfg)  # ... nor one whose trackers are missing (`florist` commands refuse it earlier)
         run(grid, cfg, on_round, context.run_id)
 
     return server_app

@@ -34,6 +34,8 @@ OPERATIONAL = (
     "device",
     "server-device",
     "torch-threads",
+    "trackers",
+    "tracking-dir",
 )
 
 

@@ -55,7 +55,9 @@ def test_ctrl_c_stops_the_run_and_keeps_the_finished_rounds(command, tmp_path):
     # One SuperNode has the process tree a Ctrl-C must end (its executor and ClientApps); each more costs a start.
     # The simulation is resumed below: 12 rounds (0.6 s each after the first), most left after the Ctrl-C.
     nodes = (
-        ["--num-clients", "3", "--rounds", "12"] if command == "simulate" else ["--num-nodes", "1", "--rounds", "100"]
+        ["--num-clients", "3", "--rounds", "12", "--runtime", "simulation"]  # Ray's process tree, whatever the cores
+        if command == "simulate"
+        else ["--num-nodes", "1", "--rounds", "100"]
     )
     done, tag, below = _interrupt(
         [command, *nodes, "--partition", "iid", "--results-dir", str(out), "--run-config", "unseen-fraction=0.0"],

@@ -92,7 +92,17 @@ def _complete(results_dir) -> dict:
 
 def test_simulate_never_consults_the_guard_and_completes(claimed, tmp_path):
     done = _florist(
-        ["simulate", "--num-clients", "2", "--rounds", "1", "--results-dir", str(tmp_path / "out")],
+        [
+            "simulate",
+            "--runtime",
+            "simulation",
+            "--num-clients",
+            "2",
+            "--rounds",
+            "1",
+            "--results-dir",
+            str(tmp_path / "out"),
+        ],
         claimed,
         tmp_path,
         300,

@@ -47,3 +47,26 @@ def test_a_node_left_out_above_min_train_nodes_does_not_stop_the_run(tmp_path):
     results = run_in_process(_cfg(tmp_path), 3, client_app=build_client_app([failing(2, {2})]))
     assert results["complete"] and {f["round"] for f in results["failures"]} == {2, 3}
     assert all(e["replies"] == 2 for r in results["rounds"][1:] for e in r["exchanges"] if e["type"] == "train")
+
+
+def info_fails(partitions: set[int]):
+    """A mod: nodes of `partitions` raise on the info request (e.g. a Ray node that cannot read the data)."""
+
+    def mod(msg: Message, context: Context, call_next):
+        if msg.metadata.message_type == "query.info" and context.node_config["partition-id"] in partitions:
+            raise RuntimeError("data folder unreadable here")
+        return call_next(msg, context)
+
+    return mod
+
+
+def test_a_run_whose_nodes_mostly_fail_discovery_stops_before_its_first_round(tmp_path):
+    """It went on with 1 of 4 clients and wrote itself complete."""
+    with pytest.raises(RuntimeError) as err:
+        run_in_process(_cfg(tmp_path), 3, client_app=build_client_app([info_fails({1, 2})]))
+    line = str(err.value)
+    assert line.startswith("only 1 of 3 nodes answered the info request usably (min-train-nodes 2") and "\n" not in line
+    assert "data folder unreadable here" in line
+    assert not json.loads((tmp_path / "results.json").read_text())["complete"]
+    results = run_in_process(_cfg(tmp_path / "two"), 3, client_app=build_client_app([info_fails({1})]))
+    assert results["complete"] and sorted(c["client"] for c in results["clients"]) == ["partition-0", "partition-2"]
