@@ -10,7 +10,7 @@ export FLWR_DISABLE_UPDATE_CHECK = 1
 export RAY_USAGE_STATS_ENABLED = 0
 export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO = 0
 
-.PHONY: demo test lint env clean
+.PHONY: demo test lint env clean docs-check
 
 demo: $(VENV)/.installed
 	$(BIN)/florist simulate --strategy fedavg --num-clients 20 --partition dirichlet:0.3 --rounds 30 --seed 1 --results-dir results/demo
@@ -22,6 +22,12 @@ test: $(VENV)/.installed
 lint: $(VENV)/.installed
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+
+# Every shell block of README.md and docs/ as written, the docs-check-only ones too (tests/test_docs.py;
+# `make test` runs the others at reduced size). Hours: docs/comparing.md's first block alone is 24 runs,
+# about 1.5 h on 2 cores by the seconds per round its table gives.
+docs-check: $(VENV)/.installed
+	FLORIST_DOCS_FULL=1 $(BIN)/python -m pytest -n 0 -s tests/test_docs.py
 
 env: $(VENV)/.installed
 

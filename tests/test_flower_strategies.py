@@ -255,12 +255,12 @@ def _send_train(grid: InProcessGrid, config: dict) -> list[Message]:
 
 
 def test_the_readme_serverapp_runs_fedprox_against_florist_clients():
-    """The README's example, run on the in-process grid instead of Flower's simulation."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Use Flower's own strategies", 1)[1]
+    """The docs' example (docs/flower-strategies.md), run on the in-process grid instead of Flower's simulation."""
+    readme = (Path(__file__).parents[1] / "docs" / "flower-strategies.md").read_text()
+    section = readme.split("# Use Flower's own strategies", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict[str, Any] = {"__name__": "readme"}
-    exec(compile(code, "README.md", "exec"), namespace)
+    exec(compile(code, "docs/flower-strategies.md", "exec"), namespace)
     grid = RecordingGrid()
     context = Context(
         run_id=grid.run_id, node_id=0, node_config={}, state=RecordDict(), run_config={"num-server-rounds": 1}
