@@ -48,7 +48,8 @@ def track_option(parser: argparse.ArgumentParser) -> None:
         type=trackers,
         metavar="NAMES",
         help="also log every round, the summary and the report to these experiment trackers, comma-separated: "
-        "tensorboard, mlflow, wandb (pip install 'florist[tracking]'); offline, under the results folder, unless "
+        "tensorboard, mlflow, wandb (the tracking extra: pip install -e '.[tracking]'); offline, under the results "
+        "folder, unless "
         "MLFLOW_TRACKING_URI, a W&B login or WANDB_MODE say otherwise. A resumed run goes on in the same tracker runs",
     )
 

@@ -221,12 +221,12 @@ def test_a_tracker_that_fails_mid_run_is_warned_about_once_and_dropped(tmp_path,
 
 
 def test_a_tracker_that_is_not_installed_is_refused_before_the_run_in_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # as if `pip install 'florist[tracking]'` had not run
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if the tracking extra were not installed
     argv = ["simulate", "--runtime", "in-process", "--num-clients", "3", "--results-dir", str(tmp_path)]
     assert main([*argv, "--track", "tensorboard,wandb"]) == 2
     err = capsys.readouterr().err
     assert err == "florist: error: tracker 'wandb' needs the wandb package, which is not installed: " + (
-        "pip install 'florist[tracking]'\n"
+        "pip install -e '.[tracking]' in florist's checkout\n"
     )
     assert not (tmp_path / "results.json").exists()
 

@@ -25,7 +25,7 @@ from florist.config import TRACKERS, RunConfig, parse_trackers
 log = logging.getLogger("flwr").getChild(__name__)
 
 STATE = "tracking.json"
-EXTRA = "pip install 'florist[tracking]'"
+EXTRA = "pip install -e '.[tracking]' in florist's checkout"
 
 
 def check_installed(cfg: RunConfig) -> None:

@@ -1,7 +1,7 @@
 """One class per tracker, each a run of that tracker: open (or continue) it, log a round's
 figures at step = round, log the end of the run, close it. Each imports its library when a run
-names it (`pip install 'florist[tracking]'`), and writes offline, under the run's tracking folder,
-unless its user's own setting says where (MLFLOW_TRACKING_URI, a W&B login or WANDB_MODE)."""
+names it (the tracking extra), and writes offline, under the run's tracking folder, unless its
+user's own setting says where (MLFLOW_TRACKING_URI, a W&B login or WANDB_MODE)."""
 
 from __future__ import annotations
 
