@@ -22,6 +22,7 @@ import pytest  # noqa: E402
 # workers end together rather than one waiting out a long file alone; each file keeps its order.
 LONGEST = [
     "tests/runners/test_ray_cluster.py",
+    "tests/test_docs.py",
     "tests/test_fuzz.py",
     "tests/test_adversarial.py",
     "tests/deploy/test_interrupt.py",

@@ -79,7 +79,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     bound = (dict(resumed.bindings) if resumed else {}) if cfg.bind_node_keys else None
     for warning in cfg.settings.warnings(cfg.num_server_rounds):  # `florist` commands said it before the run
         log.warning(warning)
-    nodes = start_nodes(exchanger, cfg, bound)
+    nodes = start_nodes(exchanger, cfg, bound, resuming=resumed is not None)
     seen, unseen = [n for n in nodes if n.seen], [n for n in nodes if not n.seen]
     strategy: ServerStrategy = strategy_spec(cfg.strategy).server()(cfg, exchanger, nodes[0].input_shape, len(seen))
     exchanger.take_bytes()
@@ -133,11 +133,14 @@ def _log_summary(results: Results) -> None:
     log.info("results in %s", results.folder.resolve())
 
 
-def start_nodes(exchanger: Exchanger, cfg: RunConfig, bound: dict[str, int] | None = None) -> list[NodeInfo]:
+def start_nodes(
+    exchanger: Exchanger, cfg: RunConfig, bound: dict[str, int] | None = None, resuming: bool = False
+) -> list[NodeInfo]:
     """The nodes of the run, once `min-nodes` are connected and have said who they are: those
     with the input shape most of them have (the others are left out, named); refuses a run in
     which fewer of them are usable than `min-train-nodes` (or than were asked, when fewer were),
-    as `check_replies` refuses such a round, or with none to train. `bound`: as `discover`'s."""
+    as `check_replies` refuses such a round, or with none to train. `bound`: as `discover`'s.
+    A `resuming` run is left to its checkpoint's check, which names the nodes that are missing."""
     asked = exchanger.wait_for_nodes(cfg.min_nodes, cfg.node_wait_timeout)
     nodes = discover(exchanger, cfg, asked, bound=bound)
     if nodes:
@@ -148,7 +151,7 @@ def start_nodes(exchanger: Exchanger, cfg: RunConfig, bound: dict[str, int] | No
                 node.node_id, INFO.message_type, 0, f"input shape {node.input_shape}, most nodes' is {shape}"
             )
         nodes = [n for n in nodes if n.input_shape == shape]
-    if not nodes or len(nodes) < min(cfg.min_train_nodes, len(asked)):
+    if not nodes or (not resuming and len(nodes) < min(cfg.min_train_nodes, len(asked))):
         first = exchanger.failures[0] if exchanger.failures else {"node": "-", "reason": "-"}
         raise RuntimeError(
             f"{f'only {len(nodes)} of {len(asked)} nodes' if nodes else 'no node'} answered the info request "
