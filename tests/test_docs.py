@@ -39,7 +39,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -48,6 +47,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from florist.deploy.spawning import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -212,7 +213,7 @@ RUNNABLE = [page for page in PAGES if _runs_any(page)]
 def test_the_shell_blocks_of_a_page_run_twice_in_a_row(page, tmp_path):
     work = _checkout_copy(tmp_path / "checkout")
     env = _private_env(tmp_path)
-    ports = {old: _free_port() for old in PORTS}
+    ports = {old: free_port() for old in PORTS}
     for block in blocks(page.read_text(), page.relative_to(REPO).as_posix()):
         if not block.runs:
             continue
@@ -243,18 +244,12 @@ def _private_env(tmp: Path) -> dict[str, str]:
         "FLWR_HOME": str(home / ".flwr"),
         "XDG_CACHE_HOME": str(home / ".cache"),
         "PATH": f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env.get('PATH', '')}",
-        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(_free_port()),
-        "FLWR_LOCAL_CONTROL_API_PORT": str(_free_port()),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
         "FLWR_TELEMETRY_ENABLED": "0",
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(block: Block, script: str, attempt: int, work: Path, env: dict[str, str]) -> None:

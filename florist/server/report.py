@@ -189,7 +189,7 @@ def accuracy_figure(results: dict[str, Any]):
         rows = [r for r in results["rounds"] if r.get(field) is not None]
         if rows:
             ax.plot([r["round"] for r in rows], [100 * r[field] for r in rows], marker=".", label=label)
-    if any(r.get("global_accuracy") is not None for r in results["rounds"]):
+    if len(ax.get_lines()) > 1:
         ax.legend()
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set(xlabel="round", ylabel="seen-client mean accuracy (%)", ylim=(0, 100))
