@@ -75,8 +75,14 @@ root=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null) && free_gb=$(df -Pk "$ro
 compose build --progress plain > "$WORK/build.log" 2>&1 || { grep -v "Downloading\|━" "$WORK/build.log" | tail -25 >&2; fail "docker compose build (its last lines above)"; }
 done_step "build"
 
-# 3. The stack, healthy.
-compose up -d --quiet-pull >/dev/null 2>&1 || { compose logs --tail 30 >&2; fail "docker compose up"; }
+# 3. The stack, healthy. An earlier run killed before its `down -v` leaves containers that the
+# engine restarts (unless-stopped) and volumes with its SuperLink's state: a fresh stack only.
+if [ -n "$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME"; \
+           docker volume ls -q --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")" ]; then
+    step "removing what an earlier, unfinished run of $COMPOSE_PROJECT_NAME left (containers, volumes)"
+    compose down -v --remove-orphans >/dev/null 2>&1 || fail "docker compose down -v (the earlier run's leftovers)"
+fi
+compose up -d --quiet-pull --force-recreate >/dev/null 2>&1 || { compose logs --tail 30 >&2; fail "docker compose up"; }
 superlink=$(compose ps -q superlink)
 wait_until 180 "the SuperLink healthy" sh -c "[ \"\$(docker inspect -f '{{.State.Health.Status}}' $superlink)\" = healthy ]"
 mkdir -p "$FLWR_HOME"
@@ -110,16 +116,19 @@ submit() {  # submit NAME RUN-CONFIG...: flwr run in the background, its output 
 results() {  # results NAME: copy results.json out of the volume to $WORK/NAME.json
     compose cp "superexec-serverapp:/app/results/$1/results.json" "$WORK/$1.json" >/dev/null 2>&1
 }
-check() {  # check NAME PYTHON-ASSERTIONS (on r, the results); on failure the run's and every service's logs
-    "$PY" -c "import json, sys; r = json.load(open('$WORK/$1.json')); $2" && return
+logs() {  # logs NAME: the run's output, then every service's last lines (not the access log)
     tail -30 "$WORK/$1.log" >&2
-    for service in superlink superexec-serverapp supernode-0 supernode-1 supernode-2; do  # not the access log
+    for service in superlink superexec-serverapp supernode-0 supernode-1 supernode-2; do
         compose logs --no-color --timestamps "$service" 2>&1 | grep -v uvicorn.access | tail -15 >&2 || true
     done
+}
+check() {  # check NAME PYTHON-ASSERTIONS (on r, the results); on failure the logs
+    "$PY" -c "import json, sys; r = json.load(open('$WORK/$1.json')); $2" && return
+    logs "$1"
     fail "$1: results.json: $2"
 }
 submit three-rounds "num-server-rounds=3"
-wait "$!" || { tail -20 "$WORK/three-rounds.log" >&2; fail "the 3-round run"; }
+wait "$!" || { logs three-rounds; fail "the 3-round run"; }
 results three-rounds || fail "no results.json in the results volume"
 check three-rounds "assert r['complete'] and len(r['rounds']) == 3 and not r['failures']
 assert len([c for c in r['clients'] if c['accuracy'] is not None]) == 3
@@ -135,7 +144,7 @@ has_a_round() { results "$1" && "$PY" -c "import json, sys; sys.exit(not json.lo
 wait_until 600 "round 1 of the cut-off run" has_a_round cut-off
 docker network disconnect "$network" "$node" || fail "disconnecting supernode-2"
 cut_at=$SECONDS
-wait "$run" || { tail -20 "$WORK/cut-off.log" >&2; fail "the run with a node cut off"; }
+wait "$run" || { logs cut-off; fail "the run with a node cut off"; }
 results cut-off || fail "no results.json for the cut-off run"
 check cut-off "assert r['complete'] and len(r['rounds']) == 3, r['rounds']
 assert r['failures'] and all('partition-2' in f['node'] for f in r['failures']), r['failures']
@@ -148,7 +157,7 @@ step "the SuperLink listed supernode-2 offline $((SECONDS - cut_at)) s after the
 docker network connect "$network" "$node" || fail "reconnecting supernode-2"
 wait_until 300 "supernode-2 back online" online 3
 submit reconnected "num-server-rounds=1"
-wait "$!" || { tail -20 "$WORK/reconnected.log" >&2; fail "the run after reconnecting"; }
+wait "$!" || { logs reconnected; fail "the run after reconnecting"; }
 results reconnected || fail "no results.json for the reconnected run"
 check reconnected "assert r['complete'] and not r['failures'] and all(c['accuracy'] is not None for c in r['clients'])
 assert len(r['clients']) == 3"
