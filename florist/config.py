@@ -22,9 +22,9 @@ AGGREGATIONS = "mean | median | trimmed:BETA (0 <= BETA < 0.5) | krum:F | multik
 
 # The strategies `strategy` may name (the registry holds their specs, which import no torch).
 STRATEGY_NAMES = tuple(STRATEGIES)
-# The experiment trackers `trackers` may name (florist/server/tracking), with the module each
-# needs: the optional `tracking` extra installs them.
-TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+# The experiment trackers `trackers` may name (florist/server/tracking), each also the name of the
+# package it needs: the optional `tracking` extra installs them.
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 
 
 @dataclasses.dataclass(frozen=True)

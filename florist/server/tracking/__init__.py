@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from florist.common.storage import atomic_write
-from florist.config import TRACKERS, RunConfig, parse_trackers
+from florist.config import RunConfig, parse_trackers
 
 log = logging.getLogger("flwr").getChild(__name__)
 
@@ -31,8 +31,8 @@ EXTRA = "pip install -e '.[tracking]' in florist's checkout"
 def check_installed(cfg: RunConfig) -> None:
     """Refuse, in one line naming the extra, a run that names a tracker this Python lacks."""
     for name in parse_trackers(cfg.trackers):
-        if importlib.util.find_spec(TRACKERS[name]) is None:
-            raise ValueError(f"tracker {name!r} needs the {TRACKERS[name]} package, which is not installed: {EXTRA}")
+        if importlib.util.find_spec(name) is None:
+            raise ValueError(f"tracker {name!r} needs the {name} package, which is not installed: {EXTRA}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,6 @@ user's own setting says where (MLFLOW_TRACKING_URI, a W&B login or WANDB_MODE)."
 from __future__ import annotations
 
 import csv
-import io
 import json
 import logging
 import os
@@ -153,9 +152,8 @@ class Mlflow(Backend):
         columns, rows = client_table(results)
         with tempfile.TemporaryDirectory() as scratch:
             table = Path(scratch) / "clients.csv"
-            out = io.StringIO()
-            csv.writer(out).writerows([columns, *rows])
-            table.write_text(out.getvalue())
+            with table.open("w", newline="") as out:
+                csv.writer(out).writerows([columns, *rows])
             self.client.log_artifact(self.run_id, str(table))
         for path in report_files(folder):
             self.client.log_artifact(self.run_id, str(path))
