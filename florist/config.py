@@ -20,6 +20,8 @@ from florist.strategies import STRATEGIES, strategy_spec
 AUGMENTS = ("none", "flip", "crop-flip")  # florist/common/training.py applies them
 AGGREGATIONS = "mean | median | trimmed:BETA (0 <= BETA < 0.5) | krum:F | multikrum:F (F >= 0 Byzantine nodes)"
 
+MAX_TORCH_THREADS = 1024  # more is a typo or an attack (a node also cuts it to its cores: client/guard.py)
+
 # The strategies `strategy` may name (the registry holds their specs, which import no torch).
 STRATEGY_NAMES = tuple(STRATEGIES)
 # The experiment trackers `trackers` may name (florist/server/tracking), each also the name of the
@@ -74,8 +76,8 @@ class RunConfig(Settings):
     # the largest reply taken from a node, in MB (0: twice what its exchange expects plus 64 MB; server/exchange.py)
     max_reply_mb: float = setting(0.0, server=True)
     max_node_examples: int = setting(0, server=True)  # cap on a node's weight, beside its discovery num-train (0: none)
-    # a node key belongs to the SuperNode that first claimed it (its Flower node id: under SuperNode
-    # auth, its registered public key), kept across resume; on with `deploy-local --auth`
+    # a node key belongs to the SuperNode that first claimed it alone (its Flower node id: under
+    # SuperNode auth, its registered public key), kept across resume; on with `deploy-local --auth`
     bind_node_keys: bool = setting(False, server=True)
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = setting(False)
@@ -153,7 +155,10 @@ class RunConfig(Settings):
             (self.augment in AUGMENTS, f"augment must be one of {', '.join(AUGMENTS)}, got {self.augment!r}"),
             (devices.parse(self.device), f"device must be {devices.FORMS}, got {self.device!r}"),
             (devices.parse(self.server_device), f"server-device must be {devices.FORMS}, got {self.server_device!r}"),
-            (self.torch_threads >= 0, "torch-threads must be >= 0 (0: as many as the node or client has)"),
+            (
+                0 <= self.torch_threads <= MAX_TORCH_THREADS,
+                f"torch-threads must be in [0, {MAX_TORCH_THREADS}] (0: as many as the node or client has)",
+            ),
             (not (mods_problem := client_mods.problem(self.client_mods)), mods_problem),
             (
                 _parses(parse_aggregation, self.aggregation),

@@ -10,11 +10,17 @@ same whether the folder exists or not (but for an OWNER/NAME id, which is a fold
 working directory holds one of that name, as `datasets.load_dataset` reads it).
 
 Caps. However the server sets up its run, one message does not make a node allocate more than
-`node-max-classes` classes, take more than `node-max-steps` local optimizer steps, or work
-longer than `node-max-seconds` (the message's time-to-live, which stops the handler,
-`client/deadline.py`); a request beyond a cap is refused in one line naming the key that
-raises it, before anything is allocated or trained. Flower's default time-to-live (12 h, what
-a message gets whose sender set none) is not a request: such a message is cut at the cap.
+`node-max-classes` classes, take more than `node-max-steps` local optimizer steps, train in
+batches of more than `node-max-batch-size` samples, or work longer than `node-max-seconds`
+(the message's time-to-live, which stops the handler, `client/deadline.py`); a request beyond
+a cap is refused in one line naming the key that raises it, before anything is allocated or
+trained. Flower's default time-to-live (12 h, what a message gets whose sender set none) is
+not a request: such a message is cut at the cap.
+
+Hardware. A node's resources are its own: the server's `torch-threads` is cut to
+`node-max-threads` (default: the cores the node may run on), and its `device` is ignored
+unless it is `auto` (the node's `--node-config` names any other), so that a server can
+neither take every core of the box nor learn, from an error, which devices it has.
 
 Trusted servers. In the runs florist starts on one machine for one user, the server is the
 user: its nodes read the folders it names and take its requests without caps (but those their
@@ -46,6 +52,7 @@ from typing import Any
 from flwr.app import DEFAULT_TTL, Error, Message
 from flwr.common.constant import ErrorCode
 
+from florist.common import devices
 from florist.common.data import EMBEDDED_SHAPES
 from florist.common.settings import coerce
 
@@ -69,6 +76,8 @@ class Limits:
     max_classes: int = 1000
     max_steps: int = 100_000
     max_seconds: float = 3600.0
+    max_batch_size: int = 4096
+    max_threads: int = 0  # 0: the cores this process may run on
 
     @classmethod
     def of(cls, node_config: Mapping[str, Any]) -> Limits:
@@ -92,6 +101,21 @@ class Limits:
         if steps > self.max_steps:
             raise Refused(_over(who, f"{steps} local steps", f"{self.max_steps}", "node-max-steps"))
 
+    def check_batch_size(self, batch_size: int, who: str) -> None:
+        if batch_size > self.max_batch_size:
+            raise Refused(_over(who, f"batch-size {batch_size}", f"{self.max_batch_size}", "node-max-batch-size"))
+
+    def threads(self, asked: int, who: str) -> int:
+        """The torch threads this node runs a message with when the server asks for `asked`
+        (0: as many as the node has): at most `node-max-threads`, said in the node's log."""
+        cap = self.max_threads or devices.usable_cores()
+        if asked <= cap:
+            return asked
+        log.info(
+            "%s: the server asks for torch-threads %d, this node uses its cap of %d (node-max-threads)", who, asked, cap
+        )
+        return cap
+
     def seconds(self, msg: Message, who: str) -> float:
         """How long the node works on `msg`: its time-to-live, refused when over the cap
         (Flower's default, which no sender chose, is cut to the cap)."""
@@ -103,7 +127,13 @@ class Limits:
         return ttl
 
 
-UNLIMITED = {"max_classes": sys.maxsize, "max_steps": sys.maxsize, "max_seconds": math.inf}
+UNLIMITED = {
+    "max_classes": sys.maxsize,
+    "max_steps": sys.maxsize,
+    "max_seconds": math.inf,
+    "max_batch_size": sys.maxsize,
+    "max_threads": sys.maxsize,
+}
 
 
 def _over(who: str, asked: str, cap: str, key: str) -> str:
@@ -154,6 +184,23 @@ def own_paths(values: Mapping[str, Any], node_config: Mapping[str, Any], who: st
         raise Refused(_folder(who, "dataset", "dataset=..."))
     if "public-dir" not in own and values.get("public-dir"):
         raise Refused(_folder(who, "public-dir", "public-dir=..."))
+    return values
+
+
+def own_hardware(values: Mapping[str, Any], node_config: Mapping[str, Any], who: str) -> dict[str, Any]:
+    """The server's settings `values` with its `device` and `torch-threads` as this node takes
+    them (see the module docstring); the node config's own values are applied later, and win."""
+    values = dict(values)
+    if trusts_server(node_config):
+        return values
+    if values.get("device", "auto") != "auto":
+        log.info(
+            "%s: the server's device %r is ignored; set device=... in this node's --node-config", who, values["device"]
+        )
+        values["device"] = "auto"
+    if "torch-threads" in values:
+        threads = coerce("torch-threads", values["torch-threads"], int)
+        values["torch-threads"] = Limits.of(node_config).threads(threads, who)
     return values
 
 

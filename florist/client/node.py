@@ -182,10 +182,13 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
 
 
 def _run_config(values: dict, node_config: dict, key: str) -> RunConfig:
-    """The server's settings `values` as this node takes them: with its own folders
-    (`guard.own_paths`), and refused, before anything is allocated, beyond its class cap."""
-    cfg = RunConfig.from_mapping(guard.own_paths(values, node_config, f"node {key}"))
-    guard.Limits.of(node_config).check_classes(cfg.num_classes, f"node {key}")
+    """The server's settings `values` as this node takes them: with its own folders and
+    hardware (`guard.own_paths`, `guard.own_hardware`), and refused, before anything is
+    allocated, beyond its class or batch-size cap."""
+    who, limits = f"node {key}", guard.Limits.of(node_config)
+    cfg = RunConfig.from_mapping(guard.own_hardware(guard.own_paths(values, node_config, who), node_config, who))
+    limits.check_classes(cfg.num_classes, who)
+    limits.check_batch_size(cfg.batch_size, who)
     return cfg
 
 

@@ -148,6 +148,9 @@ def check_arrays(
     if not np.issubdtype(y.dtype, np.integer):
         raise ValueError(f"{where}: y must hold integer class labels, got dtype {y.dtype}")
     bad = y[(y < 0) | (y >= num_classes)]
-    if len(bad):
-        raise ValueError(f"{where}: labels {sorted(set(bad.tolist()))[:5]} are outside [0, {num_classes})")
+    if len(bad):  # which labels, only in the cause: a node's log shows it, its reply to the server does not
+        found = ValueError(f"{where}: labels {sorted(set(bad.tolist()))[:5]} are outside [0, {num_classes})")
+        raise ValueError(
+            f"{where}: the labels do not fit num-classes {num_classes} (0 to {num_classes - 1})"
+        ) from found
     return x, y.astype(np.int64)

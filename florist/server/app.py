@@ -35,17 +35,19 @@ def discover(
     exchanger: Exchanger,
     cfg: RunConfig,
     node_ids: list[int],
-    known: Mapping[str, NodeInfo] | None = None,
+    taken: dict[str, str] | None = None,
     bound: dict[str, int] | None = None,
 ) -> list[NodeInfo]:
     """Ask nodes who they are (one `query.info` exchange). A node is recorded as failed and left
     out, never raising here, when its answer is ill-formed, when its key is `bound` to another
-    SuperNode, when another node already has its key, or when it is to train and holds no
-    training example. `bound` (key -> Flower node id, with `bind-node-keys`) gains the key of
-    each node that answers first with it."""
+    SuperNode or `taken` (key -> why a node claiming it now is refused: the serve phase's keys in
+    use), when another node claims its key in the same discovery and the key is bound to
+    neither (both are left out: answering first wins nothing, and `taken` gains the key), or
+    when it is to train and holds no training example. `bound` (key -> Flower node id, with
+    `bind-node-keys`) gains the key of each node taken that claimed it alone."""
     request = protocol.content(config=message_config(cfg, INFO, 0, exchanger.run_id))
     replies = exchanger.exchange({n: request for n in node_ids}, INFO.message_type, 0)
-    nodes, keys = [], dict(known or {})  # one lookup per reply: a federation of thousands stays linear
+    claims: dict[str, list[NodeInfo]] = {}  # one lookup per reply: a federation of thousands stays linear
     for node_id, reply in replies.items():
         try:
             key, shape, metrics = protocol.info_of(reply, f"node {node_id}")
@@ -53,17 +55,49 @@ def discover(
             exchanger.fail(node_id, INFO.message_type, 0, f"ill-formed info reply: {err}")
             continue
         node = NodeInfo(node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]), shape)
-        if bound is not None and bound.setdefault(key, node_id) != node_id:
-            exchanger.fail(node_id, INFO.message_type, 0, f"node key {key!r} is bound to SuperNode {bound[key]}")
-        elif (taken := keys.get(key)) is not None:
-            exchanger.fail(node_id, INFO.message_type, 0, f"node key {key!r} is already {taken}'s")
-        elif node.seen and node.num_train < 1:
-            exchanger.fail(node_id, INFO.message_type, 0, "it holds no training example, and seen nodes train")
-        else:
-            nodes.append(node)
-            keys[key] = node
+        claims.setdefault(key, []).append(node)
+    nodes = []
+    for key, claimants in claims.items():
+        node = _settle(exchanger, key, claimants, {} if taken is None else taken, bound)
+        if node is None:
+            continue
+        if node.seen and node.num_train < 1:
+            exchanger.fail(node.node_id, INFO.message_type, 0, "it holds no training example, and seen nodes train")
+            continue
+        if bound is not None:
+            bound[key] = node.node_id
+        nodes.append(node)
     exchanger.names.update({n.node_id: str(n) for n in nodes})
     return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
+
+
+def _settle(
+    exchanger: Exchanger, key: str, claimants: list[NodeInfo], taken: dict[str, str], bound: dict[str, int] | None
+) -> NodeInfo | None:
+    """Who of `claimants` (the nodes that name `key` in one discovery) gets the key: none when
+    it is `taken`, else the SuperNode it is bound to, else its only claimant; every other
+    claimant is recorded as failed with a reason that names who holds or disputes the key."""
+    owner = bound.get(key) if bound is not None else None
+    if key in taken:
+        winner, reason = None, taken[key]
+    elif owner is not None:
+        winner, reason = next((n for n in claimants if n.node_id == owner), None), f"bound to SuperNode {owner}"
+    elif len(claimants) > 1:
+        winner, reason = None, disputed([n.node_id for n in claimants])
+        taken[key] = reason
+    else:
+        return claimants[0]
+    for node in claimants:
+        if node is not winner:
+            exchanger.fail(node.node_id, INFO.message_type, 0, f"node key {key!r} is {reason}")
+    return winner
+
+
+def disputed(node_ids: list[int]) -> str:
+    """Why a key that `node_ids` all claim, and that is bound to none of them, goes to none."""
+    ids = [str(i) for i in sorted(node_ids)]
+    named = f"{', '.join(ids[:-1])} and {ids[-1]}" if len(ids) <= 4 else f"{', '.join(ids[:3])} and {len(ids) - 3} more"
+    return f"claimed by nodes {named} at once; a key bound to none of its claimers goes to none"
 
 
 def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_id: int = 0) -> Results:
@@ -75,7 +109,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     if not resumed:
         results.save()  # a run stopped before its first round still says so
     # With `bind-node-keys`, a key belongs to the SuperNode (under SuperNode auth: the public key)
-    # that first claimed it, for the whole run, resumed parts included.
+    # that first claimed it alone, for the whole run, resumed parts included.
     bound = (dict(resumed.bindings) if resumed else {}) if cfg.bind_node_keys else None
     for warning in cfg.settings.warnings(cfg.num_server_rounds):  # `florist` commands said it before the run
         log.warning(warning)
@@ -88,7 +122,8 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
     if resumed:
         resumed.check(cfg, [n.key for n in nodes])
         strategy.load_state(resumed.state)
-        done, results.rounds, exchanger.failures = resumed.round, resumed.rounds, resumed.failures
+        done, results.rounds = resumed.round, resumed.rounds
+        exchanger.failures = resumed.failures + exchanger.failures  # ... and this discovery's
         log.info("resuming the run of %s after round %d", cfg.resume_from, done)
     keys = [n.key for n in nodes]
     with Tracking.start(cfg) as tracking:  # what the run's trackers get: rounds once checkpointed
@@ -214,12 +249,15 @@ def serve_late_joiners(
 ) -> list[NodeInfo]:
     """The serve phase for nodes that connect after training (deployment): each gets its
     personalized model from `strategy.serve`, until `serve-seconds` have passed or
-    `serve-count` nodes were served. Their scores are added to `scores`."""
+    `serve-count` nodes were served. Their scores are added to `scores`. A late node cannot
+    take a key of the run's nodes, and a key that two late nodes claim, at once or one after
+    the other, goes to neither unless it is bound: the one served first is struck out again."""
     if cfg.serve_seconds <= 0:
         return []
     log.info("serving nodes that join in the next %.0f s", cfg.serve_seconds)
     deadline, served = time.monotonic() + cfg.serve_seconds, []
-    known, keys = {n.node_id for n in nodes}, {n.key: n for n in nodes}  # a late node cannot take a key
+    known, taken = {n.node_id for n in nodes}, {n.key: f"already {n}'s" for n in nodes}
+    late: dict[str, NodeInfo] = {}  # key -> the late node served with it
     while time.monotonic() < deadline and not (cfg.serve_count and len(served) >= cfg.serve_count):
         new = sorted(set(exchanger.grid.get_node_ids()) - known)
         if not new:
@@ -227,7 +265,7 @@ def serve_late_joiners(
             continue
         known.update(new)
         joined = []
-        for node in discover(exchanger, cfg, new, keys, bound):
+        for node in discover(exchanger, cfg, new, taken, bound):
             if node.input_shape != strategy.input_shape:
                 exchanger.fail(
                     node.node_id,
@@ -235,12 +273,20 @@ def serve_late_joiners(
                     0,
                     f"input shape {node.input_shape}, expected {strategy.input_shape}",
                 )
-                continue
-            joined.append(dataclasses.replace(node, seen=False))  # joined after training: unseen by definition
-            keys[node.key] = node
+            elif (earlier := late.pop(node.key, None)) is not None:  # unbound: `discover` refuses a bound key
+                taken[node.key] = disputed([earlier.node_id, node.node_id])
+                for claimant in (earlier, node):
+                    exchanger.fail(
+                        claimant.node_id, INFO.message_type, 0, f"node key {node.key!r} is {taken[node.key]}"
+                    )
+                served.remove(earlier)
+                scores.pop(earlier.node_id, None)
+            else:
+                joined.append(dataclasses.replace(node, seen=False))  # joined after training: unseen by definition
         log.info("serving %s", ", ".join(str(n) for n in joined) or "nobody (no valid node)")
         scores.update(strategy.serve(cfg.num_server_rounds + 1, joined))
         served += joined
+        late |= {n.key: n for n in joined}
     return served
 
 

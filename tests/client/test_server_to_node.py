@@ -1,5 +1,6 @@
 """A hostile server can neither make a node read a folder of its choosing, nor learn the node's
-paths or files from its errors, nor make it allocate or work without bound (client/guard.py).
+paths, files, labels or devices from its errors, nor make it allocate, work or take threads
+without bound (client/guard.py).
 Messages go through florist's real ClientApp (`InProcessGrid`: serialized both ways)."""
 
 import logging
@@ -13,7 +14,7 @@ from flwr.app import DEFAULT_TTL, ArrayRecord, Message
 from florist.client import guard
 from florist.client.app import app
 from florist.common import data as data_lib
-from florist.common import protocol
+from florist.common import devices, protocol
 from florist.common.models import seeded_model
 from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
@@ -151,12 +152,60 @@ def test_more_local_steps_than_the_nodes_cap_are_refused_before_training():
         "local steps, over this node's cap of 3 (raise node-max-steps in its --node-config)"
     )
     assert not _send(
-        {"node-max-steps": 3}, TRAIN, arrays=_model(), **{"local-epochs": 1, "batch-size": 10_000}
+        {"node-max-steps": 3}, TRAIN, arrays=_model(), **{"local-epochs": 1, "batch-size": 4096}
     ).has_error()
     # PerFed-CKT trains a node it never sampled for `scratch-rounds` rounds: all count, refused before the first.
     ckt = {"strategy": "perfed-ckt", "ckt-steps": 50}
     scratch = _send({"node-max-steps": 100}, EVALUATE_CKT, request={"scratch_rounds": 3}, **ckt).error.reason
     assert scratch.startswith("Refused in evaluate.ckt: node partition-0: the server asks for 150 local steps, over")
+
+
+def test_a_batch_size_over_the_nodes_cap_is_refused_in_one_line():
+    expected = (
+        "Refused in train: node partition-0: the server asks for batch-size {}, over this node's cap of {} "
+        "(raise node-max-batch-size in its --node-config)"
+    )
+    assert _send({}, TRAIN, arrays=_model(), **{"batch-size": 4097}).error.reason == expected.format(4097, 4096)
+    assert _send({"node-max-batch-size": 8}, TRAIN, arrays=_model()).error.reason == expected.format(16, 8)
+    assert not _send({"node-max-batch-size": 16}, TRAIN, arrays=_model()).has_error()  # at the cap
+
+
+@pytest.fixture
+def threads_set(monkeypatch):
+    """The torch thread counts the node's handlers set, on a node with 2 cores (none is set here)."""
+    counts: list[int] = []
+    monkeypatch.setattr(devices, "set_torch_threads", counts.append)
+    monkeypatch.setattr(devices, "usable_cores", lambda: 2)
+    return counts
+
+
+def test_the_servers_torch_threads_are_cut_to_the_nodes_cores(threads_set):
+    for node_config in ({}, {"node-max-threads": 1}, {"torch-threads": 3}, {"trusted-server": True}):
+        assert not _send(node_config, **{"torch-threads": 8}).has_error()
+    assert threads_set == [2, 1, 3, 8]  # the node's own setting and a trusted server's are taken as they are
+    assert not _send({}, **{"torch-threads": 0}).has_error() and threads_set[-1] == 0  # 0: as many as it has
+    with pytest.raises(ValueError, match=r"torch-threads must be in \[0, 1024\]"):
+        RunConfig.from_mapping({"torch-threads": 1e9})
+
+
+def test_a_device_from_the_server_is_ignored_and_its_absence_tells_the_server_nothing():
+    auto = str(devices.resolve("auto"))
+    for device in ("cuda:7", "mps", "cpu"):
+        reply = _send({}, device=device)  # refused before, naming what the machine has
+        assert not reply.has_error() and reply.content[protocol.CONFIG]["device"] == auto
+    assert _send({"device": "cpu"}, device="cuda:7").content[protocol.CONFIG]["device"] == "cpu"  # the node's own
+    trusted = _send({"trusted-server": True}, device="cuda:7").error.reason
+    assert trusted.startswith("ValueError in query.info: node partition-0: device 'cuda:7' is not available")
+
+
+def test_a_label_range_error_tells_the_server_not_which_labels_the_node_holds(tmp_path, caplog):
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        np.savez(tmp_path / f"{split}.npz", x=rng.random((40, 8, 8), dtype="float32"), y=np.arange(40) % 10)
+    with caplog.at_level(logging.ERROR):
+        reason = _send({"data-dir": str(tmp_path)}, **{"num-classes": 7}).error.reason
+    assert reason == "ValueError in query.info: … the labels do not fit num-classes 7 (0 to 6)"
+    assert "labels [7, 8, 9] are outside [0, 7)" in caplog.text  # the node's operator gets the details
 
 
 def test_a_deadline_beyond_the_nodes_cap_is_refused():

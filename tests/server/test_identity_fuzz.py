@@ -1,7 +1,8 @@
 """Whatever nodes say about themselves at discovery (keys of any length and characters, the
 same key twice, a key bound to another SuperNode, counts and input shapes of any size), the
 ServerApp never crashes: `start_nodes` returns the nodes it can use or stops with its one-line
-RuntimeError, and every node it leaves out is named in the failures with a reason.
+RuntimeError, every node it leaves out is named in the failures with a reason, and a key two
+nodes claim is held by neither unless it was bound to one before.
 
 The nodes' `query.info` replies are drawn by hypothesis and answered through the in-process
 grid, so the real `Exchanger` and `discover` read them, as they read a SuperNode's."""
@@ -43,6 +44,15 @@ shapes = st.one_of(
 replies = st.fixed_dictionaries(
     {"node-key": keys, "input-shape": shapes, "num-train": counts, "num-test": counts, "seen": counts}
 )
+honest = st.fixed_dictionaries(  # well-formed, so that two of them often claim one key
+    {
+        "node-key": st.sampled_from(["a", "b", "partition-0"]),
+        "input-shape": st.just([1, 8, 8]),
+        "num-train": st.integers(1, 100),
+        "num-test": st.integers(1, 100),
+        "seen": st.just(1),
+    }
+)
 
 
 class ScriptedGrid(InProcessGrid):
@@ -65,10 +75,11 @@ class ScriptedGrid(InProcessGrid):
 
 @FUZZ
 @given(
-    infos=st.lists(replies, min_size=1, max_size=6), bound=st.dictionaries(st.sampled_from("ab"), st.integers(100, 106))
+    infos=st.lists(st.one_of(replies, honest), min_size=1, max_size=6),
+    bound=st.dictionaries(st.sampled_from("ab"), st.integers(100, 106)),
 )
 def test_no_info_reply_crashes_discovery_and_every_node_left_out_is_named(infos, bound):
-    grid = ScriptedGrid(infos)
+    grid, before = ScriptedGrid(infos), dict(bound)
     with server_identity(grid.run_id):
         exchanger = Exchanger(grid, 60.0, grid.run_id)
         try:
@@ -76,13 +87,17 @@ def test_no_info_reply_crashes_discovery_and_every_node_left_out_is_named(infos,
         except RuntimeError as err:  # no usable node: its one line
             assert str(err).startswith(("no node answered", "only ", "no seen node")) and "\n" not in str(err)
             nodes = None
-        late = discover(exchanger, CFG, grid.get_node_ids(), {n.key: n for n in nodes or []}, bound)
+        late = discover(exchanger, CFG, grid.get_node_ids(), {n.key: f"already {n}'s" for n in nodes or []}, bound)
     assert all(f["reason"] and "\n" not in f["reason"] and len(f["node"]) < 200 for f in exchanger.failures)
     if nodes is None:  # the run stopped in its one line: no node list to check
         return
     keys = [n.key for n in nodes]
     assert len(set(keys)) == len(keys) and all(NODE_KEY.fullmatch(k) for k in keys)
     assert all(bound[n.key] == n.node_id for n in nodes)
+    ill_formed = {f["node_id"] for f in exchanger.failures if f["reason"].startswith("ill-formed info reply")}
+    for node in nodes:  # a key another node also claimed is held only by the SuperNode it was bound to before
+        rivals = [i for i, info in zip(grid.contexts, infos) if info["node-key"] == node.key and i not in ill_formed]
+        assert rivals == [node.node_id] or before.get(node.key) == node.node_id
     assert not {n.key for n in late} & set(keys)  # a node that joins later never takes a key in use
     left_out = set(grid.contexts) - {n.node_id for n in nodes}
     assert left_out <= {f["node_id"] for f in exchanger.failures}

@@ -29,19 +29,19 @@ def lying_in_info(partition_id: int, **changes):
     return mod
 
 
-def _run(tmp_path, strategy: str, mod) -> dict:
+def _run(tmp_path, strategy: str, mod, nodes: int = 3) -> dict:
     cfg = RunConfig.from_mapping(
         {
             "strategy": strategy,
             "num-server-rounds": 1,
             "partition": "iid",
             "unseen-fraction": 0.0,
-            "min-nodes": 3,
+            "min-nodes": nodes,
             "ckt-steps": 2,
             "results-dir": str(tmp_path),
         }
     )
-    return run_in_process(cfg, 3, client_app=build_client_app([mod]))
+    return run_in_process(cfg, nodes, client_app=build_client_app([mod]))
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,6 @@ def _run(tmp_path, strategy: str, mod) -> dict:
     [
         ("fedavg", {"node-key": "9" * 5000}, "node-key must be 1-128 of"),  # int() of it raised before
         ("fedavg", {"node-key": "a\nb\x1b[31m"}, "node-key must be 1-128 of"),
-        ("fedavg", {"node-key": "partition-0"}, "node key 'partition-0' is already node"),
         ("fedavg", {"input-shape": [1, 9, 9]}, "input shape (1, 9, 9), most nodes' is (1, 8, 8)"),
         ("perfed-ckt", {"num-train": 0}, "it holds no training example"),  # rng.choice raised before
     ],
@@ -61,6 +60,18 @@ def test_a_node_that_lies_about_itself_is_left_out_and_the_run_completes(tmp_pat
     assert reason in results["failures"][0]["reason"]
     assert sorted(c["client"] for c in results["clients"]) == ["partition-0", "partition-2"]
     assert all(c["accuracy"] is not None for c in results["clients"])
+
+
+def test_a_key_two_nodes_claim_goes_to_neither_and_the_reason_names_both(tmp_path):
+    """Node 101 reports node 103's key: answering first used to take it, and 103 was blamed."""
+    results = _run(tmp_path, "fedavg", lying_in_info(1, **{"node-key": "partition-3"}), nodes=4)
+    assert results["complete"]
+    reason = (
+        "node key 'partition-3' is claimed by nodes 101 and 103 at once; a key bound to none of its claimers "
+        "goes to none"
+    )
+    assert [(f["node_id"], f["reason"]) for f in results["failures"]] == [(101, reason), (103, reason)]
+    assert sorted(c["client"] for c in results["clients"]) == ["partition-0", "partition-2"]
 
 
 def test_the_write_probe_does_not_follow_a_planted_link(tmp_path):

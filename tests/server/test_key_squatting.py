@@ -1,0 +1,96 @@
+"""A node that reports another's key takes it from no one: a key claimed twice and bound to
+neither claimer goes to neither, named with both node ids, at discovery as in the serve phase;
+with `bind-node-keys` the SuperNode the key is bound to keeps it. (The plain run, in process:
+tests/server/test_untrusted.py.)"""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+from florist.client.app import app as client_app
+from florist.config import RunConfig
+from florist.runners.inprocess import InProcessGrid, server_identity
+from florist.server.app import run, serve_late_joiners
+from florist.server.checkpoint import Checkpoint
+from florist.server.exchange import Exchanger
+from florist.server.strategy import NodeInfo
+
+NODES = [{"partition-id": i, "num-partitions": 3} for i in range(3)]  # node ids 100, 101, 102
+DISPUTE = "claimed by nodes {} and {} at once; a key bound to none of its claimers goes to none"
+
+
+def _run(cfg: RunConfig, nodes: list[dict]) -> None:
+    grid = InProcessGrid(client_app, nodes)
+    with server_identity(grid.run_id):
+        run(grid, cfg, lambda row: None, grid.run_id)
+
+
+def test_with_bound_keys_two_first_claimers_bind_nothing_and_at_resume_the_bound_supernode_wins(tmp_path):
+    cfg = RunConfig.from_mapping(
+        {
+            "model": "mlp",
+            "num-server-rounds": 1,
+            "min-nodes": 4,
+            "partition": "iid",
+            "unseen-fraction": 0.0,
+            "bind-node-keys": True,
+            "results-dir": str(tmp_path / "run"),
+        }
+    )
+    _run(cfg, [*NODES, NODES[0] | {"node-key": "partition-1"}])  # node 103 squats on 101's key
+    saved = Checkpoint.load(cfg.results_dir)
+    assert saved.bindings == {"partition-0": 100, "partition-2": 102}  # the faster claimer bound nothing
+    assert [(f["node_id"], f["reason"]) for f in saved.failures] == [
+        (101, "node key 'partition-1' is " + DISPUTE.format(101, 103)),
+        (103, "node key 'partition-1' is " + DISPUTE.format(101, 103)),
+    ]
+    _run(cfg.replace(resume_from=cfg.results_dir), [*NODES, NODES[1] | {"node-key": "partition-0"}])
+    results = json.loads((Path(cfg.results_dir) / "results.json").read_text())
+    assert results["complete"] and "partition-0" in [c["client"] for c in results["clients"]]
+    resumed = [(f["node_id"], f["reason"]) for f in results["failures"][2:]]
+    assert resumed == [(103, "node key 'partition-0' is bound to SuperNode 100")]
+
+
+class JoiningGrid(InProcessGrid):
+    """Nodes that connect one after the other: each call of `get_node_ids` shows one more."""
+
+    def __init__(self, node_configs: list[dict], shown: int):
+        super().__init__(client_app, node_configs)
+        self.shown = shown
+
+    def get_node_ids(self) -> list[int]:
+        self.shown += 1
+        return list(self.contexts)[: self.shown]
+
+
+def _serve(bound: dict[str, int] | None) -> tuple[list[str], dict, list[tuple[int, str]]]:
+    """The serve phase after a run of node 100 (`partition-0`) as nodes join in turn: 101 names
+    the run's key, 102 a new one, 103 the same one, then 104 and 105 keys of their own."""
+    keys = ["partition-0", "partition-0", "partition-5", "partition-5", "partition-6", "partition-7"]
+    grid = JoiningGrid([{"partition-id": i, "num-partitions": 8, "node-key": k} for i, k in enumerate(keys)], 1)
+    cfg = RunConfig.from_mapping({"serve-seconds": 60.0, "serve-count": 2})
+    strategy = SimpleNamespace(input_shape=(1, 8, 8), serve=lambda r, nodes: {n.node_id: {"n": 1.0} for n in nodes})
+    scores: dict[int, dict] = {}
+    with server_identity(grid.run_id):
+        exchanger = Exchanger(grid, 60.0, grid.run_id)
+        run_node = NodeInfo(100, "partition-0", True, 10, 10, (1, 8, 8))
+        served = serve_late_joiners(exchanger, strategy, cfg, [run_node], scores, bound)
+    return [n.key for n in served], scores, [(f["node_id"], f["reason"]) for f in exchanger.failures]
+
+
+def test_in_the_serve_phase_a_key_claimed_again_goes_to_neither_unless_it_is_bound():
+    served, scores, failures = _serve(None)  # the first one served is struck out again
+    assert served == ["partition-6", "partition-7"] and set(scores) == {104, 105}
+    assert failures == [
+        (101, "node key 'partition-0' is already node 100 (partition-0)'s"),
+        (102, "node key 'partition-5' is " + DISPUTE.format(102, 103)),
+        (103, "node key 'partition-5' is " + DISPUTE.format(102, 103)),
+    ]
+    bound = {"partition-0": 100}
+    served, scores, failures = _serve(bound)
+    assert served == ["partition-5", "partition-6"] and set(scores) == {102, 104}
+    assert failures == [
+        (101, "node key 'partition-0' is already node 100 (partition-0)'s"),
+        (103, "node key 'partition-5' is bound to SuperNode 102"),
+    ]
+    assert bound == {"partition-0": 100, "partition-5": 102, "partition-6": 104}
