@@ -3,10 +3,13 @@
 Server: for `query.info` and every message type of every algorithm in the registry, hypothesis
 draws replies made from a real reply of that type with one defect (a record or key missing or
 extra, an array of another shape or dtype, NaN, Inf or huge values, undecodable bytes, a
-broken packing layout, metrics of the wrong type, a reply to another message). Each goes
+broken packing layout or one whose sizes add up but whose shapes numpy cannot take (over 64
+dimensions, a dimension beyond 2**63), metrics of the wrong type, a reply to another message,
+an error reply whose reason is megabytes long, multi-line, escape-laden). Each goes
 through the real `Exchanger.exchange` and `ServerStrategy.ask` (or `discover`) beside another
 node's good reply. Nothing may raise; a bad reply must be left out and recorded in
-`exchanger.failures` with its node's name and a reason, and a harmless change must change
+`exchanger.failures` with its node's name and a reason (one printable line of at most
+`protocol.REASON_CHARS`, never the exchanger's catch-all), and a harmless change must change
 nothing. The strategy's aggregation only ever sees what `ask` returns, so the round is then
 run on the recorded replies with the accepted one in its place, or without the refused node:
 the server's state stays finite. (A real round per example, every node's reply re-sent and
@@ -39,11 +42,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from florist.client.app import app as client_app
-from florist.common import packing, protocol
+from florist.common import flower_internals, packing, protocol
 from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
 from florist.server.app import discover
-from florist.server.exchange import Exchanger
+from florist.server.exchange import UNDECODABLE, Exchanger
 from florist.server.strategy import ServerStrategy
 from florist.strategies import STRATEGIES
 from florist.strategies.base import INFO, Exchange
@@ -383,6 +386,7 @@ WRONG_TYPES = {
     float: ["0.5", b"", True, [0.5]],
     str: [1, 1.5, True, b"x", ["x"]],
 }
+NODE_DECIDES = ("device",)  # settings a node takes from its own config only: whatever the server sends is ignored
 ODD_VALUES = {bool: [], int: [-1], float: [math.nan, math.inf, -math.inf, -1.0, 0.0], str: ["", "?"]}
 
 
@@ -398,6 +402,7 @@ def _config_defect(data, draft: Draft) -> None:
         config["not-a-setting"] = 1
     else:
         config[key] = data.draw(st.sampled_from((WRONG_TYPES if how == "type" else ODD_VALUES)[type(config[key])]))
+        how = "node-decides" if key in NODE_DECIDES else how
     draft.records[protocol.CONFIG] = ConfigRecord(config)
     draft.label = f"config {how}"
 
@@ -442,11 +447,19 @@ def _layout_defect(data, packed: RecordDict) -> tuple[RecordDict, str]:
                 "longer",
                 "2d",
                 "bytes",
+                "deep",
+                "huge-dim",
             ]
         )
     )
     i = data.draw(st.integers(0, len(layout["keys"]) - 1))
-    if how == "short":
+    if how == "deep":  # the values add up: only the shape is wrong
+        layout["shapes"][i] = hostile_shape(data, math.prod(int(d) for d in layout["shapes"][i].split(",") if d))
+    elif how == "huge-dim":  # one more array, of no values
+        layout["keys"].append("extra.empty")
+        layout["dtypes"].append(layout["dtypes"][i])
+        layout["shapes"].append(hostile_shape(data, 0))
+    elif how == "short":
         layout[data.draw(st.sampled_from(["keys", "dtypes", "shapes"]))].pop(i)
     elif how == "duplicate":
         layout["keys"][i] = layout["keys"][i - 1]
@@ -481,6 +494,64 @@ def _layout_defect(data, packed: RecordDict) -> tuple[RecordDict, str]:
     return RecordDict(records), f"layout {how}"
 
 
+def hostile_shape(data, size: int) -> str:
+    """A packed shape of `size` values that no model has and numpy's reshape would refuse or
+    not reach: 33 to 200 dimensions, or (no values) a zero dimension beside a huge one."""
+    if size and data.draw(st.booleans()):
+        dims = data.draw(st.integers(packing.MAX_DIMS + 1, 200))
+        COUNTED["shape over 64 dimensions"] += dims > 64
+        return ",".join(["1"] * (dims - 1) + [str(size)])
+    huge = data.draw(
+        st.sampled_from(["99999999999999999999", str(2**63), f"{2**62},4", "4294967296,4294967296", "1" + "0" * 5000])
+    )
+    return data.draw(st.sampled_from([f"0,{huge}", f"{huge},0", f"{huge},1,0"]))
+
+
+def _hostile_record(data, wire: RecordDict) -> tuple[RecordDict, str]:
+    """`wire` with one more packed record (as a `query.info` reply may carry): its values add
+    up, its shapes numpy cannot take."""
+    records, size = dict(wire.items()), data.draw(st.integers(1, 5))
+    records["extra"] = ArrayRecord({"float32": Array(np.zeros(size, np.float32))})
+    keys, shapes = ["a", "b"], [str(size), hostile_shape(data, 0)]
+    if data.draw(st.booleans()):
+        keys, shapes = ["a"], [hostile_shape(data, size)]
+    layout = {"keys": keys, "dtypes": ["float32"] * len(keys), "shapes": shapes}
+    records["extra" + packing.LAYOUT] = ConfigRecord(layout)
+    return RecordDict(records), "layout extra record"
+
+
+REASON_PARTS = [
+    "INFO : round 3 done: seen accuracy 0.999",  # a forged log line, with what would start it
+    "\n",
+    "\r\n",
+    "\x1b[2K\x1b[1G",
+    "\x1b[1;32m",
+    "\x1b]0;title\x07",
+    "\x1b",
+    "\x00\x07\x7f",
+    "\u202e\u2028\u0085",
+    "é ü 中",
+    f"{flower_internals.HALF_UPLOADED} {flower_internals.OVERSIZED} {'9' * 5000} bytes pulled, cap 1 bytes",
+]
+ERROR_CODES = [*range(9), -1, 99, 2**62]  # Flower's are 0-8
+
+
+def error_reply(data) -> tuple[str, Answer]:
+    """An error reply the node chose: any code, a reason of escapes, line breaks and forged log
+    lines, up to megabytes long."""
+    code = data.draw(st.sampled_from(ERROR_CODES))
+    parts = data.draw(st.lists(st.sampled_from(REASON_PARTS), max_size=8))
+    padding = "x\n\x1b[31m" * data.draw(st.sampled_from([0, 10, 1000, 300_000]))
+    reason = "".join(parts) + padding + "".join(parts)
+    COUNTED["reason of megabytes"] += len(reason) >= 10**6
+    return "error reply", sending(Error(code, reason))
+
+
+def clean(reason: str) -> bool:
+    """Whether a recorded reason is what logs and reports may show, and not the catch-all."""
+    return reason.isprintable() and 0 < len(reason) <= protocol.REASON_CHARS and UNDECODABLE not in reason
+
+
 def spoiled(
     data, wire: RecordDict, content: RecordDict, required: tuple[str, ...], defects: list[Callable]
 ) -> tuple[str, RecordDict]:
@@ -498,6 +569,8 @@ def spoiled(
         return "empty", RecordDict()
     if choice <= 3 and packing.is_packed(wire):
         return _layout_defect(data, wire)[::-1]
+    if choice == 5:
+        return _hostile_record(data, wire)[::-1]
     defect = _harmless if choice == 4 else data.draw(st.sampled_from(applicable))
     defect(data, draft)
     return draft.label, draft.content()
@@ -641,8 +714,10 @@ def test_a_malformed_reply_is_refused_and_what_passes_the_checks_keeps_the_state
         fed, phase, target = federations.draw(data, message_type)
         accepted = fed.accepted(phase, message_type)
         others = [n for n in fed.recipients(phase, message_type) if n != target][: data.draw(st.integers(0, 1))]
-        if data.draw(st.integers(0, 9)) == 0:
+        if (pick := data.draw(st.integers(0, 19))) <= 1:
             label, answer = misdirected(data, fed.grid, fed.grid.wire[phase, target, message_type][1], bool(others))
+        elif pick == 2:
+            label, answer = error_reply(data)
         else:
             required = protocol.INFO_METRICS if info else fed.calls[phase, message_type].required
             label, content = spoiled(data, *fed.travelled(phase, target, message_type, reply=True), required, defects)
@@ -660,7 +735,7 @@ def test_a_malformed_reply_is_refused_and_what_passes_the_checks_keeps_the_state
                     COUNTED[f"aggregated {message_type}"] += 1
                     assert all_finite(fed.aggregate(phase, message_type, target, got[target])), label
             else:
-                assert len(failures) == 1 and failures[0]["reason"], label
+                assert len(failures) == 1 and clean(failures[0]["reason"]), (label, failures[0]["reason"][:400])
                 assert failures[0]["node"] == fed.strategy.exchanger.name(target)
                 assert failures[0]["message_type"] == message_type
                 if not info and (phase, message_type, target) not in fed.without:
@@ -671,6 +746,41 @@ def test_a_malformed_reply_is_refused_and_what_passes_the_checks_keeps_the_state
     assert COUNTED[f"malformed reply {message_type}"] >= REPLIES_PER_TYPE
 
 
+@pytest.mark.parametrize("message_type", [INFO.message_type, "train"])
+def test_the_fuzzer_reaches_numpys_reshape_and_the_error_path_and_each_only_leaves_its_node_out(
+    federations, message_type
+):
+    """Packed replies whose sizes add up but whose shapes numpy cannot take (over 64 dimensions
+    among them) and error replies of megabytes (escapes, line breaks, forged log lines) are
+    drawn, reach the restore and the error path, and each leaves only its node out with a
+    clean one-line reason: no exception escapes (FedAvg's discovery and training replies)."""
+    fed, phase = federations["fedavg"], "info" if message_type == INFO.message_type else "train"
+    before = COUNTED.copy()
+
+    @settings(FUZZ, max_examples=80)
+    @given(st.data())
+    def check(data):
+        target = data.draw(st.sampled_from(fed.recipients(phase, message_type)))
+        others = [n for n in fed.recipients(phase, message_type) if n != target]
+        wire = fed.grid.wire[phase, target, message_type][1]
+        if data.draw(st.booleans()):
+            label, answer = error_reply(data)
+        elif packing.is_packed(wire) and data.draw(st.booleans()):
+            content, label = _layout_defect(data, wire)  # any layout defect, the hostile shapes among them
+            answer = sending(content)
+        else:
+            content, label = _hostile_record(data, wire)
+            answer = sending(content)
+        with server_identity(fed.grid.run_id):
+            got, failures = check_reply(fed, phase, message_type, target, answer, others)
+        assert target not in got and set(got) == set(others), label
+        assert len(failures) == 1 and clean(failures[0]["reason"]), (label, failures[0]["reason"][:400])
+
+    check()
+    drawn = COUNTED - before
+    assert drawn["shape over 64 dimensions"] > 0 and drawn["reason of megabytes"] > 0, drawn
+
+
 # -- the node ---------------------------------------------------------------------------------
 
 REFUSED, GOOD, ANY = "refused", "good", "any"  # an error reply / a reply the server accepts / either, or garbage
@@ -678,6 +788,7 @@ REQUEST_KINDS = {
     "harmless": GOOD,
     "array scale": ANY,
     "config value": ANY,
+    "config node-decides": ANY,
     "config drop-strategy": ANY,
     "empty": ANY,
     "other type": ANY,

@@ -15,6 +15,7 @@ Array per tensor, get what they always got.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
@@ -23,6 +24,15 @@ LAYOUT = ".layout"  # the ConfigRecord `<name>.layout` describes the packed Arra
 # What an array's bytes may hold beyond its values: Flower stores each as a .npy file, whose
 # header (dtype and shape as text) is 128 bytes for a model's arrays, 64 KiB at the most numpy writes.
 NPY_HEADER_MAX = 2**16
+# What a layout may declare, well beyond any model (whose arrays have a few dimensions and at
+# most millions of values), and within what numpy's reshape takes: at most 64 dimensions, each
+# under 2**63, and under 2**63 bytes counting every non-zero dimension.
+MAX_ARRAYS = 2**16  # arrays in one packed record
+MAX_DIMS = 32
+MAX_BYTES = 2**48
+SHAPE = re.compile(r"([0-9]{1,19}(,[0-9]{1,19})*)?")  # what `pack` writes: "", "7", "3,0,5"
+SHAPE_CHARS = MAX_DIMS * 20
+SHOWN = 60  # characters of a sender's key or dtype that an error message shows
 
 
 class PackingError(ValueError):
@@ -73,31 +83,29 @@ def unpack(content: RecordDict, source: str) -> RecordDict:
 
 def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayRecord:
     """The arrays `layout` describes, cut from `record`'s flat arrays, once the layout and
-    what each flat array declares (dtype, shape, bytes) agree: nothing is decoded before."""
+    what each flat array declares (dtype, shape, bytes) agree: nothing is decoded before, and
+    numpy sees no shape it could refuse (`_shapes`)."""
     keys, dtypes, shapes = (layout.get(field) for field in ("keys", "dtypes", "shapes"))
     if not all(isinstance(v, list) for v in (keys, dtypes, shapes)) or not len(keys) == len(dtypes) == len(shapes):
         raise PackingError(f"{where}: its layout needs lists keys, dtypes and shapes of equal length")
+    if len(keys) > MAX_ARRAYS:
+        raise PackingError(f"{where}: its layout names {len(keys)} arrays, more than {MAX_ARRAYS}")
     if len(set(map(str, keys))) < len(keys):
         raise PackingError(f"{where}: its layout names a key twice")
-    try:
-        dims = [tuple(int(d) for d in str(shape).split(",") if d) for shape in shapes]
-    except ValueError as err:
-        raise PackingError(f"{where}: shapes must be comma-separated integers ({err})") from err
-    sizes = _declared_sizes(record, where)
+    sizes, itemsizes = _declared_sizes(record, where)
+    dims = _shapes(keys, dtypes, shapes, itemsizes, where)
     offsets = dict.fromkeys(sizes, 0)
     for key, dtype, shape in zip(keys, dtypes, dims):
         size = math.prod(shape)  # a Python int: a lying shape cannot overflow it
-        if dtype not in sizes or min(shape, default=0) < 0:
-            raise PackingError(f"{where}: no {dtype} values for {key!r}")
         if offsets[dtype] + size > sizes[dtype]:
-            raise PackingError(f"{where}: too few {dtype} values for {key!r} of shape {shape}")
+            raise PackingError(f"{where}: too few {dtype} values for {_shown(key)} of shape {shape}")
         offsets[dtype] += size
     if offsets != sizes:
         raise PackingError(f"{where}: {sum(sizes.values())} values for a layout of {sum(offsets.values())}")
     try:
         flat = {dtype: array.numpy() for dtype, array in record.items()}
     except Exception as err:
-        raise PackingError(f"{where}: arrays must be decodable ({err})") from err
+        raise PackingError(f"{where}: arrays must be decodable ({type(err).__name__})") from err
     if any(
         values.ndim != 1 or values.size != sizes[dtype] or str(values.dtype) != dtype for dtype, values in flat.items()
     ):
@@ -111,18 +119,49 @@ def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayReco
     return ArrayRecord(arrays)
 
 
-def _declared_sizes(record: ArrayRecord, where: str) -> dict[str, int]:
+def _shapes(keys: list, dtypes: list, shapes: list, itemsizes: dict[str, int], where: str) -> list[tuple[int, ...]]:
+    """The layout's shapes as tuples, each checked as numpy would check it in a reshape, but
+    raising PackingError: of one of the record's dtypes, at most `MAX_DIMS` dimensions, each a
+    non-negative decimal, and, its zero dimensions left out (numpy counts the others even in an
+    empty array), at most `MAX_BYTES`."""
+    dims = []
+    for key, dtype, shape in zip(keys, dtypes, shapes):
+        if not isinstance(dtype, str) or dtype not in itemsizes:
+            raise PackingError(f"{where}: no {_shown(dtype, quoted=False)} values for {_shown(key)}")
+        if not isinstance(shape, str) or len(shape) > SHAPE_CHARS or not SHAPE.fullmatch(shape):
+            raise PackingError(
+                f"{where}: the shape of {_shown(key)} must be comma-separated integers (got {_shown(shape)})"
+            )
+        dims.append(tuple(int(d) for d in shape.split(",") if d))
+        if len(dims[-1]) > MAX_DIMS:
+            raise PackingError(f"{where}: {_shown(key)} has {len(dims[-1])} dimensions, more than {MAX_DIMS}")
+        if math.prod(d for d in dims[-1] if d) * max(itemsizes[dtype], 1) > MAX_BYTES:
+            raise PackingError(f"{where}: {_shown(key)} has a shape beyond {MAX_BYTES} bytes ({_shown(shape)})")
+    return dims
+
+
+def _declared_sizes(record: ArrayRecord, where: str) -> tuple[dict[str, int], dict[str, int]]:
     """Values per dtype of a packed record's flat arrays, as each declares them (its key, dtype
-    and shape), checked against the bytes it holds, without decoding any."""
-    sizes = {}
+    and shape), checked against the bytes it holds, without decoding any; and each dtype's
+    bytes per value."""
+    sizes, itemsizes = {}, {}
     for dtype, array in record.items():
         try:
-            itemsize = np.dtype(array.dtype).itemsize
-        except TypeError as err:
-            raise PackingError(f"{where}: no dtype numpy knows in {dtype!r} ({err})") from err
-        if array.dtype != dtype or len(array.shape) != 1:
-            raise PackingError(f"{where}: packed arrays must be flat, each under its dtype (got {dtype!r})")
-        if len(array.data) > array.shape[0] * itemsize + NPY_HEADER_MAX:
+            itemsizes[dtype] = np.dtype(array.dtype).itemsize
+        except Exception as err:  # TypeError for most strings; a dtype is the sender's text
+            raise PackingError(f"{where}: no dtype numpy knows in {_shown(dtype)} ({type(err).__name__})") from err
+        if array.dtype != dtype or len(array.shape) != 1 or array.shape[0] < 0:
+            raise PackingError(f"{where}: packed arrays must be flat, each under its dtype (got {_shown(dtype)})")
+        if len(array.data) > array.shape[0] * itemsizes[dtype] + NPY_HEADER_MAX:
             raise PackingError(f"{where}: {dtype} holds {len(array.data)} bytes, more than its {array.shape[0]} values")
         sizes[dtype] = int(array.shape[0])
-    return sizes
+    return sizes, itemsizes
+
+
+def _shown(value: object, quoted: bool = True) -> str:
+    """`value` as an error message may show it: a sender chose it, so cut short, and its repr
+    unless it is printable text and not `quoted`."""
+    if isinstance(value, (str, bytes, list)) and len(value) > SHOWN:
+        value = value[:SHOWN]
+    text = value if isinstance(value, str) and value.isprintable() and not quoted else repr(value)
+    return text if len(text) <= SHOWN else text[:SHOWN] + "..."

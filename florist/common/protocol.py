@@ -37,12 +37,34 @@ MAX_MAGNITUDE = 1e9
 MAX_INPUT_VALUES = 2**24
 MAX_INPUT_DIMS = 4
 MB = 10**6  # what `max-reply-mb` counts in
+# The most characters of a failure's reason that logs, results.json, report.md and checkpoints
+# keep (`one_line`): a node chooses its error replies' reasons, of any length and content.
+REASON_CHARS = 300
 
 # Message types are declared by the algorithms' specs (florist/strategies/<name>/spec.py).
 
 
 class ProtocolError(ValueError):
     """A reply or request that does not have the expected content."""
+
+
+# An ANSI/VT escape sequence (CSI, OSC, or one character after ESC): what a terminal would obey.
+ESCAPE = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]?|\][^\x07\x1b]*(\x07|\x1b\\)?|.?)", re.DOTALL)
+WHITESPACE = re.compile(r"\s+")
+
+
+def one_line(text: object, limit: int = REASON_CHARS) -> str:
+    """`text` as a log line or a report may show it, whoever wrote it: one line of printable
+    characters (escape sequences dropped, line breaks and other controls made spaces or "?"),
+    at most `limit` characters, saying when it was cut. Only its first `limit` characters are
+    read, so a reason of megabytes is never copied."""
+    text = text if isinstance(text, str) else repr(text)
+    line = WHITESPACE.sub(" ", ESCAPE.sub("", text[: limit + 1]))
+    line = "".join(c if c.isprintable() else "?" for c in line).strip()
+    if len(text) <= limit:
+        return line
+    cut = f"... (cut from {len(text)} characters)"
+    return line[: limit - len(cut)] + cut
 
 
 def to_record(model: torch.nn.Module) -> ArrayRecord:
@@ -110,8 +132,10 @@ def check_declared(
             raise ProtocolError(f"{source}: array {key!r} has dtype torch.{array.dtype}, expected {ref.dtype}")
         try:
             itemsize = np.dtype(array.dtype).itemsize
-        except TypeError as err:
-            raise ProtocolError(f"{source}: array {key!r} has no dtype numpy knows ({array.dtype!r})") from err
+        except (TypeError, ValueError) as err:  # ValueError: "(-1,)f8"
+            raise ProtocolError(
+                f"{source}: array {key!r} has no dtype numpy knows ({one_line(repr(array.dtype), 60)})"
+            ) from err
         if len(array.data) > math.prod(shape) * itemsize + NPY_HEADER_MAX:
             raise ProtocolError(
                 f"{source}: array {key!r} holds {len(array.data)} bytes, more than its shape {shape} of "
@@ -146,7 +170,8 @@ def metrics_of(content: RecordDict, required: tuple[str, ...], source: str) -> d
         value = metrics.get(key)
         if not isinstance(value, (int, float)) or not np.isfinite(value):
             what = "missing or not" if key in required else "not"
-            raise ProtocolError(f"{source}: metric {key!r} is {what} a finite number (got {value!r})")
+            shown = repr(value[:3])[:-1] + ", ...]" if isinstance(value, list) and len(value) > 3 else repr(value)
+            raise ProtocolError(f"{source}: metric {key!r} is {what} a finite number (got {shown})")
         if key in COUNTS and not (value == int(value) and 0 <= value <= MAX_COUNT):
             raise ProtocolError(f"{source}: metric {key!r} counts samples, but is {value!r}")
     return metrics | place_of(content, source)

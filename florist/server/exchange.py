@@ -20,7 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_c
 from typing import Any
 
 import torch
-from flwr.app import Message, RecordDict
+from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
@@ -36,6 +36,9 @@ MIN_PULL_SECONDS = 2.0
 # request's arrays stand in), for arrays its request does not show (PeFLL's encoder gradients
 # answer a descriptor gradient). A 2 GB reply to a model of a few MB is refused all the same.
 REPLY_SLACK = 64 * protocol.MB
+# The reason given for a reply whose decoding raised what no check foresaw (the checks raise
+# PackingError or ProtocolError, which say what is wrong); tests/test_fuzz.py expects never to see it.
+UNDECODABLE = "its reply could not be decoded"
 Expect = Mapping[str, Mapping[str, torch.Tensor]]  # per record of a reply, the arrays it should hold
 
 
@@ -144,35 +147,50 @@ class Exchanger:
         failed: dict[int, str] = {}
         for reply in replies:
             node = sent_to.get(reply.metadata.reply_to_message_id)
-            if reply.has_error():
-                node = reply.metadata.src_node_id if node is None else node
-                reason = self._error_reason(reply)
-            elif node != reply.metadata.src_node_id:  # never taken for another node's reply, or a stale one
-                node = reply.metadata.src_node_id
-                reason = f"it replied to message {reply.metadata.reply_to_message_id!r}, not one this exchange sent it"
-            elif node in good:
-                reason = "more than one reply to its message"
-            elif (size := protocol.declared_nbytes(reply.content)) > caps[node]:
-                self.bytes_up += size
-                reason = f"its reply of {_mb(size)} is over its cap of {_mb(caps[node])} (max-reply-mb)"
-            else:
-                self.bytes_up += protocol.nbytes(reply.content)
-                try:
-                    good[node] = packing.unpack(reply.content, self.name(node))
+            try:
+                if reply.has_error():
+                    node = reply.metadata.src_node_id if node is None else node
+                    reason = self._error_reason(reply)
+                elif node != reply.metadata.src_node_id:  # never taken for another node's reply, or a stale one
+                    node = reply.metadata.src_node_id
+                    reason = (
+                        f"it replied to message {reply.metadata.reply_to_message_id!r}, not one this exchange sent it"
+                    )
+                elif node in good:
+                    reason = "more than one reply to its message"
+                else:
+                    good[node] = self._unpacked(reply, node, caps[node])
                     continue
-                except packing.PackingError as err:
-                    reason = str(err)
+            except packing.PackingError as err:
+                reason = str(err)
+            except Exception as err:  # what no check foresaw: at worst, a reply leaves its own node out
+                node = reply.metadata.src_node_id if node is None else node
+                log.debug("the reply of %s raised", self.name(node), exc_info=True)
+                reason = f"{UNDECODABLE} ({type(err).__name__}: {protocol.one_line(str(err), 100)})"
             failed.setdefault(node, reason)
         return good, failed
 
+    def _unpacked(self, reply: Message, node: int, cap: int) -> RecordDict:
+        """`node`'s reply, weighed as declared before anything else is done with it (PackingError
+        when over `cap`), then counted and unpacked."""
+        if (size := protocol.declared_nbytes(reply.content)) > cap:
+            self.bytes_up += size
+            raise packing.PackingError(f"its reply of {_mb(size)} is over its cap of {_mb(cap)} (max-reply-mb)")
+        self.bytes_up += protocol.nbytes(reply.content)
+        return packing.unpack(reply.content, self.name(node))
+
     def _error_reason(self, reply: Message) -> str:
-        """Why an error reply says its node failed, in words."""
-        if reply.error.code != ErrorCode.MESSAGE_UNAVAILABLE:
-            return f"error code {reply.error.code}: {reply.error.reason}"
-        if (sizes := flower_internals.oversized(reply.error)) is not None:  # made by the deployment Grid
+        """Why an error reply says its node failed, in words: its code and reason as sent, cut
+        and cleaned (`protocol.one_line`) before anything copies them."""
+        code, reason = reply.error.code, reply.error.reason
+        if code != ErrorCode.MESSAGE_UNAVAILABLE:
+            prefix = f"error code {protocol.one_line(code, 24)}: "
+            return prefix + protocol.one_line(reason, protocol.REASON_CHARS - len(prefix))
+        error = Error(code, protocol.one_line(reason, 1000))  # ours are short; a node's may not be
+        if (sizes := flower_internals.oversized(error)) is not None:  # made by the deployment Grid
             pulled, cap = sizes  # what it weighed when the pull stopped
             return f"its reply is over its cap of {_mb(cap)} (max-reply-mb): {_mb(pulled)} or more, no more pulled"
-        if flower_internals.half_uploaded(reply.error):  # made by the deployment Grid
+        if flower_internals.half_uploaded(error):  # made by the deployment Grid
             return f"its reply was not completely uploaded within {self.timeout:.0f} s"
         return f"no reply within {self.timeout:.0f} s (the message expired)"  # its time-to-live, the timeout, ran out
 
@@ -220,7 +238,10 @@ class Exchanger:
         return _telling(replies)
 
     def fail(self, node: int, message_type: str, server_round: int, reason: str) -> None:
-        """Record that `node` dropped out of this exchange, and say so in the log."""
+        """Record that `node` dropped out of this exchange, and say so in the log. Every failure
+        passes here, so `reason` is made one short printable line here (`protocol.one_line`):
+        a node may write it, and the log, results.json, report.md and checkpoints keep it."""
+        reason = protocol.one_line(reason)
         log.warning("%s left out of %s in round %d: %s", self.name(node), message_type, server_round, reason)
         self.failures.append(
             {
