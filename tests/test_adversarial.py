@@ -1,10 +1,12 @@
-"""Robust aggregation (florist/server/aggregation.py) against one malicious node of five.
+"""Robust aggregation (florist/server/aggregation.py) against one or two malicious nodes of five.
 
 In-process federations on the embedded digits (iid, 5 training nodes, 15 rounds, the default
 CNN): partition 0 rewrites its own training replies with `client_mods.attack`, the client mod
 benchmarks/robustness.py uses too. It scales its update ×1000 relative to the model it
 received, flips its sign, or flips it and claims 10¹² examples (in its replies only, or at
-discovery too). Plain `mean` is shown to be hurt where the attack
+discovery too); with partition 1 sending NaN beside its ×1000 (`colluders`); or it returns the
+model it received, claiming 10¹² examples (`stall`; `noop2`: partitions 0 and 1, honest
+counts). Plain `mean` is shown to be hurt where the attack
 is strong, so the defences are tested against something real; each rule is also checked on
 hand-made tensors, and against Flower's own functions fed float64."""
 
@@ -59,8 +61,8 @@ def accuracy(results: dict) -> float:
     return 100 * results["summary"]["seen"]["mean_accuracy"]
 
 
-def blamed_honest_nodes(results: dict) -> set[int]:
-    return {f["node_id"] for f in results["failures"]} - {MALICIOUS}
+def blamed_honest_nodes(results: dict, attackers: int = 1) -> set[int]:
+    return {f["node_id"] for f in results["failures"]} - set(range(MALICIOUS, MALICIOUS + attackers))
 
 
 # -- the attacks are real -----------------------------------------------------------------
@@ -109,6 +111,27 @@ def test_max_node_examples_bounds_a_node_that_lies_at_discovery_too(federation):
     assert accuracy(capped) >= accuracy(federation()) - 10
     assert accuracy(capped) > accuracy(federation("claim-info")) + 50
     assert not blamed_honest_nodes(capped)
+
+
+@pytest.mark.parametrize(
+    ("attack", "rule", "used", "left_out"),
+    [
+        ("colluders", "trimmed:0.2", "median", []),  # ⌊0.2·4⌋ = 0: the plain mean before
+        ("stall", "multikrum:1", "median", ["partition-0"]),  # its 10¹² weight ruled the mean of the kept
+        ("noop2", "krum:1", "median", ["partition-0", "partition-1"]),  # two no-op copies: picked every round
+    ],
+)
+def test_two_colluders_or_nodes_that_do_not_train_cannot_degrade_a_robust_rule(
+    federation, attack, rule, used, left_out
+):
+    """Each round the rule cannot hold as named (4 or 3 replies left) is the median, recorded
+    with the reason; the nodes that sent the model back are left out, named, and no other."""
+    attacked = federation(attack, aggregation=rule)
+    assert accuracy(attacked) >= accuracy(federation()) - 5
+    assert not blamed_honest_nodes(attacked, attackers=2)
+    for row in attacked["rounds"]:
+        assert row["aggregation"] == used and row["left_out"] == left_out, row
+        assert "the median this round" in row["aggregation_note"], row
 
 
 def test_krum_leaves_the_scaling_node_out_and_says_so(federation):
@@ -190,9 +213,9 @@ def states_of(*rows) -> list[dict[str, torch.Tensor]]:
 def test_median_is_the_middle_value_or_the_mean_of_the_two_middle_ones():
     odd = Aggregator("median")(states_of([1.0, -7.0], [5.0, 0.0], [2.0, 3.0], [100.0, 1.0], [-7.0, 2.0]), [1] * 5)
     assert torch.equal(odd.state["w"], torch.tensor([2.0, 1.0]))
-    even = Aggregator("median")(states_of([1.0], [5.0], [2.0], [100.0]), [1, 1, 7, 1])
+    even = Aggregator("median")(states_of([1.0], [5.0], [2.0], [100.0]), [1, 1, 7, 3])
     assert torch.equal(even.state["w"], torch.tensor([3.5]))  # (2 + 5) / 2; torch.median would say 2
-    assert even.state["n"].item() == 2  # integer buffers from the heaviest node
+    assert even.state["n"].item() == 2  # integer buffers from the heaviest node, weights capped at the median (2)
 
 
 def test_trimmed_mean_drops_floor_beta_n_values_at_each_end():
@@ -221,11 +244,11 @@ def test_krum_picks_the_model_with_the_smallest_score():
     assert out.state["n"].item() == 1  # the picked model's counters, whatever the others weigh
 
 
-def test_multikrum_averages_the_n_minus_f_best_by_their_weights():
-    out = Aggregator("multikrum:1")(states_of(*POINTS), [1, 2, 1, 4, 10**6])
+def test_multikrum_averages_the_n_minus_f_best_by_their_weights_capped_at_the_median():
+    out = Aggregator("multikrum:1")(states_of(*POINTS), [1, 2, 1, 4, 10**6])  # capped at 2: 1, 2, 1, 2
     assert out.kept == [0, 1, 2, 3]
-    assert torch.equal(out.state["w"], torch.tensor([0.75, 0.75]))  # (2·b + 4·d + c) / 8
-    assert out.state["n"].item() == 3  # the heaviest model kept
+    assert torch.equal(out.state["w"], torch.tensor([4 / 6, 4 / 6]))  # (2·b + 2·d + c) / 6
+    assert out.state["n"].item() == 1  # the heaviest model kept, the first of two
     assert torch.equal(Aggregator("multikrum:0")(states_of(*POINTS), [1] * 5).state["w"], torch.tensor([2.4, 2.6]))
 
 
@@ -234,7 +257,8 @@ def test_krum_with_too_few_replies_falls_back_to_the_median_with_one_warning(cap
     out = Aggregator("krum:1")(states_of([0.0], [1.0], [5.0], [100.0]), [1] * 4)  # needs n > 4
     assert out.rule == "median" and torch.equal(out.state["w"], torch.tensor([3.0]))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == ["aggregation krum:1 needs more than 4 replies, got 4: the median this round"]
+    assert warnings == ["aggregation krum:1: needs more than 4 distinct replies, got 4: the median this round"]
+    assert out.note == warnings[0].removeprefix("aggregation krum:1: ")
 
 
 def test_clipping_pulls_far_updates_onto_the_sphere_and_leaves_the_others_alone():
@@ -274,13 +298,15 @@ def test_the_rules_and_bounds_parse():
 
 def test_the_rules_agree_with_flowers_own_functions_in_float64():
     """Flower's (legacy, unexported) numpy functions as an oracle: median, trimmed mean, Krum's
-    pick and Multi-Krum's weighted mean, on random models of two layers."""
+    pick and Multi-Krum's weighted mean (Flower fed the weights capped at their median, 3), on
+    random models of two layers."""
     from flwr.server.strategy import aggregate as flower
 
     gen = torch.Generator().manual_seed(0)
     states = [{"a": torch.randn(4, 3, generator=gen), "b": torch.randn(5, generator=gen)} for _ in range(7)]
     weights = [3, 1, 4, 1, 5, 9, 2]
-    layers = [([s["a"].double().numpy(), s["b"].double().numpy()], w) for s, w in zip(states, weights)]
+    capped = [min(w, 3) for w in weights]
+    layers = [([s["a"].double().numpy(), s["b"].double().numpy()], w) for s, w in zip(states, capped)]
     expected = {
         "median": flower.aggregate_median(layers),
         "trimmed:0.3": flower.aggregate_trimmed_avg(layers, 0.3),

@@ -8,14 +8,33 @@ Rules, for n replies θ_1..θ_n with weights w_k (`florist.config.parse_aggregat
 - `trimmed:β`: the coordinate-wise trimmed mean (Yin et al., 2018): each coordinate's ⌊β·n⌋
   smallest and ⌊β·n⌋ largest values dropped, the rest averaged (as `scipy.stats.trim_mean`).
 - `krum:f`: the one θ_i with the smallest score Σ ‖θ_i − θ_j‖² over its n − f − 2 nearest θ_j
-  (Blanchard et al., 2017); `multikrum:f`: the weighted mean of the m = n − f best-scored
-  (`multikrum:0` is `mean`). Both need n > 2f + 2: a round with fewer replies falls back to
-  the median, with one warning line, since a Krum score over fewer neighbours says nothing.
+  (Blanchard et al., 2017); `multikrum:f`: the mean of the m = n − f best-scored, weighted.
+The four robust rules (median, trimmed, krum, multikrum) never silently become something
+weaker: a round that gives way says why in one warning line and in `Outcome.note` (the round's
+`aggregation_note` in results.json), and `Outcome.rule` names the rule that ran.
+- A reply equal to the model sent down (`reference`, bit for bit over the floating tensors: no
+  training at all) is left out, and identical replies count once (as one vote, kept or left
+  out together). Sending θ_g back is a free stall: it lies amid the honest updates, so Krum
+  picked it in 6 of 15 rounds (`noop`, krum:1: 80.9% against 93.8% all honest) and picks two
+  copies of it every round (10.6%). Both signals are exact and cost one hash per reply; a node
+  that adds noise of its own evades them, and then each rule tolerates what its authors prove:
+  the median and the trimmed mean fewer than half (a β share) of the replies lying, Krum f.
+- What is left must support the rule: `trimmed:β` with ⌊β·n⌋ = 0 would cut nothing (the plain
+  mean, which two colluders reach by having one reply refused: 10.6%), and Krum needs
+  n > 2f + 2 (a score over fewer neighbours says nothing): the median runs instead, which
+  bounds one node among three or more. Fewer than 3 distinct replies cannot outvote one node:
+  the model stays as it was (rule `unchanged`; the zero update without a `reference`), so the
+  round cannot be steered, and the run goes on, since a node missing one round must not end it.
+- Weights are capped at the median weight of the distinct replies: one node's claim (even at
+  discovery: the `stall` attack, θ_g with 10¹² examples, held multikrum:1 at 10.6%) cannot
+  outweigh an honest node while fewer than half lie; honest counts below the median keep
+  their weight. Only Multi-Krum's mean and the choice of integer buffers use weights.
 Before the rule, `clip-norm` C > 0 pulls each θ_k to within C of the global model θ_g (L2 over
 all floating tensors): θ_k ← θ_g + (θ_k − θ_g)·min(1, C / ‖θ_k − θ_g‖). A node's weight is
 min(the `num-examples` it claims, the `num-train` it reported at discovery, `max-node-examples`
 when > 0); an honest node claims its num-train, so the cap changes nothing for it. Integer
-buffers (BatchNorm's counters) are taken from the heaviest node the rule kept, as FedAvg does.
+buffers (BatchNorm's counters) are taken from the heaviest node the rule kept (by the capped
+weights under a robust rule), as FedAvg does.
 
 Why not Flower's own: Flower 1.39 has these rules twice. The Message-API ones
 (`flwr.serverapp.strategy`: FedMedian, FedTrimmedAvg, Krum, MultiKrum) take reply `RecordDict`s,
@@ -35,8 +54,10 @@ The tests check every rule on hand-made tensors, and against Flower's functions 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,6 +67,7 @@ from florist.config import RunConfig, parse_aggregation
 log = logging.getLogger("flwr").getChild(__name__)
 
 State = dict[str, torch.Tensor]
+MIN_VOTES = 3  # the fewest distinct replies among which one node can be outvoted
 
 
 def weighted_average(states: Sequence[State], weights: Sequence[float]) -> State:
@@ -152,15 +174,86 @@ def krum_select(states: Sequence[State], f: int, m: int) -> list[int]:
     return sorted(torch.argsort(scores, stable=True)[:m].tolist())
 
 
+def fingerprint(state: State) -> bytes:
+    """A digest of the floating tensors' bytes (by key): equal digests, identical models."""
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        if state[key].is_floating_point():
+            digest.update(key.encode())
+            digest.update(state[key].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.digest()
+
+
+def votes(states: Sequence[State], reference: State | None) -> tuple[dict[int, list[int]], list[int]]:
+    """({first index of each distinct model: the indices of its copies}, indices of the no-op
+    models, equal to `reference`; none when it is None), in the given order."""
+    noop = fingerprint(reference) if reference is not None else None
+    groups: dict[bytes, list[int]] = {}
+    noops = []
+    for k, state in enumerate(states):
+        digest = fingerprint(state)
+        if digest == noop:
+            noops.append(k)
+        else:
+            groups.setdefault(digest, []).append(k)
+    return {members[0]: members for members in groups.values()}, noops
+
+
+def capped(weights: Sequence[float]) -> list[float]:
+    """The weights, each at most their median (equal weights when that leaves nothing)."""
+    cap = float(np.median(weights))
+    out = [min(float(w), cap) for w in weights]
+    return out if sum(out) > 0 else [1.0] * len(out)
+
+
+def gives_way(rule: str, arg: float, n: int) -> tuple[str, str]:
+    """(the rule that can run on `n` distinct replies, why it is not the one named: "" if it is)."""
+    if n < MIN_VOTES:
+        return "unchanged", f"{n} distinct replies cannot outvote one node: the model is unchanged this round"
+    if rule in ("krum", "multikrum") and n <= 2 * arg + 2:
+        return "median", f"needs more than {2 * int(arg) + 2} distinct replies, got {n}: the median this round"
+    if rule == "trimmed" and arg > 0 and int(arg * n) == 0:
+        return "median", f"cuts nothing from {n} distinct replies: the median this round"
+    return rule, ""
+
+
+def robust(rule: str, arg: float, states: Sequence[State], weights: Sequence[float]) -> tuple[State, list[int]]:
+    """(the model, the indices it is made of) by one of the robust rules."""
+    if rule == "median":
+        return coordinatewise(states, weights, median), list(range(len(states)))
+    if rule == "trimmed":
+        return coordinatewise(states, weights, lambda x: trimmed_mean(x, arg)), list(range(len(states)))
+    kept = krum_select(states, int(arg), 1 if rule == "krum" else len(states) - int(arg))
+    return weighted_average([states[i] for i in kept], [weights[i] for i in kept]), kept
+
+
+def unchanged(template: State, reference: State | None) -> State:
+    return {k: reference[k].clone() if reference is not None else torch.zeros_like(t) for k, t in template.items()}
+
+
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """An aggregation's result: the model, the rule that made it (`median` where Krum fell back),
-    the indices of the models it is made of, and those of the updates clipped first."""
+    """An aggregation's result: the model, the rule that made it (`median` where Krum or the
+    trimmed mean gave way, `unchanged` where too few distinct replies were left), the indices
+    of the models it is made of, those of the updates clipped first, and why the rule is not
+    the one the run names, or what it left out as a no-op or a copy ("" when nothing)."""
 
     state: State
     rule: str
     kept: list[int]
     clipped: list[int]
+    note: str = ""
+
+    def row(self, keys: Sequence[str]) -> dict[str, Any]:
+        """A round's results fields under a robust rule: the rule that ran, why it is not the
+        one the run names ("" when it is), and the keys of the nodes (`keys`, in the order the
+        rule saw them) it left out or clipped."""
+        return {
+            "aggregation": self.rule,
+            "aggregation_note": self.note,
+            "left_out": [key for i, key in enumerate(keys) if i not in self.kept],
+            "clipped": [keys[i] for i in self.clipped],
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,29 +279,34 @@ class Aggregator:
 
     def __call__(self, states: Sequence[State], weights: Sequence[float], reference: State | None = None) -> Outcome:
         """Combine `states` (one per node, in a fixed node order) with `weights`; `reference`
-        is the model they started from (for `clip-norm`; zero when None)."""
+        is the model they started from (for `clip-norm` and no-op replies; zero when None)."""
         n, clipped = len(states), []
+        rule, arg = parse_aggregation(self.spec)
+        groups, noops = votes(states, reference) if rule != "mean" else ({}, [])
         if self.clip_norm > 0:
             states, clipped = clip_updates(states, reference, self.clip_norm)
         if not sum(weights) > 0:  # every node claims 0 examples: their mean would be NaN
             weights = [1.0] * n
-        rule, arg = parse_aggregation(self.spec)
-        if rule in ("krum", "multikrum") and n <= 2 * arg + 2:
-            log.warning(
-                "aggregation %s needs more than %d replies, got %d: the median this round", self.spec, 2 * arg + 2, n
-            )
-            rule = "median"
-        if rule == "trimmed" and arg > 0 and int(arg * n) == 0:
-            log.warning("aggregation %s cuts nothing from %d replies: an unweighted mean this round", self.spec, n)
-        kept = list(range(n))
         if rule == "mean":
-            state = weighted_average(states, weights)
-        elif rule == "median":
-            state = coordinatewise(states, weights, median)
-        elif rule == "trimmed":
-            state = coordinatewise(states, weights, lambda x: trimmed_mean(x, arg))
+            return Outcome(weighted_average(states, weights), rule, list(range(n)), clipped)
+        voters = list(groups)
+        used, why = gives_way(rule, arg, len(voters))
+        if used == "unchanged":
+            state, chosen = unchanged(states[0], reference), []
         else:
-            kept = krum_select(states, int(arg), 1 if rule == "krum" else n - int(arg))
-            chosen = [weights[i] for i in kept]
-            state = weighted_average([states[i] for i in kept], chosen if sum(chosen) > 0 else [1.0] * len(kept))
-        return Outcome(state, rule, kept, clipped)
+            state, picked = robust(used, arg, [states[i] for i in voters], capped([weights[i] for i in voters]))
+            chosen = [voters[i] for i in picked]
+        note = "; ".join(filter(None, [uncounted(len(noops), n - len(noops) - len(voters)), why]))
+        if note:
+            log.warning("aggregation %s: %s", self.spec, note)
+        return Outcome(state, used, sorted(i for v in chosen for i in groups[v]), clipped, note)
+
+
+def uncounted(noops: int, copies: int) -> str:
+    """What a robust rule did not count, in words ("" when nothing)."""
+    parts = []
+    if noops:
+        parts.append(f"{noops} repl{'y' if noops == 1 else 'ies'} equal to the model sent (no training) left out")
+    if copies:
+        parts.append(f"{copies} cop{'y' if copies == 1 else 'ies'} of another reply counted with it")
+    return "; ".join(parts)

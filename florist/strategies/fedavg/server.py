@@ -50,15 +50,12 @@ class FedAvg(ServerStrategy):
             outcome = self.aggregator([r.arrays for _, r in done], weights, self.model.state_dict())
             self.model.load_state_dict(outcome.state)
             if not self.aggregator.plain:
-                self.extras = {
-                    "aggregation": outcome.rule,
-                    "left_out": [n.key for i, (n, _) in enumerate(done) if i not in outcome.kept],
-                    "clipped": [done[i][0].key for i in outcome.clipped],
-                }
+                self.extras = outcome.row([n.key for n, _ in done])
         return mean_loss(r.metrics | {"num-examples": w} for (_, r), w in zip(done, weights))
 
     def round_extras(self) -> dict[str, Any]:
-        """Under a robust rule: the rule that ran, and the nodes it left out or clipped."""
+        """Under a robust rule: the rule that ran, why it is not the one the run names (or what
+        it did not count; "" when nothing), and the nodes it left out or clipped."""
         return self.extras
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
