@@ -178,10 +178,20 @@ class HyperNetwork(nn.Module):
 
 
 class Standardizer(nn.Module):
-    """The authors' descriptor standardization (PeFLL's train.py): the mean m and standard
-    deviation s over the components of the first descriptor the server uses, fixed from then
-    on; every descriptor, seen or new, goes to h as (v − m)/s. Gradients flow through it, so
-    Δv reaches the encoder scaled by 1/s. Off, it is the identity."""
+    """The authors' descriptor standardization (PeFLL's train.py), robust to any one node: h
+    reads every descriptor, seen or new, as (v − m)/s with m and s fixed for the run. The
+    authors take m and s, the mean and (unbiased) standard deviation over the components of
+    the first descriptor the server uses, so whoever comes first chooses them (one node sending
+    [1e-10, 0, …] made s tiny and every honest node's θ diverge). `fit` takes each node's m_i
+    and s_i as the authors do, then their medians over round 1's nodes (the mean of the two
+    middle values for an even count): no node's place in the order matters, and one node of
+    three or more cannot move m or s outside the honest nodes' values (of two: s stays above
+    half the honest one's). s is floored at `FLOOR` times the nodes' median root mean square,
+    so that h never reads a descriptor magnified far beyond its own size (s = 1 when that is 0,
+    or when a descriptor has one component). Gradients flow through it, so Δv reaches the
+    encoder scaled by 1/s. Off, it is the identity."""
+
+    FLOOR = 0.01
 
     def __init__(self, active: bool):
         super().__init__()
@@ -190,16 +200,32 @@ class Standardizer(nn.Module):
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("fitted", torch.zeros((), dtype=torch.bool))
 
+    def fit(self, descriptors: torch.Tensor) -> None:
+        """Fix m and s from `descriptors`, one row per node, in any order."""
+        with torch.no_grad():
+            v = descriptors.detach().double().reshape(len(descriptors), -1)
+            v = v[torch.isfinite(v).all(1)]  # (replies with non-finite values are refused before)
+            shift, scale = float(_median(v.mean(1))) if len(v) else 0.0, 1.0
+            if len(v) and v.shape[1] > 1:
+                spread = max(float(_median(v.std(1))), self.FLOOR * float(_median(v.square().mean(1).sqrt())))
+                scale = spread if spread > 1e-12 else 1.0
+            self.shift.fill_(shift)
+            self.scale.fill_(scale)
+            self.fitted.fill_(True)
+
     def forward(self, v: torch.Tensor) -> torch.Tensor:
         if not self.active:
             return v
-        if not self.fitted:  # a constant or non-finite first descriptor: s = 1 (and m = 0 if not finite)
-            with torch.no_grad():
-                mean, std = v.mean(), (v.std() if v.numel() > 1 else torch.ones(()))
-                self.shift.copy_(mean if torch.isfinite(mean) else 0.0)
-                self.scale.copy_(std if torch.isfinite(std) and std > 1e-12 else 1.0)
-                self.fitted.fill_(True)
+        if not self.fitted:
+            raise RuntimeError("descriptor standardizer used before fit(): fit it on round 1's descriptors")
         return (v - self.shift) / self.scale
+
+
+def _median(x: torch.Tensor) -> torch.Tensor:
+    """The median of a 1-d tensor, the mean of the two middle values for an even length (as
+    `numpy.median`; torch's is the lower one, which two nodes would let the smaller choose)."""
+    ordered, n = x.sort().values, len(x)
+    return (ordered[(n - 1) // 2] + ordered[n // 2]) / 2
 
 
 def default_embed_dim(num_train_clients: int) -> int:

@@ -12,7 +12,7 @@ from flwr.app import ArrayRecord
 
 from florist.common.devices import moved
 from florist.common.models import build_model, seeded
-from florist.server.aggregation import Aggregator
+from florist.server.aggregation import Aggregator, Outcome
 from florist.server.report import pct
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss
 from florist.strategies.pefll.networks import (
@@ -54,6 +54,7 @@ class PeFLL(ServerStrategy):
         self.template = template.state_dict()
         self.aggregator = Aggregator.of(cfg)  # over the clients' Δη when the run names a robust rule
         self.optimizer = server_optimizer(hn, self.hyper, self.embed)
+        self.extras: dict[str, Any] = {}  # the last round's robust-rule fields (`round_extras`)
 
     def new_encoder(self) -> Encoder:
         """PeFLL's embedding network of kind `hn-encoder`."""
@@ -76,7 +77,7 @@ class PeFLL(ServerStrategy):
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         described = self.describe(server_round, nodes)
         v = {node: r.arrays[DESCRIPTOR].to(self.device).clone().requires_grad_() for node, r in described.items()}
-        theta = {node: self.hyper(self.standardizer(v[node])) for node in v}
+        theta = {node: self.hyper(s) for node, s in self.standardized(v).items()}
         requests = {
             node: self.request(TRAIN_GENERATED, server_round, ArrayRecord(moved(t, "cpu"))) for node, t in theta.items()
         }
@@ -101,19 +102,33 @@ class PeFLL(ServerStrategy):
             TRAIN_ENCODER, requests, server_round, ("num-examples",), moved(self.embed.state_dict(), "cpu")
         )
         # Only clients that completed all three exchanges count; fixed order: same seed, same sums.
-        done = [n.node_id for n in nodes if n.node_id in embedded]
+        done = [n for n in nodes if n.node_id in embedded]
+        self.extras = {}
         if done:
-            self.update({n: (theta[n], delta[n], moved(embedded[n].arrays, self.device)) for n in done})
-        return mean_loss(trained[n].metrics for n in done)
+            ids = [n.node_id for n in done]
+            outcome = self.update({i: (theta[i], delta[i], moved(embedded[i].arrays, self.device)) for i in ids})
+            self.extras = {} if outcome is None else outcome.row([n.key for n in done])
+        return mean_loss(trained[n.node_id].metrics for n in done)
 
-    def update(self, steps: dict[int, tuple[Params, Params, Params]]) -> None:
+    def standardized(self, v: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Each node's descriptor as h reads it (`hn-standardize`: (v − m)/s), m and s fitted
+        on all of the first descriptors the run uses at once, so no node's place counts."""
+        if self.standardizer.active and not self.standardizer.fitted and v:
+            self.standardizer.fit(torch.stack([x.detach() for x in v.values()]))
+        return {node: self.standardizer(x) for node, x in v.items()}
+
+    def update(self, steps: dict[int, tuple[Params, Params, Params]]) -> Outcome | None:
         """One optimizer step on −mean Δη from (θ_i, Δθ_i, Δη_v,i) per client. Δη_h,i = J_iᵀΔθ_i
         comes from one backward pass through Σ_i ⟨θ_i, Δθ_i⟩; under a robust `aggregation` (or
-        `clip-norm`), from one pass per client, and the rule replaces the mean. With
+        `clip-norm`), from one pass per client, and the rule replaces the mean (its outcome is
+        returned, None under the plain mean; a rule that kept nobody takes no step). With
         `hn-grad-clip`, the combined direction of both networks is clipped to that norm first."""
         self.optimizer.zero_grad()
+        outcome = None
         if not self.aggregator.plain:
-            self.robust_gradients(steps)
+            outcome = self.robust_gradients(steps)
+            if not outcome.kept:  # the rule left the networks as they are: no step (Adam's would move them)
+                return outcome
         else:
             (-sum(_inner(theta, delta) for theta, delta, _ in steps.values()) / len(steps)).backward()
             for name, param in self.embed.named_parameters():
@@ -122,12 +137,14 @@ class PeFLL(ServerStrategy):
             params = [*self.hyper.parameters(), *self.embed.parameters()]
             torch.nn.utils.clip_grad_norm_(params, self.settings.grad_clip)
         self.optimizer.step()
+        return outcome
 
-    def robust_gradients(self, steps: dict[int, tuple[Params, Params, Params]]) -> None:
+    def robust_gradients(self, steps: dict[int, tuple[Params, Params, Params]]) -> Outcome:
         """Set the networks' gradients to the run's rule over the clients' pseudo-gradients
         g_i = −(Δη_h,i, Δη_v,i), each clipped to ‖g_i‖ ≤ `clip-norm` first. The g_i live in one
         space (η), so the median, trimmed mean and Krum apply as to SGD gradients (Blanchard et
-        al. and Yin et al. state them for gradients); all clients weigh alike, as in the mean."""
+        al. and Yin et al. state them for gradients); all clients weigh alike, as in the mean.
+        A g_i of zero is what a node that trained nothing sends: the rule treats it as a no-op."""
         hyper = dict(self.hyper.named_parameters())
         gradients = []
         for theta, delta, d_embed in steps.values():
@@ -136,10 +153,17 @@ class PeFLL(ServerStrategy):
                 {f"hyper.{k}": g.cpu() for k, g in zip(hyper, g_hyper)}
                 | {f"embed.{k}": -d_embed[k].cpu() for k, _ in self.embed.named_parameters()}
             )
-        combined = self.aggregator(gradients, [1.0] * len(gradients)).state
+        zero = {k: torch.zeros_like(g) for k, g in gradients[0].items()}  # g_i = 0: a no-op reply
+        outcome = self.aggregator(gradients, [1.0] * len(gradients), zero)
         for prefix, net in (("hyper", self.hyper), ("embed", self.embed)):
             for name, param in net.named_parameters():
-                param.grad = combined[f"{prefix}.{name}"].to(param.device)
+                param.grad = outcome.state[f"{prefix}.{name}"].to(param.device)
+        return outcome
+
+    def round_extras(self) -> dict[str, Any]:
+        """Under a robust rule (`Outcome.row`): the rule that ran, why, and the nodes it left out
+        or clipped; empty under the plain mean."""
+        return self.extras
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
         return self.predict(server_round, nodes, serve=False)
@@ -153,10 +177,8 @@ class PeFLL(ServerStrategy):
         carries the descriptor's sample count and, when noised, its privacy settings."""
         described = self.describe(server_round, nodes, predict=True, serve=serve)
         with torch.no_grad():
-            theta = {
-                node: moved(self.hyper(self.standardizer(r.arrays[DESCRIPTOR].to(self.device))), "cpu")
-                for node, r in described.items()
-            }
+            v = self.standardized({node: r.arrays[DESCRIPTOR].to(self.device) for node, r in described.items()})
+            theta = {node: moved(self.hyper(x), "cpu") for node, x in v.items()}
         requests = {node: self.request(EVALUATE_GENERATED, server_round, ArrayRecord(t)) for node, t in theta.items()}
         scored = self.ask(EVALUATE_GENERATED, requests, server_round, ("num-examples",) if serve else TESTED)
         return {node: reply.metrics | _descriptor_fields(described[node].metrics) for node, reply in scored.items()}

@@ -35,7 +35,7 @@ class HyperNetSettings(Settings):
     optimizer: str = setting("adamw", server=True)  # adamw (florist's) | adam (the authors') | sgd (Alg. 2)
     server_lr: float = setting(5e-3, server=True)  # server step s (Algorithm 2's β is the clients' step)
     grad_clip: float = setting(0.0, server=True)  # max norm of the server's update direction (0: off)
-    standardize: bool = setting(False, server=True)  # v ← (v − m)/s, m, s of round 1's first descriptor
+    standardize: bool = setting(False, server=True)  # v ← (v − m)/s, m, s: medians over round 1's nodes
     l2_hyper: float = setting(1e-3, server=True)  # λ_h
     l2_embed: float = setting(1e-3, server=True)  # λ_v
     l2_model: float = setting(5e-5)  # λ_θ, the client's ‖θ‖² penalty
