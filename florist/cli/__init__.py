@@ -13,13 +13,13 @@ import os
 import sys
 from collections.abc import Iterable
 
-from florist.cli import certs, compare, deploy_local, export, join, local_federation, simulate, supernode
+from florist.cli import app_hash, certs, compare, deploy_local, export, join, local_federation, simulate, supernode
 from florist.cli.signals import forget_interrupt, ignore_signals
 from florist.strategies import STRATEGIES
 from florist.strategies.base import StrategySpec
 
 # In the order `florist --help` lists them; each strategy's own commands come after these.
-COMMANDS = (simulate, deploy_local, local_federation, certs, join, export, supernode, compare)
+COMMANDS = (simulate, deploy_local, local_federation, certs, join, export, supernode, app_hash, compare)
 
 
 class _Parser(argparse.ArgumentParser):

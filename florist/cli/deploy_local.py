@@ -45,6 +45,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import subprocess
 
+    from florist.deploy.bundle import app_dir, bundle_hash
     from florist.deploy.federation import LocalFederation
     from florist.deploy.netns import Network, check_usable
     from florist.runners.simulation import Interrupted
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = cfg.replace(results_dir=str(results_dir), **absolute, **({"bind_node_keys": True} if args.auth else {}))
     workdir = Path(args.state_dir or results_dir / "federation").expanduser().resolve()
     results_file = results_dir / "results.json"
+    app = app_dir()  # the bundle submitted below, and the only one its SuperNodes run
     interrupt_on_signals()
     try:
         # The network is made first and removed last, with whatever still runs in it.
@@ -72,13 +74,14 @@ def run(args: argparse.Namespace) -> int:
                 persistent=args.auth,  # node ids, to which node keys are bound, survive a --resume
                 executor=args.executor,
                 network=network,
+                trust_apps=[bundle_hash(app)],
             ) as fed,
         ):
             print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe(submit=False)}", flush=True)
             if not cfg.resume_from:
                 results_file.unlink(missing_ok=True)
             rc = subprocess.run(
-                fed.run_command(cfg.to_mapping()), env=fed.env, cwd=workdir, start_new_session=True
+                fed.run_command(cfg.to_mapping(), app), env=fed.env, cwd=workdir, start_new_session=True
             ).returncode
     except KeyboardInterrupt:
         saved = json.loads(results_file.read_text()) if results_file.exists() else None

@@ -7,6 +7,7 @@ import argparse
 
 from florist.cli.options import executor_option
 from florist.cli.signals import interrupt_on_signals
+from florist.cli.supernode import trust_app_option
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -15,11 +16,18 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="start a SuperNode on this box and join a running federation",
         description="Check the data folder, then start a SuperNode for this box pointed at the SuperLink's Fleet "
         "API, with node config data-dir, node-key and state-dir. Explains failures: unreachable SuperLink, "
-        "certificate mismatch, key not registered, ill-formed data.",
+        "certificate mismatch (wrong CA, or issued for other host names), key not registered, ill-formed data. "
+        "Without --root-certificates it dials only when told --insecure.",
     )
     join.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's Fleet API address")
     join.add_argument("--data-dir", required=True, help="train.npz + test.npz, or ImageFolder trees train/ and test/")
     join.add_argument("--root-certificates", metavar="CA", help="CA certificate of the SuperLink (enables TLS)")
+    join.add_argument(
+        "--insecure",
+        action="store_true",
+        help="dial without TLS: traffic unencrypted and the SuperLink unauthenticated (required without "
+        "--root-certificates)",
+    )
     join.add_argument(
         "--auth-key", metavar="KEY", help="this node's private key (its .pub registered on the SuperLink)"
     )
@@ -35,6 +43,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         "--max-wait-time", type=float, default=60.0, help="give up connecting after this many seconds (default: 60)"
     )
     executor_option(join)
+    trust_app_option(join)
     join.set_defaults(func=run)
 
 
@@ -46,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         args.superlink,
         args.data_dir,
         root_certificates=args.root_certificates,
+        insecure=args.insecure,
         auth_key=args.auth_key,
         state_dir=args.state_dir,
         node_key=args.node_key,
@@ -53,4 +63,5 @@ def run(args: argparse.Namespace) -> int:
         max_wait_time=args.max_wait_time,
         executor=args.executor,
         device=args.device,
+        trust_apps=args.trust_app,
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from florist.cli.options import DEFAULT_NODES, federation_options, node_configs
 from florist.cli.signals import interrupt_on_signals
+from florist.cli.supernode import trust_app_option
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -34,15 +35,23 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="keep the SuperLink's state in STATE_DIR/superlink.db, so that a restarted SuperLink keeps "
         "node identities and registered keys (SQLite makes every exchange 2-3 times slower)",
     )
+    trust_app_option(
+        fed,
+        "an app bundle the SuperNodes run besides this checkout's as it is at start (its sha256, printed by "
+        "`florist app-hash DIR`; repeatable); any other is refused. After editing the checkout, restart",
+    )
     fed.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from florist.common.data import parse_partition
+    from florist.deploy.bundle import TrustedApps, bundle_hash
     from florist.deploy.federation import LocalFederation
 
     parse_partition(args.partition)  # it goes into the printed run line: refuse a wrong one now
     workdir = Path(args.state_dir).expanduser().resolve()
+    # The checkout's bundle as it is now (what the printed `flwr run .` submits), and any other named.
+    trusted = sorted(TrustedApps.parse([bundle_hash(), *args.trust_app]).hashes)
     interrupt_on_signals()
     num_nodes = args.num_nodes or DEFAULT_NODES[args.command]
     with LocalFederation(
@@ -52,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         auth=args.auth,
         executor=args.executor,
         persistent=args.persistent,
+        trust_apps=trusted,
     ) as fed:
         print(fed.describe().replace("...", f'partition="{args.partition}"'), flush=True)
         print("Running; Ctrl-C stops the SuperLink and SuperNodes started here.", flush=True)

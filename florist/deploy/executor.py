@@ -15,7 +15,9 @@ start-up to hold exactly the preloaded package's files and components, `preloade
 any other bundle, even one that differs by a single added file, runs in Flower's stock per-task
 process. The folder Flower installs that bundle in is checked to hold exactly its files (Flower
 names it by 8 hex digits of the hash), and a warm child never puts it on `sys.path`, so nothing
-in it can shadow a module the preloaded code imports later.
+in it can shadow a module the preloaded code imports later. On a box that names the apps it
+trusts (`florist supernode --trust-app`), a task of any other bundle never reaches this executor:
+its SuperNode refuses the bundle before fetching it (`flower_internals/apptrust.py`).
 
 With `--superexec-auth-secret-file` (the SuperNode's or SuperLink's own), its task requests are
 signed as Flower's SuperExec signs them: the Runtime API then serves tasks to no one else.

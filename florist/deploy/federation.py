@@ -19,7 +19,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,10 @@ class LocalFederation(ServerAppRunners):
         persistent: bool = False,
         preload: str | None = None,
         network: netns.Network | None = None,
+        trust_apps: Sequence[str] = (),
     ):
+        """`trust_apps`: the sha256 of every app bundle its SuperNodes run (`florist supernode
+        --trust-app`); none given, they run any (the SuperLink is this machine's own)."""
         if auth and not tls:
             raise ValueError("SuperNode authentication needs TLS: pass --tls with --auth")
         self.workdir = Path(workdir).expanduser().resolve()
@@ -74,6 +77,7 @@ class LocalFederation(ServerAppRunners):
         if executor == "warm" and not flower_internals.fast_path():  # which has said why, once
             executor = "flower"  # no fork server, no warm executors: Flower's SuperExec, SuperNodes and SuperLink
         self.executor, self.persistent, self.preload, self.network = executor, persistent, preload, network
+        self.trust_apps = tuple(trust_apps)
         self.host = network.address(netns.SUPERLINK) if network else "127.0.0.1"  # where SuperNodes dial
         self.flwr_home = self.workdir / "flwr-home"
         self.certs, self.keys, self.logs = self.workdir / "certs", self.workdir / "keys", self.workdir / "logs"
@@ -234,6 +238,7 @@ class LocalFederation(ServerAppRunners):
             "--max-wait-time",
             str(self.max_wait_time),
             *(self._signed() if self.executor == "warm" else []),  # `--isolation process`, a warm executor
+            *(f"--trust-app={sha256}" for sha256 in self.trust_apps),
         ]
         if self.tls:
             args += ["--root-certificates", str(root_certificates or self.certs / "ca.crt")]
@@ -312,14 +317,14 @@ class LocalFederation(ServerAppRunners):
             f'address = "{self.control_address}"\n{security}\n'
         )
 
-    def run_command(self, run_config: Mapping[str, Any]) -> list[str]:
-        """`flwr run` of the florist app on this federation, streaming its log."""
+    def run_command(self, run_config: Mapping[str, Any], app: Path | None = None) -> list[str]:
+        """`flwr run` of the florist app (or of the app in `app`) on this federation, streaming its log."""
         return self._in(
             netns.SUPERLINK,
             [
                 flower_bin("flwr"),
                 "run",
-                str(app_dir()),
+                str(app or app_dir()),
                 CONNECTION,
                 "--stream",
                 "--run-config",
@@ -343,6 +348,7 @@ class LocalFederation(ServerAppRunners):
             f"  Control + Runtime API (HTTP, loopback only): {self.control_address}\n"
             f"  state: {self.database if self.persistent else 'in memory'}\n{nodes}\n"
             + ("Runtime APIs: tasks only for signed requests (SuperExec auth)\n" if self.auth_secret else "")
+            + (f"SuperNodes run only the app bundles {', '.join(self.trust_apps)}\n" if self.trust_apps else "")
             + (f"{self.network.describe()}\n" if self.network else "")
             + (
                 f"Submit a run from the florist checkout:\n"

@@ -25,6 +25,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -111,6 +112,39 @@ def request(path: str, argv: list[str], log_fd: int, pipes: tuple[int, int] | No
         raise
 
 
+def listen(path: str) -> socket.socket:
+    """A listener at `path` that only this user can connect to: the socket file is made 0600
+    before it listens (until then a connection is refused), then given its name."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(f"{path}.new")
+    os.chmod(f"{path}.new", 0o600)
+    listener.listen(64)
+    os.rename(f"{path}.new", path)  # only a listening socket has the name: no refused connection
+    return listener
+
+
+def peer_uid(connection: socket.socket) -> int | None:
+    """The user id of the process at the other end of a Unix socket (None where the system
+    does not tell: then the socket's mode alone keeps others out)."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    _, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def accept(listener: socket.socket) -> socket.socket | None:
+    """The next connection, if it comes from this user; another user's is closed, in one log line."""
+    connection, _ = listener.accept()
+    uid = peer_uid(connection)
+    if uid is not None and uid != os.getuid():
+        log.warning(
+            "refused a connection from uid %d: this fork server forks executors for uid %d only", uid, os.getuid()
+        )
+        connection.close()
+        return None
+    return connection
+
+
 class ForkServer:
     def __init__(self, app: executor.PreloadedApp, parent_pid: int | None):
         self.app, self.parent_pid = app, parent_pid
@@ -123,8 +157,7 @@ class ForkServer:
         """Fork an executor per request until stopped or the process that started us is gone."""
         while not self.stopping and (self.parent_pid is None or os.getppid() == self.parent_pid):
             _reap()
-            if select.select([listener], [], [], 1.0)[0]:
-                connection, _ = listener.accept()
+            if select.select([listener], [], [], 1.0)[0] and (connection := accept(listener)):
                 try:
                     self.fork(listener, connection)
                 except (OSError, ValueError) as err:  # a malformed or vanished request: the next one is served
@@ -189,10 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, help="exit when this process is gone")
     args = parser.parse_args(argv)
     executor.configure_logging()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(f"{args.socket}.new")  # before preloading: SuperNodes that connect meanwhile wait in the backlog
-    listener.listen(64)
-    os.rename(f"{args.socket}.new", args.socket)  # only a listening socket has the name: no refused connection
+    listener = listen(args.socket)  # before preloading: SuperNodes that connect meanwhile wait in the backlog
     try:
         start = time.monotonic()
         server = ForkServer(executor.preload(args.app), args.parent_pid)

@@ -3,16 +3,25 @@ running SuperLink, and turn Flower's failure modes into messages that say what t
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import shutil
 import socket
+import ssl
+import stat
 import sys
+import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from florist.client.state import NodeState
 from florist.common import devices
 from florist.common.data import ClientData
 from florist.common.folders import folder_client
+from florist.deploy.bundle import TrustedApps
+from florist.deploy.serving import write_auth_secret
 from florist.deploy.spawning import Process, free_port, spawn, supernode_command, toml_node_config
 
 # (patterns in the SuperNode's output, what it means for the user), most specific first
@@ -57,37 +66,71 @@ def diagnose(output: str, **facts: object) -> str | None:
     return None
 
 
-def tls_mismatch(superlink: str, tls: bool) -> str | None:
-    """What is wrong when the SuperLink answers at `superlink` but speaks TLS where this node
-    was given no CA, or plain text where it was; None when it matches or does not answer (the
-    SuperNode's own retries then tell "unreachable")."""
-    import ssl
-
-    host, _, port = superlink.rpartition(":")
-    try:
-        sock = socket.create_connection((host, int(port)), timeout=3)
-    except OSError:
-        return None
-    context = ssl.create_default_context()
-    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # only asking whether it speaks TLS
+def _tls_probe(host: str, port: int, cafile: str | None = None) -> bytes | None:
+    """The certificate the server at host:port presents (DER), None if it does not speak TLS
+    (OSError if it does not answer); with `cafile`, verified against it and `host`
+    (ssl.SSLCertVerificationError if it does not verify)."""
+    sock = socket.create_connection((host, port), timeout=3)
+    context = ssl.create_default_context(cafile=cafile)
+    if cafile is None:
+        context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # only asking whether it speaks TLS
     context.set_alpn_protocols(["h2"])
     try:
-        with context.wrap_socket(sock, server_hostname=host):
-            speaks_tls = True
+        with context.wrap_socket(sock, server_hostname=host) as tls:
+            return tls.getpeercert(binary_form=True)
+    except ssl.SSLCertVerificationError:
+        raise
     except (ssl.SSLError, OSError):
-        speaks_tls = False
+        return None
     finally:
         sock.close()
-    if speaks_tls and not tls:
+
+
+def certificate_names(der: bytes) -> list[str]:
+    """The host names and addresses a certificate is issued for (its SANs, else its CN)."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    cert = x509.load_der_x509_certificate(der)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    return [str(name) for kind in (x509.DNSName, x509.IPAddress) for name in san.get_values_for_type(kind)]
+
+
+def tls_mismatch(superlink: str, root_certificates: str | Path | None) -> str | None:
+    """What is wrong when the SuperLink answers at `superlink` but speaks TLS where this node
+    was given no CA, or plain text where it was, or presents a certificate issued for other
+    names; None when it matches or does not answer (the SuperNode's own retries then tell
+    "unreachable", and its output a certificate that does not verify)."""
+    host, _, port = superlink.rpartition(":")
+    try:
+        der = _tls_probe(host, int(port))
+    except OSError:
+        return None
+    if der and not root_certificates:
         return (
             f"the SuperLink at {superlink} speaks TLS: pass --root-certificates with the CA certificate it was "
             "issued by (ca.crt)"
         )
-    if tls and not speaks_tls:
+    if root_certificates and not der:
         return (
             f"the SuperLink at {superlink} does not speak TLS (it runs with --insecure): leave out "
             "--root-certificates, or restart it with TLS"
         )
+    if der and root_certificates:
+        try:
+            _tls_probe(host, int(port), str(root_certificates))
+        except ssl.SSLCertVerificationError as err:  # another CA: the SuperNode's output tells it
+            if err.verify_code in (62, 64):  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+                return (
+                    f"hostname mismatch: the SuperLink's certificate at {superlink} is issued for "
+                    f"{', '.join(certificate_names(der)) or 'no names'}, not {host}: dial one of those names, "
+                    f"or reissue it with `florist certs --hosts ... {host}`"
+                )
+        except OSError:  # gone meanwhile: the SuperNode's retries tell it
+            pass
     return None
 
 
@@ -102,6 +145,8 @@ def supernode_args(
     max_wait_time: float,
     executor: str = "warm",
     device: str | None = None,
+    trust_apps: Sequence[str] = (),
+    auth_secret: Path | None = None,
 ) -> list[str]:
     node_config = {"data-dir": str(data_dir), "node-key": node_key} | (
         {"state-dir": str(state_dir)} if state_dir else {}
@@ -121,7 +166,9 @@ def supernode_args(
     args += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     if auth_key:
         args += ["--auth-supernode-private-key", str(auth_key)]
-    return args
+    if auth_secret:  # the Runtime API then serves tasks only to the executor, which signs with it
+        args += ["--superexec-auth-secret-file", str(auth_secret)]
+    return args + [f"--trust-app={sha256}" for sha256 in trust_apps]
 
 
 def follow(process: Process, log_path: Path) -> str:
@@ -150,9 +197,11 @@ def check_locally(
     root_certificates: str | Path | None,
     auth_key: str | Path | None,
     device: str | None,
+    insecure: bool = False,
 ) -> ClientData:
     """What a box can get wrong before it dials, each in one line: the address, the device, the
-    data folder (naming the file), the certificate and key files, TLS on one side only."""
+    data folder (naming the file), the certificate and key files, no TLS without --insecure,
+    TLS on one side only, a certificate issued for other names."""
     if not re.fullmatch(r"[^\s:]+:\d+", superlink):
         raise ValueError(f"--superlink must be HOST:PORT (the SuperLink's Fleet API), got {superlink!r}")
     if device:
@@ -164,9 +213,86 @@ def check_locally(
             raise FileNotFoundError(f"{flag} {path}: no such file")
     if auth_key and not root_certificates:
         raise ValueError("node authentication runs over TLS: pass --root-certificates with --auth-key")
-    if mismatch := tls_mismatch(superlink, tls=root_certificates is not None):
+    if root_certificates and insecure:
+        raise ValueError("--insecure dials without TLS: leave it out with --root-certificates")
+    if not root_certificates and not insecure:
+        raise ValueError(
+            f"no --root-certificates: traffic to {superlink} would be unencrypted and the SuperLink "
+            "unauthenticated (anyone on the path could pose as it); pass --root-certificates CA, "
+            "or --insecure to dial it so anyway"
+        )
+    if mismatch := tls_mismatch(superlink, root_certificates):
         raise JoinError(mismatch)
     return client
+
+
+@contextlib.contextmanager
+def runtime_secret(executor: str) -> Iterator[Path | None]:
+    """With the warm executor, a SuperExec auth secret for this node's Runtime API, in a private
+    (0700) temporary folder removed at exit: other local users then get 401 from the port the
+    SuperNode serves its tasks on. (Flower's own executor runs without the Runtime API port.)"""
+    if executor != "warm":
+        yield None
+        return
+    folder = Path(tempfile.mkdtemp(prefix="florist-join-"))
+    try:
+        yield write_auth_secret(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def private_folder(path: Path) -> Path:
+    """`path` as a folder only this user can enter: its missing components made 0700, and the
+    last one refused if it is a link or another user's (it holds the node's models and log)."""
+    path = Path(path).expanduser().absolute()
+    for part in reversed([p for p in (path, *path.parents) if not os.path.lexists(p)]):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(part, 0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as err:
+        raise JoinError(f"node state folder {path}: expected a folder, not a link or file ({err.strerror})") from None
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            raise JoinError(f"node state folder {path}: expected a folder of this user's, it is another user's")
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    return path
+
+
+def warn_if_shared(folder: Path, what: str) -> None:
+    """One line when every local user can write `folder` (and so swap the files it holds)."""
+    if folder.is_dir() and folder.stat().st_mode & stat.S_IWOTH:
+        print(
+            f"florist join: warning: {what} {folder} is writable by every user of this machine, "
+            "who can then replace what this node reads and writes there",
+            flush=True,
+        )
+
+
+def fresh_log(folder: Path) -> Path:
+    """An empty supernode.log in `folder` that only this user can read (0600, no link followed)."""
+    path = folder / "supernode.log"
+    path.unlink(missing_ok=True)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    return path
+
+
+def announce(key: str, client: ClientData, superlink: str, tls: bool) -> None:
+    """What this node brings and where it dials, so a wrong folder or address shows at once."""
+    labelled = "labelled" if client.labelled else "unlabeled"
+    print(
+        f"florist join: node {key!r}, {len(client.x_train) + len(client.x_val)} train / {len(client.x_test)} test "
+        f"samples ({labelled}, shape {client.input_shape}) -> SuperLink {superlink}",
+        flush=True,
+    )
+    if not tls:
+        print(
+            "florist join: warning: --insecure: traffic to the SuperLink is not encrypted and the SuperLink "
+            "is not authenticated",
+            flush=True,
+        )
 
 
 def join(
@@ -174,6 +300,7 @@ def join(
     data_dir: str | Path,
     *,
     root_certificates: str | Path | None = None,
+    insecure: bool = False,
     auth_key: str | Path | None = None,
     state_dir: str | Path | None = None,
     node_key: str | None = None,
@@ -181,36 +308,36 @@ def join(
     max_wait_time: float = 60.0,
     executor: str = "warm",
     device: str | None = None,
+    trust_apps: Sequence[str] = (),
 ) -> int:
-    """Check everything local first (data, files, device), then run the SuperNode in the foreground."""
+    """Check everything local first (data, files, device, the apps to trust), then run the
+    SuperNode in the foreground."""
     data_dir = Path(data_dir).expanduser().resolve()
-    client = check_locally(superlink, data_dir, num_classes, root_certificates, auth_key, device)
+    TrustedApps.parse(trust_apps)  # a mistyped hash fails here, in one line, before anything starts
+    client = check_locally(superlink, data_dir, num_classes, root_certificates, auth_key, device, insecure)
     key = node_key or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "edge"
-    args = supernode_args(
-        superlink,
-        data_dir,
-        root_certificates=Path(root_certificates) if root_certificates else None,
-        auth_key=Path(auth_key) if auth_key else None,
-        state_dir=Path(state_dir) if state_dir else None,
-        node_key=key,
-        max_wait_time=max_wait_time,
-        executor=executor,
-        device=device,
-    )
-    labelled = "labelled" if client.labelled else "unlabeled"
-    print(
-        f"florist join: node {key!r}, {len(client.x_train) + len(client.x_val)} train / {len(client.x_test)} test "
-        f"samples ({labelled}, shape {client.input_shape}) -> SuperLink {superlink}",
-        flush=True,
-    )
-    if not root_certificates:
-        print("florist join: warning: no --root-certificates, traffic to the SuperLink is not encrypted", flush=True)
-    log_path = NodeState(state_dir, key).path("supernode.log")
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.unlink(missing_ok=True)
-    process = spawn(args, log_path)
-    output = follow(process, log_path)
-    process.stop()  # also ends what the SuperNode left in its process group
+    state = NodeState(state_dir, key)
+    announce(key, client, superlink, tls=bool(root_certificates))
+    warn_if_shared(data_dir, "data folder")
+    warn_if_shared(state.folder.parent, "state folder")
+    log_path = fresh_log(private_folder(state.folder))
+    with runtime_secret(executor) as secret:
+        args = supernode_args(
+            superlink,
+            data_dir,
+            root_certificates=Path(root_certificates) if root_certificates else None,
+            auth_key=Path(auth_key) if auth_key else None,
+            state_dir=Path(state_dir) if state_dir else None,
+            node_key=key,
+            max_wait_time=max_wait_time,
+            executor=executor,
+            device=device,
+            trust_apps=trust_apps,
+            auth_secret=secret,
+        )
+        process = spawn(args, log_path)
+        output = follow(process, log_path)
+        process.stop()  # also ends what the SuperNode left in its process group
     if process.popen.returncode not in (0, -2, -15):
         reason = diagnose(
             output,

@@ -18,6 +18,19 @@ from florist.deploy.spawning import Process, flower_bin, spawn
 log = logging.getLogger(__name__)
 
 
+def write_auth_secret(folder: Path) -> Path:
+    """A new SuperExec auth secret (32 random bytes) in `folder`, in a file only its owner can
+    read (`florist join` uses it too)."""
+    import secrets
+
+    path = folder / "superexec-auth-secret"
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(secrets.token_bytes(32))
+    return path
+
+
 class ServerAppRunners:
     """The part of `LocalFederation` (which inherits it) that serves its SuperLink's runs."""
 
@@ -89,15 +102,7 @@ class ServerAppRunners:
         return self.private
 
     def _make_auth_secret(self) -> Path:
-        """A new SuperExec auth secret (32 random bytes) in a file only its owner can read."""
-        import secrets
-
-        path = self._private_folder() / "superexec-auth-secret"
-        path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as file:
-            file.write(secrets.token_bytes(32))
-        return path
+        return write_auth_secret(self._private_folder())
 
     def _stop_server_executor(self, grace: float = 10.0) -> None:
         if self.server_executor is not None:

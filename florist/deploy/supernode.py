@@ -7,6 +7,10 @@ It takes `flower-supernode`'s options, plus `--executor`:
 - `flower`: Flower's own SuperExec, a fresh `flwr-clientapp` process per message (the stock
   path, for comparison and for apps that are not florist).
 
+and `--trust-app SHA256` (repeatable): the app bundles this box runs. Any other is refused
+before it is fetched, whichever executor would have run it, with an error reply to the server
+(`guard_apps`); without the flag, any app runs, as with Flower's own SuperNode.
+
 Either way the SuperNode's polling is paced (`flower_internals.pace_supernode`): quick while
 messages flow, slower while the federation idles, instead of 3 s after every empty pull.
 
@@ -24,11 +28,13 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 
 from florist.common import flower_internals
-from florist.common.flower_internals import runtime
+from florist.common.flower_internals import apptrust, runtime
 from florist.common.pacing import Backoff
 from florist.deploy import forkserver
+from florist.deploy.bundle import TrustedApps
 from florist.deploy.executor import DEFAULT_APP, STOP_GRACE, THREAD_ENV
 
 log = logging.getLogger("flwr").getChild(__name__)
@@ -155,13 +161,16 @@ def run(
     preload: str = DEFAULT_APP,
     fork_server: str | None = None,
     app_dir: str | None = None,
+    trust_apps: Sequence[str] = (),
 ) -> None:
     """Run the SuperNode in this process until it exits (Ctrl-C or SIGTERM stop it, and the
     executor with it). `preload` is the ClientApp the warm executor serves warm; `fork_server`
     the socket of a fork server that has it preloaded (`forkserver.py`); `app_dir` the app's
-    publishable files, where the app is installed as a package (`executor.py --app-dir`)."""
+    publishable files, where the app is installed as a package (`executor.py --app-dir`);
+    `trust_apps` the sha256 of every app bundle this box runs (none given: any)."""
     if executor not in EXECUTORS:
         raise ValueError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
+    guard_apps(trust_apps)
     if executor == "warm" and not flower_internals.fast_path():  # which has said why, once
         executor, flower_args = "flower", _without_process_isolation(flower_args)
     backoff = Backoff(floor=0.05, cap=1.0, ratio=0.1)
@@ -174,6 +183,26 @@ def run(
         os.environ.setdefault("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.1")
         flower_internals.pace_supernode(backoff)
     flower_internals.supernode_main(flower_args)
+
+
+def guard_apps(trust_apps: Sequence[str]) -> None:
+    """From here on, this process's SuperNode runs only the bundles `trust_apps` names, refusing
+    any other before it is fetched (`apptrust.py`); with none named, it says in one line that
+    it runs whatever the SuperLink sends. A Flower where the check cannot be made is refused."""
+    if not trust_apps:
+        log.warning(
+            "no --trust-app given: this box runs any app the SuperLink sends it "
+            "(`florist app-hash` prints the sha256 to trust)"
+        )
+        return
+    trusted = TrustedApps.parse(trust_apps)
+    try:
+        apptrust.refuse_untrusted_apps(trusted)
+    except RuntimeError as err:
+        raise RuntimeError(
+            f"--trust-app cannot be enforced on Flower {flower_internals.installed()} ({err}); not started"
+        ) from None
+    log.info("this box runs only the app bundles %s", ", ".join(sorted(trusted.hashes)))
 
 
 def _without_process_isolation(flower_args: list[str]) -> list[str]:

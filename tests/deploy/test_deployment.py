@@ -52,7 +52,7 @@ def test_deploy_local_with_flowers_own_executor_runs_fedavg_over_grpc(tmp_path):
 def test_unreachable_superlink_gives_up_with_a_clear_error(tmp_path):
     start = time.monotonic()
     with pytest.raises(JoinError, match="cannot reach the SuperLink"):
-        join(f"127.0.0.1:{free_port()}", labelled_folder(tmp_path / "data"), max_wait_time=5)
+        join(f"127.0.0.1:{free_port()}", labelled_folder(tmp_path / "data"), insecure=True, max_wait_time=5)
     assert time.monotonic() - start < 60
 
 

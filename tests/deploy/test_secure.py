@@ -52,4 +52,4 @@ def test_node_without_the_right_ca_cannot_connect(secure_federation, tmp_path):
 
 def test_joining_a_tls_superlink_without_a_ca_says_it_needs_tls(secure_federation, tmp_path):
     with pytest.raises(JoinError, match="speaks TLS: pass --root-certificates"):
-        join(secure_federation.fleet_address, labelled_folder(tmp_path / "data"), max_wait_time=20)
+        join(secure_federation.fleet_address, labelled_folder(tmp_path / "data"), insecure=True, max_wait_time=20)
