@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The docker compose stack, end to end, as a user runs it: certificates, image build, `up`,
-# node registration, a 3-round run checked from the results volume, one SuperNode cut off the
+# node registration, the Runtime APIs refusing task requests not signed with the SuperExec auth
+# secret, a 3-round run checked from the results volume, one SuperNode cut off the
 # network mid-run (the round completes without it, its failure is recorded), reconnected (it is
 # back in the next run), no SuperNode reaching the Control API, and `down -v` leaving nothing behind. Every wait is bounded.
 #
@@ -65,8 +66,10 @@ if ! docker image inspect "${SUPEREXEC_IMAGE:-flwr/superexec:1.39.0-py3.11-ubunt
 fi
 done_step "base images"
 
-# 2. Certificates and images.
+# 2. Certificates, SuperExec auth secrets (as compose.yaml's header makes them) and images.
 "$PY" -m florist certs --out "$FLORIST_CERTS" --hosts "superlink,localhost" --num-nodes 3 >/dev/null
+(umask 077; mkdir -p "$FLORIST_CERTS/superexec-auth"; for name in superlink node-0 node-1 node-2; do
+    head -c 32 /dev/urandom > "$FLORIST_CERTS/superexec-auth/$name"; done)
 # Compose mounts secrets as they are on the host; the images' user (uid 49999) must read the keys.
 chown -R 49999:49999 "$FLORIST_CERTS" || fail "the containers' user (uid 49999) must own the keys: run as root"
 # A build whose dependency layer is not cached downloads and unpacks ~7 GB (torch's CUDA wheels).
@@ -75,6 +78,8 @@ root=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null) && free_gb=$(df -Pk "$ro
 compose build --progress plain > "$WORK/build.log" 2>&1 || { grep -v "Downloading\|━" "$WORK/build.log" | tail -25 >&2; fail "docker compose build (its last lines above)"; }
 done_step "build"
 
+APP=$("$PY" -c 'from florist.deploy.bundle import app_dir; print(app_dir())')  # what `flwr run` submits
+
 # 3. The stack, healthy. An earlier run killed before its `down -v` leaves containers that the
 # engine restarts (unless-stopped) and volumes with its SuperLink's state: a fresh stack only.
 if [ -n "$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME"; \
@@ -82,6 +87,7 @@ if [ -n "$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PRO
     step "removing what an earlier, unfinished run of $COMPOSE_PROJECT_NAME left (containers, volumes)"
     compose down -v --remove-orphans >/dev/null 2>&1 || fail "docker compose down -v (the earlier run's leftovers)"
 fi
+export FLORIST_TRUST_APP=$("$PY" -m florist app-hash "$APP") || fail "florist app-hash"  # what the nodes run
 compose up -d --quiet-pull --force-recreate >/dev/null 2>&1 || { compose logs --tail 30 >&2; fail "docker compose up"; }
 superlink=$(compose ps -q superlink)
 wait_until 180 "the SuperLink healthy" sh -c "[ \"\$(docker inspect -f '{{.State.Health.Status}}' $superlink)\" = healthy ]"
@@ -107,8 +113,42 @@ reach supernode-0 superlink 9092 || fail "supernode-0 cannot reach the Fleet API
 ! reach supernode-0 superlink 8000 || fail "supernode-0 reaches the SuperLink's Control API"
 done_step "Control API unreachable from the SuperNodes"
 
+# 3c. The Runtime APIs hand out tasks (a run and its token) only to requests signed with their
+# SuperExec auth secret: the SuperLink's (published on this host's loopback) and a SuperNode's
+# (inside its container) refuse a request without one or with another (401) and serve one signed
+# with theirs (no run is pending yet: it gets none). No SuperNode holds the SuperLink's secret.
+PROBE='import os, sys
+from florist.common.flower_internals import runtime
+address, ca, *secrets = sys.argv[1:]
+def outcome(secret):  # a task request signed with no key, a random one, or the one in a file
+    key = None if secret == "none" else os.urandom(32) if secret == "wrong" else runtime.load_auth_secret(secret)
+    try:
+        runtime.acquire_task(runtime.runtime_client(address, ca or None, key))
+    except Exception as error:
+        return "refused" if "401 Unauthorized" in str(error) else str(error).splitlines()[0]
+    return "served"
+print(" / ".join(outcome(secret) for secret in secrets))'
+expect() {  # expect superlink|supernode-0 ITS-SECRET-FILE: no key and a wrong one refused, its own served
+    local got want="refused / refused / served"
+    if [ "$1" = superlink ]; then
+        got=$("$PY" -c "$PROBE" "127.0.0.1:$FLORIST_CONTROL_PORT" "$FLORIST_CERTS/ca.crt" none wrong "$2" 2>"$WORK/probe.err" | tail -1)
+    else
+        got=$(compose exec -T "$1" python -c "$PROBE" 127.0.0.1:9094 "" none wrong "$2" 2>"$WORK/probe.err" | tail -1)
+    fi
+    [ "$got" = "$want" ] || { tail -5 "$WORK/probe.err" >&2; fail "task requests to $1 (no key / a wrong key / its own): ${got:-no answer}, not $want"; }
+}
+expect superlink "$FLORIST_CERTS/superexec-auth/superlink"
+if [ "${FLORIST_EXECUTOR:-warm}" = warm ]; then
+    expect supernode-0 /run/secrets/superexec-auth-node-0
+else  # Flower's SuperNode with its executor as a subprocess: Flower checks no secret there
+    step "FLORIST_EXECUTOR=$FLORIST_EXECUTOR: the SuperNodes' Runtime APIs (in their containers) take unsigned requests"
+fi
+[ "$(compose exec -T supernode-0 stat -c %a:%U /run/secrets/superexec-auth-node-0)" = 600:app ] \
+    || fail "supernode-0's SuperExec auth secret is not owner-only (600, the image's user app)"
+! compose exec -T supernode-0 test -e /run/secrets/superexec-auth-superlink || fail "supernode-0 holds the SuperLink's secret"
+done_step "Runtime APIs refuse unsigned task requests"
+
 # 4. A run of 3 rounds; its results come out of the results volume.
-APP=$("$PY" -c 'from florist.deploy.bundle import app_dir; print(app_dir())')
 submit() {  # submit NAME RUN-CONFIG...: flwr run in the background, its output in $WORK/NAME.log
     timeout 900 "$BIN/flwr" run "$APP" docker --stream --run-config "min-nodes=3 unseen-fraction=0.0 results-dir=\"results/$1\" $2" \
         > "$WORK/$1.log" 2>&1 &
@@ -139,9 +179,12 @@ done_step "3 rounds (run, results copied out and checked)"
 node=$(compose ps -q supernode-2)
 network="${COMPOSE_PROJECT_NAME}_fleet"
 submit cut-off "num-server-rounds=3 round-timeout=30.0 eval-every=0"
-run=$!
+run=$! submitted=$SECONDS
 has_a_round() { results "$1" && "$PY" -c "import json, sys; sys.exit(not json.load(open('$WORK/$1.json'))['rounds'])"; }
-wait_until 600 "round 1 of the cut-off run" has_a_round cut-off
+until has_a_round cut-off; do  # as wait_until, but a run that ends first, or waits too long, shows its logs
+    ((SECONDS < submitted + 600)) && kill -0 "$run" 2>/dev/null || { logs cut-off; fail "round 1 of the cut-off run: not seen within 600 s"; }
+    sleep 2
+done
 docker network disconnect "$network" "$node" || fail "disconnecting supernode-2"
 cut_at=$SECONDS
 wait "$run" || { logs cut-off; fail "the run with a node cut off"; }

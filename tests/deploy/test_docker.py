@@ -14,10 +14,11 @@ from florist.deploy.certs import make_certificates
 DOCKER = Path(__file__).parents[2] / "docker"
 COMPOSE = Path(compose.__file__).parent / "docker-compose"  # the Go binary, not the always-0 wrapper
 HADOLINT = Path(sys.executable).parent / "hadolint"
+TRUSTED = "ab" * 32  # a bundle's sha256 (`florist app-hash`), which compose's SuperNodes require
 
 
 def compose_config(compose_file: Path, certs: Path, *options: str) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "FLORIST_CERTS": str(certs)}
+    env = {"PATH": "/usr/bin:/bin", "FLORIST_CERTS": str(certs), "FLORIST_TRUST_APP": TRUSTED}
     return subprocess.run(
         [str(COMPOSE), "-f", str(compose_file), "config", *(options or ("-q",))],
         capture_output=True,
@@ -48,6 +49,22 @@ def test_only_the_fleet_port_faces_the_network():
     text = (DOCKER / "compose.yaml").read_text()
     assert '"${FLORIST_FLEET_PORT:-9092}:9092"' in text and '"127.0.0.1:${FLORIST_CONTROL_PORT:-8000}:8000"' in text
     assert '"${FLORIST_CONTROL_PORT:-8000}:8000"' not in text and "9094:" not in text
+
+
+def test_every_supernode_runs_only_the_trusted_app_and_the_stack_needs_it_named(certs, tmp_path):
+    """Compose's SuperNodes refuse any bundle but FLORIST_TRUST_APP's (`--trust-app`); without it
+    named, `docker compose` stops with the command that prints it instead of starting nodes
+    that would run whatever the SuperLink sends."""
+    result = compose_config(DOCKER / "compose.yaml", certs, "--format", "json")
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    nodes = [s for name, s in services.items() if name.startswith("supernode-")]
+    assert len(nodes) == 3 and all(f"--trust-app={TRUSTED}" in s["entrypoint"] for s in nodes)
+    env = {"PATH": "/usr/bin:/bin", "FLORIST_CERTS": str(certs)}
+    unset = subprocess.run(
+        [str(COMPOSE), "-f", str(DOCKER / "compose.yaml"), "config", "-q"], capture_output=True, text=True, env=env
+    )
+    assert unset.returncode != 0 and "florist app-hash" in unset.stderr
 
 
 def test_no_supernode_shares_a_network_with_the_control_api(certs):
