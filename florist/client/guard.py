@@ -108,6 +108,8 @@ class Limits:
     def threads(self, asked: int, who: str) -> int:
         """The torch threads this node runs a message with when the server asks for `asked`
         (0: as many as the node has): at most `node-max-threads`, said in the node's log."""
+        if asked == 0:  # as many as the node has: its cap, where its config sets one
+            return self.max_threads if 0 < self.max_threads < sys.maxsize else 0
         cap = self.max_threads or devices.usable_cores()
         if asked <= cap:
             return asked
@@ -198,9 +200,8 @@ def own_hardware(values: Mapping[str, Any], node_config: Mapping[str, Any], who:
             "%s: the server's device %r is ignored; set device=... in this node's --node-config", who, values["device"]
         )
         values["device"] = "auto"
-    if "torch-threads" in values:
-        threads = coerce("torch-threads", values["torch-threads"], int)
-        values["torch-threads"] = Limits.of(node_config).threads(threads, who)
+    threads = coerce("torch-threads", values.get("torch-threads", 0), int)
+    values["torch-threads"] = Limits.of(node_config).threads(threads, who)
     return values
 
 

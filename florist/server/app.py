@@ -44,7 +44,8 @@ def discover(
     use), when another node claims its key in the same discovery and the key is bound to
     neither (both are left out: answering first wins nothing, and `taken` gains the key), or
     when it is to train and holds no training example. `bound` (key -> Flower node id, with
-    `bind-node-keys`) gains the key of each node taken that claimed it alone."""
+    `bind-node-keys`) is read only: the caller binds the nodes it keeps (`bind`), once it has
+    also checked their input shapes, so a node left out for its shape binds nothing."""
     request = protocol.content(config=message_config(cfg, INFO, 0, exchanger.run_id))
     replies = exchanger.exchange({n: request for n in node_ids}, INFO.message_type, 0)
     claims: dict[str, list[NodeInfo]] = {}  # one lookup per reply: a federation of thousands stays linear
@@ -64,11 +65,15 @@ def discover(
         if node.seen and node.num_train < 1:
             exchanger.fail(node.node_id, INFO.message_type, 0, "it holds no training example, and seen nodes train")
             continue
-        if bound is not None:
-            bound[key] = node.node_id
         nodes.append(node)
     exchanger.names.update({n.node_id: str(n) for n in nodes})
     return sorted(nodes, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n.key)])
+
+
+def bind(bound: dict[str, int] | None, nodes: list[NodeInfo]) -> None:
+    """With `bind-node-keys` (`bound` not None): each kept node's key is its SuperNode's from now on."""
+    if bound is not None:
+        bound.update({n.key: n.node_id for n in nodes})
 
 
 def _settle(
@@ -186,6 +191,7 @@ def start_nodes(
                 node.node_id, INFO.message_type, 0, f"input shape {node.input_shape}, most nodes' is {shape}"
             )
         nodes = [n for n in nodes if n.input_shape == shape]
+    bind(bound, nodes)
     if not nodes or (not resuming and len(nodes) < min(cfg.min_train_nodes, len(asked))):
         first = exchanger.failures[0] if exchanger.failures else {"node": "-", "reason": "-"}
         raise RuntimeError(
@@ -258,6 +264,13 @@ def serve_late_joiners(
     deadline, served = time.monotonic() + cfg.serve_seconds, []
     known, taken = {n.node_id for n in nodes}, {n.key: f"already {n}'s" for n in nodes}
     late: dict[str, NodeInfo] = {}  # key -> the late node served with it
+
+    def strike(earlier: NodeInfo) -> None:  # a late node served with a key disputed since loses it
+        late.pop(earlier.key)
+        exchanger.fail(earlier.node_id, INFO.message_type, 0, f"node key {earlier.key!r} is {taken[earlier.key]}")
+        served.remove(earlier)
+        scores.pop(earlier.node_id, None)
+
     while time.monotonic() < deadline and not (cfg.serve_count and len(served) >= cfg.serve_count):
         new = sorted(set(exchanger.grid.get_node_ids()) - known)
         if not new:
@@ -273,16 +286,15 @@ def serve_late_joiners(
                     0,
                     f"input shape {node.input_shape}, expected {strategy.input_shape}",
                 )
-            elif (earlier := late.pop(node.key, None)) is not None:  # unbound: `discover` refuses a bound key
+            elif (earlier := late.get(node.key)) is not None:  # unbound: `discover` refuses a bound key
                 taken[node.key] = disputed([earlier.node_id, node.node_id])
-                for claimant in (earlier, node):
-                    exchanger.fail(
-                        claimant.node_id, INFO.message_type, 0, f"node key {node.key!r} is {taken[node.key]}"
-                    )
-                served.remove(earlier)
-                scores.pop(earlier.node_id, None)
+                strike(earlier)
+                exchanger.fail(node.node_id, INFO.message_type, 0, f"node key {node.key!r} is {taken[node.key]}")
             else:
                 joined.append(dataclasses.replace(node, seen=False))  # joined after training: unseen by definition
+        for earlier in [n for key, n in late.items() if key in taken]:  # two newcomers disputed its key at once
+            strike(earlier)
+        bind(bound, joined)
         log.info("serving %s", ", ".join(str(n) for n in joined) or "nobody (no valid node)")
         scores.update(strategy.serve(cfg.num_server_rounds + 1, joined))
         served += joined

@@ -184,6 +184,7 @@ def test_the_servers_torch_threads_are_cut_to_the_nodes_cores(threads_set):
         assert not _send(node_config, **{"torch-threads": 8}).has_error()
     assert threads_set == [2, 1, 3, 8]  # the node's own setting and a trusted server's are taken as they are
     assert not _send({}, **{"torch-threads": 0}).has_error() and threads_set[-1] == 0  # 0: as many as it has
+    assert not _send({"node-max-threads": 1}, **{"torch-threads": 0}).has_error() and threads_set[-1] == 1  # its cap
     with pytest.raises(ValueError, match=r"torch-threads must be in \[0, 1024\]"):
         RunConfig.from_mapping({"torch-threads": 1e9})
 

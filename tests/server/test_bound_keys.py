@@ -9,7 +9,7 @@ import torch
 from florist.client.app import app as client_app
 from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
-from florist.server.app import discover, run
+from florist.server.app import bind, discover, run
 from florist.server.checkpoint import FILE, VERSION, Checkpoint
 from florist.server.exchange import Exchanger
 
@@ -52,14 +52,15 @@ def test_at_resume_supernodes_that_swap_keys_stand_in_for_each_other_only_when_k
         _run(resumed, SWAPPED)
 
 
-def test_discover_refuses_a_bound_key_to_another_supernode_and_binds_new_keys_on_first_contact():
+def test_discover_refuses_a_bound_key_to_another_supernode_and_the_nodes_kept_bind_new_keys():
     grid = InProcessGrid(client_app, SWAPPED)
     cfg = RunConfig.from_mapping({"partition": "iid", "unseen-fraction": 0.0})
     bound = {"partition-0": 100, "partition-1": 101}
     with server_identity(grid.run_id):
         exchanger = Exchanger(grid, 60.0, grid.run_id)
         nodes = discover(exchanger, cfg, [100, 101, 102], bound=bound)
-    assert [n.key for n in nodes] == ["partition-2"]
+    assert [n.key for n in nodes] == ["partition-2"] and len(bound) == 2  # the caller binds what it keeps
+    bind(bound, nodes)
     assert bound == {"partition-0": 100, "partition-1": 101, "partition-2": 102}
     reasons = {f["node"]: f["reason"] for f in exchanger.failures}
     assert reasons == {

@@ -94,3 +94,45 @@ def test_in_the_serve_phase_a_key_claimed_again_goes_to_neither_unless_it_is_bou
         (103, "node key 'partition-5' is bound to SuperNode 102"),
     ]
     assert bound == {"partition-0": 100, "partition-5": 102, "partition-6": 104}
+
+
+def test_a_node_left_out_for_its_input_shape_binds_no_key(tmp_path):
+    """A node that claims a key alone but is left out for its input shape (28×28 among 8×8)
+    must not bind it: its owner would be refused for the rest of the run and every resume."""
+    cfg = RunConfig.from_mapping(
+        {
+            "model": "mlp",
+            "num-server-rounds": 1,
+            "min-nodes": 4,
+            "partition": "iid",
+            "unseen-fraction": 0.0,
+            "bind-node-keys": True,
+            "results-dir": str(tmp_path / "run"),
+        }
+    )
+    _run(cfg, [*NODES, NODES[0] | {"node-key": "partition-9", "dataset": "mnist5k"}])
+    saved = Checkpoint.load(cfg.results_dir)
+    assert [(f["node_id"], f["reason"][:24]) for f in saved.failures] == [(103, "input shape (1, 28, 28),")]
+    assert saved.bindings == {"partition-0": 100, "partition-1": 101, "partition-2": 102}
+
+
+def test_a_key_two_newcomers_dispute_is_taken_from_the_late_node_served_with_it():
+    """102 is served with partition-5; then 103 and 104 claim it at once: it goes to none of them."""
+    keys = ["partition-0", "partition-0", "partition-5", "partition-5", "partition-5", "partition-7"]
+    grid = JoiningGrid([{"partition-id": i, "num-partitions": 8, "node-key": k} for i, k in enumerate(keys)], 1)
+    shown = iter([2, 3, 5])  # 101, then 102, then 103 and 104 together, then 105
+    grid.get_node_ids = lambda: list(grid.contexts)[: next(shown, 6)]
+    cfg = RunConfig.from_mapping({"serve-seconds": 5.0, "serve-count": 2})
+    strategy = SimpleNamespace(input_shape=(1, 8, 8), serve=lambda r, nodes: {n.node_id: {"n": 1.0} for n in nodes})
+    scores: dict[int, dict] = {}
+    with server_identity(grid.run_id):
+        exchanger = Exchanger(grid, 60.0, grid.run_id)
+        run_node = NodeInfo(100, "partition-0", True, 10, 10, (1, 8, 8))
+        served = serve_late_joiners(exchanger, strategy, cfg, [run_node], scores, None)
+    failures = [(f["node_id"], f["reason"]) for f in exchanger.failures]
+    assert [n.key for n in served] == ["partition-7"] and set(scores) == {105}
+    assert failures[1:] == [
+        (103, "node key 'partition-5' is " + DISPUTE.format(103, 104)),
+        (104, "node key 'partition-5' is " + DISPUTE.format(103, 104)),
+        (102, "node key 'partition-5' is " + DISPUTE.format(103, 104)),
+    ]
