@@ -72,13 +72,14 @@ done_step "base images"
     head -c 32 /dev/urandom > "$FLORIST_CERTS/superexec-auth/$name"; done)
 # Compose mounts secrets as they are on the host; the images' user (uid 49999) must read the keys.
 chown -R 49999:49999 "$FLORIST_CERTS" || fail "the containers' user (uid 49999) must own the keys: run as root"
+APP=$("$PY" -c 'from florist.deploy.bundle import app_dir; print(app_dir())')  # what `flwr run` submits
+FLORIST_TRUST_APP=$("$PY" -m florist app-hash "$APP") || fail "florist app-hash"
+export FLORIST_TRUST_APP  # the one bundle the SuperNodes run (compose refuses to start without it)
 # A build whose dependency layer is not cached downloads and unpacks ~7 GB (torch's CUDA wheels).
 root=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null) && free_gb=$(df -Pk "$root" 2>/dev/null | awk 'NR == 2 {print int($4 / 1048576)}') \
     && [ "${free_gb:-99}" -lt 12 ] && step "only $free_gb GB free under $root: an uncached image build needs about 12 GB (docker builder prune frees old build cache)"
 compose build --progress plain > "$WORK/build.log" 2>&1 || { grep -v "Downloading\|━" "$WORK/build.log" | tail -25 >&2; fail "docker compose build (its last lines above)"; }
 done_step "build"
-
-APP=$("$PY" -c 'from florist.deploy.bundle import app_dir; print(app_dir())')  # what `flwr run` submits
 
 # 3. The stack, healthy. An earlier run killed before its `down -v` leaves containers that the
 # engine restarts (unless-stopped) and volumes with its SuperLink's state: a fresh stack only.
@@ -87,7 +88,6 @@ if [ -n "$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PRO
     step "removing what an earlier, unfinished run of $COMPOSE_PROJECT_NAME left (containers, volumes)"
     compose down -v --remove-orphans >/dev/null 2>&1 || fail "docker compose down -v (the earlier run's leftovers)"
 fi
-export FLORIST_TRUST_APP=$("$PY" -m florist app-hash "$APP") || fail "florist app-hash"  # what the nodes run
 compose up -d --quiet-pull --force-recreate >/dev/null 2>&1 || { compose logs --tail 30 >&2; fail "docker compose up"; }
 superlink=$(compose ps -q superlink)
 wait_until 180 "the SuperLink healthy" sh -c "[ \"\$(docker inspect -f '{{.State.Health.Status}}' $superlink)\" = healthy ]"
