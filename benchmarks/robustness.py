@@ -3,7 +3,7 @@ final seen accuracy, and its distance in points from the all-honest run with the
 each rule's aggregation time per round, measured side by side on the same models.
 
     python benchmarks/robustness.py [--rounds 15] [--clients 5] [--seed 1] [--partition iid] \
-        [--attacks scale noop ...] [--rules median krum:1 ...] [--clip-norm 2.0] \
+        [--dataset digits] [--attacks scale noop ...] [--rules median krum:1 ...] [--clip-norm 2.0] \
         [--max-node-examples 250] [--timing-nodes 5 20 50] [--threads N] [--out DIR]
 
 In-process federations (florist/runners/inprocess.py); a client mod (`client_mods.attack`, the
@@ -81,6 +81,7 @@ def run(
     strategy = strategy or {}
     values = {
         "num-server-rounds": args.rounds,
+        "dataset": args.dataset,
         "partition": args.partition,
         "unseen-fraction": 0.0,
         "min-nodes": args.clients,
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--clients", type=int, default=5)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--dataset", default="digits", help="digits | mnist5k | ... (run-config dataset)")
     parser.add_argument("--partition", default="iid")
     parser.add_argument("--clip-norm", type=float, default=2.0)
     parser.add_argument("--max-node-examples", type=int, default=250)
@@ -191,7 +193,7 @@ def main() -> None:
     table = accuracy_table(args, out, captured)
     timings = timing_table(args, captured) if args.timing_nodes else []
     print(
-        f"\nFedAvg, digits ({args.partition}), {args.clients} nodes of which partition 0 "
+        f"\nFedAvg, {args.dataset} ({args.partition}), {args.clients} nodes of which partition 0 "
         "(and 1: colluders, noop2) is malicious (standardizer: PeFLL with hn-standardize), "
         f"{args.rounds} rounds, seed {args.seed}; final seen accuracy % (points vs the same rule, all honest); "
         f"mean+clip: clip-norm {args.clip_norm:g}, mean+cap: max-node-examples {args.max_node_examples}; "
