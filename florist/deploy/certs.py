@@ -1,12 +1,15 @@
 """Certificates and keys for a secured federation, made with the `cryptography` package that
-Flower already depends on: a CA, a SuperLink certificate for the names the SuperNodes dial,
-and one ECDSA key pair per SuperNode for SuperNode authentication."""
+Flower already depends on: a CA that signs the SuperLink's certificate for the names the
+SuperNodes dial (its key is then dropped), and ECDSA key pairs that identify SuperNodes (SuperNode
+authentication: the SuperLink knows a node by its registered public key, so a box makes its own
+pair and sends only the public half). Everything goes into folders only their owner can change."""
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
 import os
+import stat
 from pathlib import Path
 
 from cryptography import x509
@@ -43,9 +46,30 @@ def _write(path: Path, data: bytes, private: bool = False) -> Path:
     return path
 
 
-def _folder(path: Path) -> Path:
-    """A folder for keys: made readable by its owner only."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+def key_folder(path: Path) -> Path:
+    """`path` as a folder for keys and certificates that only this user can change: made 0700
+    (whatever the umask) when missing; an existing one (or what its link names) is refused when
+    another user owns it or group/others can write it, since whoever can write there can swap
+    `ca.crt` or a key under the federation."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+        path.chmod(0o700)
+        return path
+    except FileExistsError:
+        pass
+    info = path.stat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise NotADirectoryError(f"{path} exists and is not a folder: choose another --out")
+    if info.st_uid != os.getuid():
+        raise PermissionError(
+            f"{path} belongs to uid {info.st_uid}, not to this user (uid {os.getuid()}), who could then swap the "
+            "certificates or keys: use a folder of your own"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(
+            f"{path} is writable by group/others (mode {stat.S_IMODE(info.st_mode):04o}), who could then swap the "
+            f"certificates or keys: `chmod 700 {path}` first, or use a new folder"
+        )
     return path
 
 
@@ -55,11 +79,15 @@ def _pem_key(key) -> bytes:
     )
 
 
-def make_ca_and_server(out: Path, hosts: list[str], keep_ca_key: bool = True) -> dict[str, Path]:
-    """`ca.crt`/`ca.key` and `server.pem`/`server.key` valid for `hosts` (plus 127.0.0.1, which
-    the SuperLink's own ServerApp process dials). Without `keep_ca_key`, the CA's key is never
-    written: a CA for one federation signs its server certificate and nothing else."""
-    hosts = list(dict.fromkeys([h.strip() for h in hosts if h.strip()] + ["127.0.0.1"]))
+def make_ca_and_server(out: Path, hosts: list[str]) -> dict[str, Path]:
+    """`ca.crt` and `server.pem`/`server.key` valid for `hosts` (plus 127.0.0.1, which the
+    SuperLink's own ServerApp process dials). The CA's key is never written: a CA for one
+    federation signs its server certificate and nothing else, since SuperNodes are known by
+    their registered public keys, not by certificates."""
+    hosts = [h.strip() for h in hosts if h.strip()]
+    if not hosts:
+        raise ValueError("--hosts: expected the names or IPs the SuperNodes dial, e.g. superlink.example,10.0.0.5")
+    hosts = list(dict.fromkeys([*hosts, "127.0.0.1"]))
     now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
 
@@ -90,16 +118,13 @@ def make_ca_and_server(out: Path, hosts: list[str], keep_ca_key: bool = True) ->
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    _folder(out)
+    key_folder(out)
     pem = serialization.Encoding.PEM
-    written = {
+    return {
         "ca": _write(out / "ca.crt", ca_cert.public_bytes(pem)),
         "server_cert": _write(out / "server.pem", server_cert.public_bytes(pem)),
         "server_key": _write(out / "server.key", _pem_key(server_key), private=True),
     }
-    if keep_ca_key:
-        written["ca_key"] = _write(out / "ca.key", _pem_key(ca_key), private=True)
-    return written
 
 
 def covers(server_cert: Path, hosts: list[str]) -> bool:
@@ -117,23 +142,53 @@ def covers(server_cert: Path, hosts: list[str]) -> bool:
 
 def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
     """An ECDSA P-384 key pair in OpenSSH format (what `flwr supernode register` and
-    `flower-supernode --auth-supernode-private-key` read): `name` and `name.pub`."""
+    `flower-supernode --auth-supernode-private-key` read): `name` and `name.pub`. A private key
+    already there is never replaced: it is a node's identity, and its public half may be
+    registered with a SuperLink."""
+    if not name or name.startswith(".") or Path(name).name != name:
+        raise ValueError(f"node key name {name!r}: expected a plain file name, e.g. node-3 or box1")
+    private_path = key_folder(out) / name
+    if os.path.lexists(private_path):
+        raise FileExistsError(
+            f"{private_path} exists: it is a node's identity (its .pub may be registered with the SuperLink), "
+            "so it is never replaced; choose another name, or delete it first"
+        )
     key = ec.generate_private_key(ec.SECP384R1())
-    _folder(out)
     private = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
     )
     public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    return _write(out / name, private, private=True), _write(out / f"{name}.pub", public + b"\n")
+    return _write(private_path, private, private=True), _write(out / f"{name}.pub", public + b"\n")
+
+
+def old_ca_key(out: Path) -> str:
+    """A note on the `ca.key` an older `florist certs` kept in `out` ("" when there is none): it
+    is left alone, but nothing reads it, and whoever does can sign certificates that every box
+    holding that CA's `ca.crt` trusts."""
+    key = out / "ca.key"
+    if not os.path.lexists(key):
+        return ""
+    return (
+        f"{key}, kept by an older florist, is no longer needed and lets whoever reads it impersonate the SuperLink: "
+        "delete it"
+    )
 
 
 def make_certificates(out: str | Path, hosts: list[str], num_nodes: int, force: bool = False) -> dict[str, Path]:
-    """Everything `florist certs` writes: CA, SuperLink certificate, `keys/node-<i>[.pub]`. A CA
-    already there is kept unless `force`: replacing it would orphan every certificate it signed."""
-    out = Path(out)
-    if (out / "ca.key").exists() and not force:
-        raise FileExistsError(f"{out / 'ca.key'} exists: a new CA would orphan what it signed (--force replaces it)")
+    """Everything `florist certs` writes on the SuperLink's machine: CA certificate, SuperLink
+    certificate and key, and `keys/node-<i>[.pub]` for `num_nodes` SuperNodes run from there
+    (a key already there is kept). A CA already there is kept unless `force`: a new one must be
+    copied to every box. Adding a box needs no CA: it makes its own key (`make_node_key`)."""
+    out = key_folder(Path(out))
+    if os.path.lexists(out / "ca.crt") and not force:
+        note = old_ca_key(out)
+        raise FileExistsError(
+            f"{out / 'ca.crt'} exists: a new CA would have to be copied to every box (--force replaces it; a new box "
+            "needs no CA, only its own key: florist certs --node-key-only NAME)" + (f"; {note}" if note else "")
+        )
     paths = make_ca_and_server(out, hosts)
+    keys = key_folder(out / "keys") if num_nodes else out / "keys"
     for i in range(num_nodes):
-        make_node_key(out / "keys", f"node-{i}")
+        if not os.path.lexists(keys / f"node-{i}"):
+            make_node_key(keys, f"node-{i}")
     return paths
