@@ -13,13 +13,24 @@ import os
 import sys
 from collections.abc import Iterable
 
-from florist.cli import app_hash, certs, compare, deploy_local, export, join, local_federation, simulate, supernode
+from florist.cli import (
+    app_hash,
+    certs,
+    compare,
+    deploy_local,
+    export,
+    join,
+    local_federation,
+    simulate,
+    superlink,
+    supernode,
+)
 from florist.cli.signals import forget_interrupt, ignore_signals
 from florist.strategies import STRATEGIES
 from florist.strategies.base import StrategySpec
 
 # In the order `florist --help` lists them; each strategy's own commands come after these.
-COMMANDS = (simulate, deploy_local, local_federation, certs, join, export, supernode, app_hash, compare)
+COMMANDS = (simulate, deploy_local, local_federation, certs, join, export, supernode, superlink, app_hash, compare)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "supernode":
+    if extra and args.command not in ("supernode", "superlink"):  # Flower's options pass through
         command = args.commands[args.command]
         options = [o for action in command._actions for o in action.option_strings]
         close = difflib.get_close_matches(extra[0].split("=")[0], options, n=1)

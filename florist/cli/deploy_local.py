@@ -42,6 +42,18 @@ def add(sub: argparse._SubParsersAction) -> None:
     dep.set_defaults(func=run)
 
 
+def message_limit_for(cfg, num_nodes: int, given_mb: float | None) -> int:
+    """The SuperLink's gRPC receive limit: as given, or sized from the run's model."""
+    if given_mb:
+        return int(given_mb * 2**20)
+    from florist.common import scenarios
+    from florist.common.models import build_model
+    from florist.deploy.superlink import message_limit
+
+    model = build_model(cfg.model, scenarios.input_shape(cfg, num_nodes), cfg.num_classes)
+    return message_limit(sum(t.numel() * t.element_size() for t in model.state_dict().values()))
+
+
 def run(args: argparse.Namespace) -> int:
     import subprocess
 
@@ -75,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
                 executor=args.executor,
                 network=network,
                 trust_apps=[bundle_hash(app)],
+                max_message_bytes=message_limit_for(cfg, num_nodes, args.max_message_mb),
             ) as fed,
         ):
             print(f"federation up in {time.monotonic() - start:.1f} s\n{fed.describe(submit=False)}", flush=True)

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         executor=args.executor,
         persistent=args.persistent,
         trust_apps=trusted,
+        max_message_bytes=args.max_message_mb and int(args.max_message_mb * 2**20),
     ) as fed:
         print(fed.describe().replace("...", f'partition="{args.partition}"'), flush=True)
         print("Running; Ctrl-C stops the SuperLink and SuperNodes started here.", flush=True)

@@ -23,6 +23,17 @@ def count(text: str) -> int:
     return int(text)
 
 
+def positive_float(text: str) -> float:
+    """A size or amount: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategy",
@@ -183,6 +194,13 @@ def federation_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-nodes", type=count, help="SuperNodes to start (default: 3)")
     parser.add_argument("--tls", action="store_true", help="TLS on the Fleet API (certificates made on first use)")
     parser.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
+    parser.add_argument(
+        "--max-message-mb",
+        type=positive_float,
+        metavar="MB",
+        help="the largest gRPC message the SuperLink accepts, in MiB (default: 4 x the largest message of the "
+        "run's model, at least 4 MiB; local-federation: 20 MiB, which any model's messages fit)",
+    )
 
 
 def given(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,10 +4,12 @@ address), talking over Flower's gRPC Fleet API, started and stopped by PID.
 
 Only the Fleet port is meant to face a network; the Control/Runtime HTTP port (run submission,
 no authentication in Flower 1.39) and each SuperNode's Runtime port always bind to 127.0.0.1,
-the loopback of the process's own namespace. Where the SuperLink and the SuperNodes leave their
-tasks to executors (`--isolation process`: warm executors, or Flower's SuperExec should the
-fork server fail), their Runtime APIs serve tasks only to requests signed with one SuperExec
-auth secret per federation (`--superexec-auth-secret-file`), kept in a private folder of its own.
+the loopback of the process's own namespace. The SuperLink is `florist superlink`: its HTTP
+port answers this user's connections only, and its Fleet API refuses oversized messages.
+Where the SuperLink and the SuperNodes leave their tasks to executors (`--isolation process`:
+warm executors, or Flower's SuperExec should the fork server fail), their Runtime APIs serve
+tasks only to requests signed with one SuperExec auth secret per federation
+(`--superexec-auth-secret-file`), kept in a private folder of its own.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ from florist.deploy.spawning import (
     flower_env,
     free_port,
     spawn,
+    superlink_command,
     supernode_command,
     toml_node_config,
 )
+from florist.deploy.superlink import message_limit
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +68,12 @@ class LocalFederation(ServerAppRunners):
         preload: str | None = None,
         network: netns.Network | None = None,
         trust_apps: Sequence[str] = (),
+        max_message_bytes: int | None = None,
     ):
         """`trust_apps`: the sha256 of every app bundle its SuperNodes run (`florist supernode
-        --trust-app`); none given, they run any (the SuperLink is this machine's own)."""
+        --trust-app`); none given, they run any (the SuperLink is this machine's own).
+        `max_message_bytes`: the largest gRPC message its SuperLink accepts (`florist superlink
+        --max-message-mb`; default: sized for any model, `superlink.message_limit`)."""
         if auth and not tls:
             raise ValueError("SuperNode authentication needs TLS: pass --tls with --auth")
         self.workdir = Path(workdir).expanduser().resolve()
@@ -78,6 +85,7 @@ class LocalFederation(ServerAppRunners):
             executor = "flower"  # no fork server, no warm executors: Flower's SuperExec, SuperNodes and SuperLink
         self.executor, self.persistent, self.preload, self.network = executor, persistent, preload, network
         self.trust_apps = tuple(trust_apps)
+        self.max_message_bytes = max_message_bytes or message_limit()
         self.host = network.address(netns.SUPERLINK) if network else "127.0.0.1"  # where SuperNodes dial
         self.flwr_home = self.workdir / "flwr-home"
         self.certs, self.keys, self.logs = self.workdir / "certs", self.workdir / "keys", self.workdir / "logs"
@@ -129,7 +137,7 @@ class LocalFederation(ServerAppRunners):
             folder.mkdir(parents=True, exist_ok=True)
         if self.tls and not covers(self.certs / "server.pem", [self.host]):
             # its CA's key is not kept: nothing under a run's folder can sign another certificate
-            make_ca_and_server(self.certs, ["localhost", self.host], keep_ca_key=False)
+            make_ca_and_server(self.certs, ["localhost", self.host])
         self._write_connection()
         if self.executor == "warm" and self.auth_secret is None:
             self.auth_secret = self._make_auth_secret()
@@ -189,7 +197,7 @@ class LocalFederation(ServerAppRunners):
             else ["--insecure"]
         )
         args = [
-            flower_bin("flower-superlink"),
+            *superlink_command(self.max_message_bytes),
             *security,
             *(["--enable-supernode-auth"] if self.auth else []),
             "--fleet-api-address",
@@ -345,7 +353,8 @@ class LocalFederation(ServerAppRunners):
             f"SuperLink: pid {self.superlink.pid if self.superlink else '-'}\n"
             f"  Fleet API (gRPC{', TLS' if self.tls else ''}{', node auth' if self.auth else ''}): "
             f"{self.fleet_address}\n"
-            f"  Control + Runtime API (HTTP, loopback only): {self.control_address}\n"
+            f"  Control + Runtime API (HTTP, loopback, this user only): {self.control_address}\n"
+            f"  gRPC messages up to {self.max_message_bytes / 2**20:.3g} MiB\n"
             f"  state: {self.database if self.persistent else 'in memory'}\n{nodes}\n"
             + ("Runtime APIs: tasks only for signed requests (SuperExec auth)\n" if self.auth_secret else "")
             + (f"SuperNodes run only the app bundles {', '.join(self.trust_apps)}\n" if self.trust_apps else "")

@@ -52,6 +52,12 @@ def supernode_command(executor: str, preload: str | None = None, fork_server: Pa
     )
 
 
+def superlink_command(max_message_bytes: int) -> list[str]:
+    """`florist superlink --max-message-mb MB` (its HTTP APIs for this user only, its gRPC
+    messages limited), run by this Python; `flower-superlink`'s options follow."""
+    return [sys.executable, "-m", "florist", "superlink", "--max-message-mb", f"{max_message_bytes / 2**20:.6g}"]
+
+
 def flower_bin(name: str) -> str:
     """A Flower executable from this Python's environment (works without an activated venv)."""
     candidate = Path(sys.executable).parent / name
