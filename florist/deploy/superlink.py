@@ -73,6 +73,7 @@ def run(flower_args: list[str], max_message_mb: float | None = None) -> None:
         )
     else:
         guard.limit_messages(limit)
+        guard.limit_public_keys()
         if not _loopback(host):
             log.warning("the Control API listens on %s: whoever reaches it there can submit runs", host)
         elif guard.can_see_owners():

@@ -32,6 +32,9 @@ from typing import Any
 log = logging.getLogger("flwr").getChild(__name__)
 
 TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+# The largest public key a SuperNode may register: an ECDSA P-384 key in OpenSSH form is about
+# 200 bytes, an RSA-4096 one about 750. Flower stores any it is sent, and quotes it in full.
+MAX_PUBLIC_KEY = 4096
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
@@ -57,6 +60,10 @@ def problems() -> list[str]:
     ]
     if found:
         return found
+    from flwr.server.superlink.fleet.grpc_rere import fleet_servicer
+
+    if not hasattr(fleet_servicer.FleetServicer, "RegisterNode"):
+        return ["FleetServicer has no RegisterNode"]
     if "from flwr.superlink.main import" not in inspect.getsource(flower_superlink._run_superlink_http_api):
         found.append("_run_superlink_http_api no longer imports create_app when it runs")
     if "max_message_length" not in inspect.signature(flower_superlink.generic_create_grpc_server).parameters:
@@ -158,3 +165,24 @@ def limit_messages(max_bytes: int) -> None:
         return create(*args, **(kwargs | {"max_message_length": max_bytes}))
 
     flower_superlink.generic_create_grpc_server = limited
+
+
+def limit_public_keys(max_bytes: int = MAX_PUBLIC_KEY) -> None:
+    """From here on, the Fleet API refuses to register a public key over `max_bytes` (insecure
+    SuperLinks let anyone register: without this, each call could store a key the size of the
+    message limit, and Flower keeps every one)."""
+    import grpc
+    from flwr.server.superlink.fleet.grpc_rere import fleet_servicer
+
+    register = fleet_servicer.FleetServicer.RegisterNode
+
+    @functools.wraps(register)
+    def bounded(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        if len(request.public_key) > max_bytes:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a public key of {len(request.public_key)} bytes; SuperNode keys are at most {max_bytes}",
+            )
+        return register(self, request, context)
+
+    fleet_servicer.FleetServicer.RegisterNode = bounded
