@@ -5,8 +5,8 @@ Flower 1.39's SuperLink answers run submissions (Control API) and hands out a ru
 executes on the SuperLink and on every SuperNode. On 127.0.0.1 that is every user of the
 machine. `owner_only` wraps the ASGI app the SuperLink serves (`flwr.superlink.main.create_app`)
 so that a connection from the loopback is answered only when the socket at its other end
-belongs to the SuperLink's own uid, which the kernel reports in /proc/net/tcp{,6} (the uid
-that made the socket: another user cannot forge it); anything else gets 403 and one log line.
+belongs to the SuperLink's own uid, which the kernel reports (netlink sock_diag: the uid that
+made the socket, which another user cannot forge); anything else gets 403 and one log line.
 
 Its gRPC servers (the Fleet API the SuperNodes dial) accept messages of up to 2 GiB: a party that
 is not even a registered node makes it buffer that much per call. `limit_messages` has them made
@@ -25,13 +25,15 @@ import inspect
 import ipaddress
 import logging
 import os
+import socket
+import struct
 from collections.abc import Awaitable, Callable, MutableMapping
-from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("flwr").getChild(__name__)
 
-TABLES = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST = 4, 20, 1  # linux/sock_diag.h, linux/netlink.h
+UID_AT = 4 + 48 + 12  # inet_diag_msg: family, state, timer, retrans; its sockid; expires, queues; then uid
 # The largest public key a SuperNode may register: an ECDSA P-384 key in OpenSSH form is about
 # 200 bytes, an RSA-4096 one about 750. Flower stores any it is sent, and quotes it in full.
 MAX_PUBLIC_KEY = 4096
@@ -71,44 +73,52 @@ def problems() -> list[str]:
     return found
 
 
-def _address(hexed: str) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    """An address of /proc/net/tcp{,6} (host-order 32-bit words in hex, then the port), with an
-    IPv4-mapped IPv6 address given as the IPv4 address it maps."""
-    host, port = hexed.split(":")
-    raw = bytes.fromhex(host)
-    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    address = ipaddress.ip_address(raw)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        address = address.ipv4_mapped
-    return address, int(port, 16)
+def _diag_request(family: int, local: tuple[str, int], remote: tuple[str, int]) -> bytes | None:
+    """A netlink SOCK_DIAG_BY_FAMILY request for the one TCP socket of `family` bound to `local`
+    and connected to `remote` (None: the addresses cannot be of that family)."""
+    here, there = ipaddress.ip_address(local[0]), ipaddress.ip_address(remote[0])
+    if family == socket.AF_INET:
+        if here.version != 4 or there.version != 4:
+            return None
+        source, destination = here.packed + bytes(12), there.packed + bytes(12)
+    else:  # a dual-stack socket shows an IPv4 peer as its IPv4-mapped IPv6 address
 
+        def mapped(a: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bytes:
+            return (ipaddress.IPv6Address(f"::ffff:{a}") if a.version == 4 else a).packed
 
-def _normal(host: str, port: int) -> tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]:
-    address = ipaddress.ip_address(host)
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        address = address.ipv4_mapped
-    return address, int(port)
+        source, destination = mapped(here), mapped(there)
+    # inet_diag_req_v2: family, protocol, extensions, pad, states (all); then inet_diag_sockid:
+    # ports and addresses in network order, any interface, no cookie (the kernel finds the socket).
+    sockid = struct.pack("!HH", int(local[1]), int(remote[1])) + source + destination
+    request = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + sockid
+    request += struct.pack("=III", 0, 0xFFFFFFFF, 0xFFFFFFFF)
+    return struct.pack("=IHHII", 16 + len(request), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST, 1, 0) + request
 
 
 def socket_owner(local: tuple[str, int], remote: tuple[str, int]) -> int | None:
     """The uid owning the TCP socket of this network namespace bound to `local` and connected to
-    `remote` (None when there is none: it closed meanwhile)."""
-    want = (_normal(*local), _normal(*remote))
-    for table in TABLES:
-        try:
-            lines = table.read_text().splitlines()[1:]
-        except OSError:
+    `remote` (None when there is none: it closed meanwhile). The kernel looks the socket up by
+    its addresses (netlink sock_diag, about 40 µs; reading /proc/net/tcp walks the whole table, 4 ms)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        request = _diag_request(family, local, remote)
+        if request is None:
             continue
-        for line in lines:
-            fields = line.split()
-            if (_address(fields[1]), _address(fields[2])) == want:
-                return int(fields[7])
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG) as netlink:
+            netlink.settimeout(2.0)
+            netlink.send(request)
+            reply = netlink.recv(65536)
+        if len(reply) >= 16 + UID_AT + 4 and struct.unpack_from("=H", reply, 4)[0] == SOCK_DIAG_BY_FAMILY:
+            return struct.unpack_from("=I", reply, 16 + UID_AT)[0]
     return None
 
 
 def can_see_owners() -> bool:
-    """Whether this machine reports who owns a socket (Linux's /proc/net/tcp)."""
-    return TABLES[0].exists()
+    """Whether this machine tells who owns a socket (Linux's netlink sock_diag)."""
+    try:
+        socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG).close()
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def owner_only(app: ASGIApp, uid: int | None = None) -> ASGIApp:
