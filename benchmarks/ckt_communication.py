@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import florist.apps.registry  # noqa: F401  (hands the run config its strategies)
 from florist.client.node import Node, Request
 from florist.client.state import NodeState
 from florist.common import data as data_lib

@@ -23,7 +23,8 @@ CHILD = """
 import json, resource, sys, time
 def rss():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) * 1024
-import florist.client.app  # noqa: F401  (what every node process holds before its data)
+import florist.apps.registry  # noqa: F401  (hands the run config its strategies)
+import florist.apps.client  # noqa: F401  (what every node process holds before its data)
 from florist.common import scenarios
 from florist.config import RunConfig
 before = rss()

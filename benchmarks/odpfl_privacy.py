@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import florist.apps.registry  # noqa: F401  (hands the run config its strategies)
 from florist.common import data as data_lib
 from florist.common import training
 from florist.common.models import build_model

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from florist.client.app import build_client_app
+from florist.apps.client import build_client_app
 from florist.common import protocol
 from florist.common.client_mods import ATTACKS, ROLES, attack
 from florist.common.devices import usable_cores

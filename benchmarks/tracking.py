@@ -40,7 +40,7 @@ def import_seconds(statement: str) -> float:
     import subprocess
     import sys
 
-    timed = f"import florist.server.app, time; t = time.perf_counter(); {statement}; print(time.perf_counter() - t)"
+    timed = f"import florist.apps.server, time; t = time.perf_counter(); {statement}; print(time.perf_counter() - t)"
     return float(subprocess.run([sys.executable, "-c", timed], capture_output=True, text=True, check=True).stdout)
 
 
@@ -83,7 +83,7 @@ def main() -> None:
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # each variant's own store, in its results folder
     import logging
 
-    import florist.server.app  # noqa: F401  (Flower sets its logger's level when imported)
+    import florist.apps.server  # noqa: F401  (Flower sets its logger's level when imported)
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     imports = {name: statistics.median(import_seconds(s) for _ in range(3)) for name, s in IMPORTS.items()}

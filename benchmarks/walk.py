@@ -1,11 +1,11 @@
 """How many turns a reader takes following a run from `florist simulate` to the first `train`
-handler: every call into florist that is handed the run config (the CLI's arguments or a
-`RunConfig`), in order, until a strategy's client `train` starts.
+handler: every call into florist that is handed the run config (the CLI's arguments, a
+`Launch` made of them, or a `RunConfig`), in order, until a strategy's client `train` starts.
 
 A "stop" is a call from one file into another, to a function not read before; the figures
 are the stops, the files entered, the returns to a file already visited, and the stops that go
-back up the layers (tests/test_layout.py's: common < strategies < config < client, server <
-runners, deploy < cli). The run uses Ray in `florist simulate`, where the handler runs in
+back up the layers (tests/test_layout.py's: common < config < client, server < strategies <
+apps < runners, deploy < cli). The run uses Ray in `florist simulate`, where the handler runs in
 another process; here the simulation runner is stood in for by the in-process runtime (the
 same ServerApp loop and ClientApp, one process), so the whole path is in one trace. Works on
 any florist checkout (`PYTHONPATH=CHECKOUT`).
@@ -25,16 +25,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+# tests/test_layout.py's layers; the same table for every checkout, so that figures compare.
 LAYERS = {
     "common": 0,
-    "strategies": 1,
-    "algorithms": 1,
-    "config": 2,
-    "client": 3,
-    "server": 3,
-    "runners": 4,
-    "deploy": 4,
-    "cli": 5,
+    "config": 1,
+    "client": 2,
+    "server": 2,
+    "strategies": 3,
+    "algorithms": 3,
+    "apps": 4,
+    "runners": 5,
+    "deploy": 5,
+    "cli": 6,
 }
 
 
@@ -82,7 +84,10 @@ def trace(argv: list[str], every_call: bool) -> list[tuple[str, str]]:
             raise Found
         arguments = [frame.f_locals.get(n) for n in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]]
         caller = frame.f_back.f_code.co_filename if frame.f_back else ""
-        handed = every_call or any(isinstance(a, (RunConfig, argparse.Namespace)) for a in arguments)
+        # a `Launch` (runners/launch.py) carries a command's parsed flags to its runner
+        handed = every_call or any(
+            isinstance(a, (RunConfig, argparse.Namespace)) or type(a).__name__ == "Launch" for a in arguments
+        )
         if caller != code.co_filename and handed:
             calls.append((path, code.co_name))
 

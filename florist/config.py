@@ -2,7 +2,10 @@
 (`florist/strategies/<name>/spec.py`), parsed from Flower's flat kebab-case run config.
 
 Parsing happens once, at start-up, so a typo or a wrong type fails with the key's name
-instead of deep inside a round.
+instead of deep inside a round. This module knows no strategy: the registry
+(`florist/apps/registry.py`) hands it each strategy's section when it is imported
+(`use_sections`), and every entry point (the `florist` command, the ServerApp, the ClientApp)
+imports the registry first.
 """
 
 from __future__ import annotations
@@ -15,15 +18,14 @@ from typing import Any
 from florist.common import client_mods, devices, scenarios
 from florist.common.data import PARTITIONS, parse_partition
 from florist.common.settings import NoSettings, Settings, setting
-from florist.strategies import STRATEGIES, strategy_spec
 
 AUGMENTS = ("none", "flip", "crop-flip")  # florist/common/training.py applies them
 AGGREGATIONS = "mean | median | trimmed:BETA (0 <= BETA < 0.5) | krum:F | multikrum:F (F >= 0 Byzantine nodes)"
 
 MAX_TORCH_THREADS = 1024  # more is a typo or an attack (a node also cuts it to its cores: client/guard.py)
 
-# The strategies `strategy` may name (the registry holds their specs, which import no torch).
-STRATEGY_NAMES = tuple(STRATEGIES)
+# The settings section of each strategy `strategy` may name, in the registry's order (`use_sections`).
+SECTIONS: dict[str, type[Settings]] = {}
 # The experiment trackers `trackers` may name (florist/server/tracking), each also the name of the
 # package it needs: the optional `tracking` extra installs them.
 TRACKERS = ("tensorboard", "mlflow", "wandb")
@@ -100,15 +102,17 @@ class RunConfig(Settings):
     def from_mapping(cls, values: Mapping[str, Any], strict: bool = False) -> RunConfig:
         """Build from `{"kebab-key": value}`: unknown keys and wrong types are refused, and
         every strategy's section checks the keys it owns, whichever strategy runs."""
+        if not SECTIONS:
+            raise RuntimeError("no strategy is known: import florist.apps.registry first (every entry point does)")
         own = set(cls.keys())
-        sections = {spec.settings for spec in STRATEGIES.values()}
+        sections = set(SECTIONS.values())
         known = own.union(*(s.keys() for s in sections))
         if unknown := sorted(set(values) - known):
             raise ValueError(f"unknown run-config key {unknown[0]!r}; {_closest(unknown[0], known)}")
         common = super().from_mapping({k: v for k, v in values.items() if k in own})
         for section in sections:
             section.from_mapping(values)
-        return dataclasses.replace(common, settings=strategy_spec(common.strategy).settings.from_mapping(values))
+        return dataclasses.replace(common, settings=SECTIONS[common.strategy].from_mapping(values))
 
     def to_mapping(self, travelling: bool = False) -> dict[str, Any]:
         """The kebab-case form (as in results.json); with `travelling`, what clients are sent."""
@@ -127,7 +131,7 @@ class RunConfig(Settings):
 
     def checks(self) -> list[tuple[bool, str]]:
         return [
-            (self.strategy in STRATEGIES, f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"),
+            (self.strategy in SECTIONS, f"unknown strategy {self.strategy!r}; choose one of {', '.join(SECTIONS)}"),
             (self.num_server_rounds >= 0, "num-server-rounds must be >= 0"),
             (_parses(parse_partition, self.partition), f"partition must be {PARTITIONS}, got {self.partition!r}"),
             (
@@ -180,10 +184,10 @@ class RunConfig(Settings):
         ]
 
 
-def parse_aggregation(spec: str) -> tuple[str, float]:
+def parse_aggregation(text: str) -> tuple[str, float]:
     """`mean` | `median` | `trimmed:β` (0 ≤ β < 0.5 cut at each end) | `krum:f` | `multikrum:f`
     (f ≥ 0 whole, the Byzantine nodes assumed) as (rule, β or f; 0 for mean and median)."""
-    rule, _, arg = spec.partition(":")
+    rule, _, arg = text.partition(":")
     if rule in ("mean", "median") and not arg:
         return rule, 0.0
     if rule == "trimmed" and arg:
@@ -192,7 +196,7 @@ def parse_aggregation(spec: str) -> tuple[str, float]:
             return rule, beta
     if rule in ("krum", "multikrum") and arg.isascii() and arg.isdigit():
         return rule, float(int(arg))
-    raise ValueError(f"aggregation must be {AGGREGATIONS}, got {spec!r}")
+    raise ValueError(f"aggregation must be {AGGREGATIONS}, got {text!r}")
 
 
 def parse_trackers(text: str) -> list[str]:
@@ -203,10 +207,10 @@ def parse_trackers(text: str) -> list[str]:
     return names
 
 
-def _parses(parse, spec: str, kind: str = "") -> bool:
-    """Whether `parse(spec)` accepts `spec` (and, given `kind`, as that kind)."""
+def _parses(parse, text: str, kind: str = "") -> bool:
+    """Whether `parse(text)` accepts `text` (and, given `kind`, as that kind)."""
     try:
-        return parse(spec)[0] == kind if kind else bool(parse(spec))
+        return parse(text)[0] == kind if kind else bool(parse(text))
     except ValueError:
         return False
 
@@ -237,3 +241,9 @@ def _closest(key: str, known: set[str]) -> str:
 
     close = difflib.get_close_matches(key.replace("_", "-"), known, n=1, cutoff=0.75)
     return f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+
+
+def use_sections(sections: Mapping[str, type[Settings]]) -> None:
+    """The strategies a run config may name, each with its settings section (the registry's)."""
+    SECTIONS.clear()
+    SECTIONS.update(sections)

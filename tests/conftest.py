@@ -17,6 +17,8 @@ os.environ.update(
 
 import pytest  # noqa: E402
 
+import florist.apps.registry  # noqa: E402, F401  (hands config the strategies' sections, as every entry point does)
+
 # The files that take longest (real processes, Ray, the fuzzer), longest first as measured with
 # two workers. pytest-xdist hands out whole files in this order (pyproject.toml's addopts), so the
 # workers end together rather than one waiting out a long file alone; each file keeps its order.
@@ -34,6 +36,7 @@ LONGEST = [
     "tests/test_simulation.py",
     "tests/deploy/test_superlink_crash.py",
     "tests/deploy/test_secure.py",
+    "tests/deploy/test_superlink_memory.py",
 ]
 
 
@@ -49,8 +52,8 @@ def pytest_unconfigure(config):
 @pytest.fixture
 def all_settings() -> dict:
     """Every run-config key with its default: the common ones, then each strategy's once."""
+    from florist.apps.registry import STRATEGIES
     from florist.config import RunConfig
-    from florist.strategies import STRATEGIES
 
     defaults = RunConfig().to_mapping()
     for spec in STRATEGIES.values():
@@ -64,7 +67,7 @@ def make_node(tmp_path):
     `make_node({"strategy": ...}, key=..., data=..., node_config=...)`."""
     from florist.client.node import Node
     from florist.client.state import NodeState
-    from florist.common import data as data_lib
+    from florist.common import scenarios
     from florist.config import RunConfig
 
     def make(values=None, key="partition-4", data=None, node_config=None, seen=True, run_id=1, server_round=1):
@@ -72,16 +75,7 @@ def make_node(tmp_path):
         cfg = RunConfig.from_mapping(values or {})
         cfg = cfg.for_node(node_config)
         if data is None:
-            data = data_lib.embedded_client(
-                4,
-                5,
-                cfg.partition,
-                cfg.seed,
-                cfg.val_fraction,
-                cfg.test_fraction,
-                cfg.min_partition_size,
-                public_size=cfg.public_size,
-            )
+            data = scenarios.client_data(4, 5, cfg)
         state = NodeState(tmp_path / "state", key, cfg.strategy)
         return Node(key, seen, run_id, server_round, cfg, data, state, node_config)
 

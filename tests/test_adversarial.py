@@ -19,7 +19,8 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Context, Message
 
-from florist.client.app import build_client_app
+from florist.apps.client import build_client_app
+from florist.apps.server import server_half
 from florist.common import client_mods, protocol
 from florist.config import RunConfig, parse_aggregation
 from florist.runners.inprocess import run_in_process
@@ -335,7 +336,6 @@ def test_pefll_combines_the_clients_pseudo_gradients_by_the_rule(tmp_path):
     """One round, plain SGD on the server: the per-client path with `mean` (made non-plain by
     an unreachable clip-norm) moves the networks as the one backward pass does; a node sending
     Δθ ×1000 throws the mean's step far off and the median's no further than honest steps go."""
-    from florist.strategies import strategy_spec
 
     def networks(name: str, app=None, **settings) -> dict[str, torch.Tensor]:
         values = FIVE | {"strategy": "pefll", "num-server-rounds": 1, "hn-local-steps": 5, "hn-optimizer": "sgd"}
@@ -344,7 +344,7 @@ def test_pefll_combines_the_clients_pseudo_gradients_by_the_rule(tmp_path):
         state = torch.load(tmp_path / name / "checkpoint.pt")["state"]
         return {f"{net}.{k}": v for net in ("hyper", "embed") for k, v in state[net].items()}
 
-    start = strategy_spec("pefll").server()(RunConfig.from_mapping(FIVE | {"strategy": "pefll"}), None, (1, 8, 8), 5)
+    start = server_half("pefll")(RunConfig.from_mapping(FIVE | {"strategy": "pefll"}), None, (1, 8, 8), 5)
     before = {f"{net}.{k}": v for net in ("hyper", "embed") for k, v in getattr(start, net).state_dict().items()}
     step = lambda after: float(sum(((after[k] - before[k]).double() ** 2).sum() for k in before).sqrt())  # noqa: E731
     plain = networks("plain")

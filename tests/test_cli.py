@@ -145,8 +145,8 @@ def test_version_and_help_promise_only_what_exists(capsys):
 def test_a_strategys_commands_are_added_once_and_a_name_taken_twice_is_refused():
     import argparse
 
+    from florist.apps.registry import STRATEGIES
     from florist.cli import add_strategy_commands
-    from florist.strategies import STRATEGIES
 
     knnper, ckt = STRATEGIES["knnper"], STRATEGIES["perfed-ckt"]
     sub = argparse.ArgumentParser().add_subparsers()

@@ -5,10 +5,10 @@ in-process grid is made to answer in node order once and in reverse node order o
 
 import pytest
 
+from florist.apps.registry import STRATEGIES
 from florist.config import RunConfig
 from florist.runners import inprocess
 from florist.runners.inprocess import run_in_process
-from florist.strategies import STRATEGIES
 
 # Two rounds on four clients, one held out; each strategy's costly knobs turned down.
 CHEAP = {

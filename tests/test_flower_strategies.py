@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import strategy as flower
 from flwr.serverapp.strategy import qfedavg
 
-from florist.client.app import app
+from florist.apps.client import app
 from florist.client.node import Request
 from florist.common import client_mods, protocol, scenarios, training
 from florist.common.models import seeded_model

@@ -41,15 +41,16 @@ from flwr.common.constant import ErrorCode
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from florist.client.app import app as client_app
+from florist.apps.client import app as client_app
+from florist.apps.registry import STRATEGIES
+from florist.apps.server import server_half
 from florist.common import flower_internals, packing, protocol
+from florist.common.spec import INFO, Exchange
 from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
-from florist.server.app import discover
 from florist.server.exchange import UNDECODABLE, Exchanger
+from florist.server.loop import discover
 from florist.server.strategy import ServerStrategy
-from florist.strategies import STRATEGIES
-from florist.strategies.base import INFO, Exchange
 
 REPLIES_PER_TYPE = 1000  # malformed replies generated per message type, at least
 REQUESTS_PER_TYPE = 40  # malformed requests per message type, at least (each followed by a good one: a handler run)
@@ -179,7 +180,7 @@ def record(spec: str, folder: Path) -> Federated:
         exchanger = Exchanger(grid, cfg.round_timeout, grid.run_id)
         grid.phase = "info"
         nodes = discover(exchanger, cfg, grid.get_node_ids())
-        strategy = STRATEGIES[spec].server()(cfg, exchanger, nodes[0].input_shape, len(nodes))
+        strategy = server_half(spec)(cfg, exchanger, nodes[0].input_shape, len(nodes))
         fed, real_ask = Federated(cfg, grid, strategy, nodes), strategy.ask
 
         def recording_ask(exchange, requests, server_round, required, reference=None, side=None):

@@ -1,6 +1,10 @@
-"""The house stays easy to walk: no module over 400 lines, no function over 60, and each layer
-imports (at module level) only the layers below it: common < strategies < config < client,
-server < runners, deploy < cli."""
+"""The house stays easy to walk: no module over 400 lines, no function over 60, and each folder
+imports only the folders below it, counting imports inside functions too:
+
+    common < config < client, server < strategies < apps < runners, deploy < cli
+
+`apps` (the registry and the two Flower apps) is the only code that knows every strategy; a
+strategy uses another only through FedAvg, the base the FedAvg-shaped ones build on."""
 
 import ast
 from pathlib import Path
@@ -11,17 +15,65 @@ import florist
 
 PACKAGE = Path(florist.__file__).parent
 MODULES = sorted(PACKAGE.rglob("*.py"))
-LAYERS = {"common": 0, "strategies": 1, "config": 2, "client": 3, "server": 3, "runners": 4, "deploy": 4, "cli": 5}
+LAYERS = {
+    "common": 0,
+    "config": 1,
+    "client": 2,
+    "server": 2,
+    "strategies": 3,
+    "apps": 4,
+    "runners": 5,
+    "deploy": 5,
+    "cli": 6,
+}
+SHARED_STRATEGY = "florist.strategies.fedavg"  # what another strategy's halves may build on
 
 
 def _name(path: Path) -> str:
     return path.relative_to(PACKAGE.parent).as_posix()
 
 
-def _layer(module: str) -> int | None:
-    """The layer of `florist.X...` (None for the package's own top-level files)."""
+def _module(path: Path) -> str:
+    return _name(path).removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _folder(module: str) -> str | None:
+    """The layer folder of `florist.X...` (`config` is a file of its own; None for the rest)."""
     parts = module.split(".")
-    return LAYERS.get(parts[1]) if len(parts) > 1 and parts[0] == "florist" else None
+    return parts[1] if len(parts) > 1 and parts[0] == "florist" and parts[1] in LAYERS else None
+
+
+def imports(path: Path) -> set[str]:
+    """Every florist module `path` imports, at module level or inside a function (those run too:
+    a deferred import is still a dependency), but not under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {m for m in found if m.split(".")[0] == "florist"}
+
+
+def folder_graph() -> dict[tuple[str, str], list[str]]:
+    """(importing folder, imported folder) -> the imports that make the edge."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for path in MODULES:
+        source = _folder(_module(path))
+        for module in imports(path):
+            target = _folder(module)
+            if source and target and target != source:
+                edges.setdefault((source, target), []).append(f"{_name(path)} imports {module}")
+    return edges
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
@@ -34,23 +86,36 @@ def test_no_module_over_400_lines_and_no_function_over_60(path):
             assert length <= 60, f"{_name(path)}:{node.name} has {length} lines"
 
 
-@pytest.mark.parametrize("path", MODULES, ids=_name)
-def test_a_layer_imports_only_the_layers_below_it(path):
-    module = _name(path).removesuffix(".py").replace("/", ".")
-    own = _layer(module)
-    if own is None:
-        return
-    imported = set()
-    for node in ast.parse(path.read_text()).body:  # module level: an import inside a function is a late reference
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-        elif isinstance(node, ast.Import):
-            imported |= {a.name for a in node.names}
-    # A strategy's halves and their machinery sit above the registry and the run config, which read its spec.
-    half = module.startswith("florist.strategies.") and module.count(".") == 3 and not module.endswith(".spec")
-    ceiling = LAYERS["server"] if half else own
-    above = sorted(m for m in imported if (layer := _layer(m)) is not None and layer > ceiling)
-    assert not above, f"{module} imports {above}, a layer above it"
+def test_no_folder_imports_a_folder_above_it_even_inside_a_function():
+    edges = folder_graph().items()
+    upward = [why for (source, target), whys in edges if LAYERS[target] > LAYERS[source] for why in whys]
+    assert upward == []
+
+
+def test_no_import_cycle_spans_two_folders():
+    """Same-layer folders (client and server, runners and deploy) may use each other one way only."""
+    edges = folder_graph()
+    both_ways = [(a, b, edges[(a, b)][0], edges[(b, a)][0]) for a, b in edges if (b, a) in edges and a < b]
+    assert both_ways == []
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "strategies").rglob("*.py")), ids=_name)
+def test_a_strategy_uses_another_only_through_fedavg(path):
+    own = ".".join(_module(path).split(".")[:3])
+    mine = (own, own + ".", SHARED_STRATEGY)
+    others = sorted(m for m in imports(path) if m.startswith("florist.strategies.") and not m.startswith(mine))
+    assert others == [], f"{_name(path)} reaches into {others}"
+
+
+def test_only_apps_and_above_name_the_registry():
+    below = [
+        f"{_name(path)} imports {module}"
+        for path in MODULES
+        if (folder := _folder(_module(path))) and LAYERS[folder] < LAYERS["apps"]
+        for module in imports(path)
+        if module.startswith("florist.apps")
+    ]
+    assert below == []
 
 
 def test_test_files_have_unique_names():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flwr.app import Context, Message
 
-from florist.client.app import build_client_app
+from florist.apps.client import build_client_app
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.runners.simulation import simulate

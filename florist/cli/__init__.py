@@ -1,8 +1,10 @@
 """The `florist` command: `build_parser` assembles its commands, one module each here (the
-options several share live in `options.py`), and every strategy's own (its spec's `commands`);
-`main` runs the one asked for and turns what a user can get wrong into one line and an exit status.
-The modules import only argparse and what a run config needs: torch, rich, flwr and ray are
-imported by the command that runs, so `florist --help` and a usage error are quick."""
+options several share live in `options.py`, what they show in `display.py`), and every
+strategy's own (its spec's `commands`); `main` runs the one asked for and turns what a user can
+get wrong into one line and an exit status. A command parses its flags, calls one function of
+`florist/runners/` (or `florist/deploy/`) that does the work, and prints what it returns. The
+modules import only argparse and what a run config needs: torch, rich, flwr and ray are imported
+by the command that runs, so `florist --help` and a usage error are quick."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import sys
 from collections.abc import Iterable
 
+from florist.apps.registry import STRATEGIES
 from florist.cli import (
     app_hash,
     certs,
@@ -26,8 +29,7 @@ from florist.cli import (
     supernode,
 )
 from florist.cli.signals import forget_interrupt, ignore_signals
-from florist.strategies import STRATEGIES
-from florist.strategies.base import StrategySpec
+from florist.common.spec import StrategySpec
 
 # In the order `florist --help` lists them; each strategy's own commands come after these.
 COMMANDS = (simulate, deploy_local, local_federation, certs, join, export, supernode, superlink, app_hash, compare)

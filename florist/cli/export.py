@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import numpy as np
-
 from florist.cli.options import count, given, scenario_options
 
 
@@ -32,19 +30,13 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from florist.common import scenarios
-    from florist.config import RunConfig
+    from florist.runners.export import export_partition
 
-    cfg = RunConfig.from_mapping(given(args))
-    data = scenarios.client_data(args.partition_id, args.num_partitions, cfg)
     out = Path(args.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    train = {"x": np.concatenate([data.x_train, data.x_val]), "y": np.concatenate([data.y_train, data.y_val])}
-    test = {"x": data.x_test, "y": data.y_test}
-    for name, arrays in (("train", train), ("test", test)):
-        np.savez(out / f"{name}.npz", **{k: v for k, v in arrays.items() if k == "x" or not args.unlabeled})
+    data = export_partition(given(args), args.partition_id, args.num_partitions, out, args.unlabeled)
     print(
-        f"{out}: {'unlabeled ' * args.unlabeled}train.npz ({len(train['x'])} samples), test.npz ({len(test['x'])}), "
-        f"x {data.x_train.dtype} of shape {data.x_train.shape[1:]}; join with: florist join --data-dir {out} ..."
+        f"{out}: {'unlabeled ' * args.unlabeled}train.npz ({len(data.x_train) + len(data.x_val)} samples), "
+        f"test.npz ({len(data.x_test)}), x {data.x_train.dtype} of shape {data.x_train.shape[1:]}; "
+        f"join with: florist join --data-dir {out} ..."
     )
     return 0

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
-from pathlib import Path
 
-from florist.cli.options import DEFAULT_NODES, federation_options, node_configs
-from florist.cli.signals import interrupt_on_signals
+from florist.cli.display import Display
+from florist.cli.options import DEFAULT_NODES, federation, federation_options
 from florist.cli.supernode import trust_app_option
 
 
@@ -45,33 +43,26 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from florist.common.data import parse_partition
-    from florist.deploy.bundle import TrustedApps, bundle_hash
-    from florist.deploy.federation import LocalFederation
+    from florist.runners.federation import serve
 
     parse_partition(args.partition)  # it goes into the printed run line: refuse a wrong one now
-    workdir = Path(args.state_dir).expanduser().resolve()
-    # The checkout's bundle as it is now (what the printed `flwr run .` submits), and any other named.
-    trusted = sorted(TrustedApps.parse([bundle_hash(), *args.trust_app]).hashes)
-    interrupt_on_signals()
-    num_nodes = args.num_nodes or DEFAULT_NODES[args.command]
-    with LocalFederation(
-        workdir,
-        node_configs(num_nodes, workdir),
-        tls=args.tls,
-        auth=args.auth,
-        executor=args.executor,
-        persistent=args.persistent,
-        trust_apps=trusted,
-        max_message_bytes=args.max_message_mb and int(args.max_message_mb * 2**20),
-    ) as fed:
-        print(fed.describe().replace("...", f'partition="{args.partition}"'), flush=True)
+    tail = serve(federation(args), args.num_nodes or DEFAULT_NODES[args.command], ServingDisplay(args.partition))
+    if tail is None:  # stopped by Ctrl-C
+        return 0
+    print(f"the SuperLink exited:\n{tail}", file=sys.stderr)
+    return 1
+
+
+class ServingDisplay(Display):
+    """Where the federation is and the `flwr run` line that submits to it, with `partition`."""
+
+    def __init__(self, partition: str) -> None:
+        super().__init__()
+        self.partition = partition
+
+    def federation(self, description: str) -> None:
+        print(description.replace("...", f'partition="{self.partition}"'), flush=True)
         print("Running; Ctrl-C stops the SuperLink and SuperNodes started here.", flush=True)
-        try:
-            while fed.superlink.alive():
-                fed.ensure_runs_served()
-                time.sleep(1)
-            print(f"the SuperLink exited:\n{fed.superlink.tail()}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("stopping...", flush=True)
-    return 0
+
+    def stopping(self) -> None:
+        print("stopping...", flush=True)

@@ -1,19 +1,17 @@
 """What several commands share: their options (the run's, the scenario's, Ray's resources per
-client, the federation's), the run config those make, and the summary a finished run prints."""
+client, the federation's) and what those ask of a run (`launch`, `federation`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
-from florist.common import devices
-from florist.config import STRATEGY_NAMES, RunConfig, parse_overrides, parse_trackers
-from florist.strategies import STRATEGIES
+from florist.apps.registry import STRATEGIES
+from florist.config import parse_overrides, parse_trackers
+from florist.runners.launch import Federation, Launch
 
-DEFAULT_NODES = {"simulate": 20, "deploy-local": 3, "local-federation": 3}
+DEFAULT_NODES = {"simulate": 20, "deploy-local": 3, "local-federation": 3, "compare": 20}
 
 
 def count(text: str) -> int:
@@ -37,7 +35,7 @@ def positive_float(text: str) -> float:
 def run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategy",
-        choices=STRATEGY_NAMES,
+        choices=tuple(STRATEGIES),
         metavar="STRATEGY",
         help="algorithm to run (default: fedavg): " + "; ".join(f"{n} = {s.summary}" for n, s in STRATEGIES.items()),
     )
@@ -145,8 +143,9 @@ def runtime_option(parser: argparse.ArgumentParser, default: str = "") -> None:
 
 
 def chosen_runtime(args: argparse.Namespace) -> str:
-    """`--runtime`, or the one that suits this run where none is given (`runtime_option`'s help).
-    Measured on 2 cores (benchmarks/first_round.py): 20 clients, 30 rounds took 44.8 s in-process
+    """`--runtime`, or the one that suits this run where none is given (`runtime_option`'s help):
+    a flag's default, so the command line's to settle (the runners only say what Ray and torch
+    see). Measured on 2 cores (benchmarks/first_round.py): 20 clients, 30 rounds took 44.8 s in-process
     and 63.1 s with Ray; 6 clients reached round 1 after 10.6 s in-process and 32.4 s with Ray."""
     from florist.runners.raycluster import ADDRESS_ENV
 
@@ -161,22 +160,6 @@ def chosen_runtime(args: argparse.Namespace) -> str:
 
         return "simulation" if gpu_count() else "in-process"
     return "in-process"
-
-
-def run_simulated(
-    runtime: str, cfg: RunConfig, num_clients: int, on_round, resources: dict[str, Any], address: str | None = None
-) -> dict:
-    """One run in the chosen runtime (with `address`, on that Ray cluster); returns its results."""
-    if runtime == "in-process":
-        import logging
-
-        from florist.runners.inprocess import run_in_process
-
-        logging.getLogger("flwr").setLevel(logging.WARNING)  # the progress display says how far it got
-        return run_in_process(cfg, num_clients, on_round=on_round, cpus_per_client=resources["num_cpus"])
-    from florist.runners.simulation import simulate_in_child
-
-    return simulate_in_child(cfg, num_clients, on_round, resources, address)
 
 
 def executor_option(parser: argparse.ArgumentParser) -> None:
@@ -220,91 +203,26 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in flags.items() if v is not None} | parse_overrides(args.run_config or "")
 
 
-def run_config(args: argparse.Namespace) -> tuple[RunConfig, int]:
-    """The run config from the shared run flags, `--run-config` on top, and the node count;
-    with `--resume DIR`, the run's own, which any flag given beside must agree with."""
-    values = given(args)
-    if not args.resume:
-        num_nodes = args.num_nodes or DEFAULT_NODES[args.command]
-        return RunConfig.from_mapping({"min-nodes": num_nodes} | values), num_nodes
-    from florist.server.checkpoint import Checkpoint, resumed_config
-
-    num_nodes = len(Checkpoint.load(args.resume).nodes)
-    if args.num_nodes not in (None, num_nodes):
-        raise ValueError(f"cannot resume from {args.resume}: its run had {num_nodes} nodes, not {args.num_nodes}")
-    return resumed_config(args.resume, values), num_nodes
+def launch(args: argparse.Namespace, beneath: dict[str, Any] | None = None) -> Launch:
+    """The run the flags ask for: the run-config values given (`given`, on top of `beneath`), the
+    nodes, the run to resume, and where simulated nodes run (`--runtime`, or the one that suits)."""
+    where = {}
+    if "runtime" in args:
+        where = {"runtime": chosen_runtime(args), "ray_address": args.ray_address}
+        where |= {"cpus_per_client": args.cpus_per_client, "gpus_per_client": args.gpus_per_client}
+    values = (beneath or {}) | given(args)
+    return Launch(values, args.num_nodes, DEFAULT_NODES[args.command], getattr(args, "resume", None), **where)
 
 
-def checked_config(args: argparse.Namespace) -> tuple[RunConfig, int]:
-    """The run config and node count, refused before any work starts if anything about them
-    cannot work."""
-    from florist.runners.preflight import check_run
-
-    cfg, num_nodes = run_config(args)
-    if not getattr(args, "ray_address", None):  # a Ray cluster's nodes have devices of their own
-        devices.resolve(cfg.device, "device")  # this machine runs the nodes: one it lacks fails now, in one line
-    for warning in check_run(cfg, num_nodes):
-        print(f"florist: warning: {warning}", file=sys.stderr)
-    return cfg, num_nodes
-
-
-def node_configs(num_nodes: int, state_root: Path) -> list[dict[str, Any]]:
-    return [
-        {
-            "partition-id": i,
-            "num-partitions": num_nodes,
-            "node-key": f"partition-{i}",
-            "state-dir": str(state_root / "node-state"),
-        }
-        for i in range(num_nodes)
-    ]
-
-
-def stderr_console():
-    from rich.console import Console
-
-    return Console(stderr=True)
-
-
-def decode_data(progress, cfg: RunConfig, num_clients: int) -> None:
-    """Decode every client's partition of a Hugging Face or folder dataset into the data cache
-    before the clients start, with a progress bar (the clients then read it in milliseconds);
-    nothing for the embedded datasets."""
-    from florist.common import scenarios
-
-    if scenarios.parse_dataset(cfg.dataset)[0] != "hub":
-        return
-    from florist.common.hub import hub_client
-
-    task = progress.add_task("decoding data", total=num_clients, status="")
-    for pid in range(num_clients):
-        show = lambda done, total: progress.update(task, description=f"decoding partition {pid}: {done}/{total}")  # noqa: E731
-        hub_client(pid, num_clients, cfg, report=show)
-        progress.update(task, completed=pid + 1)
-    progress.update(task, description="data decoded")
-
-
-def print_summary(results: dict[str, Any], console, wall: float) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from florist.server.report import summary_rows
-
-    table = Table(title=f"florist · {results['strategy']} · {results['config']['partition']}")
-    for column in ("strategy", "clients", "n", "mean acc. (%)", "bottom decile (%)"):
-        table.add_column(column, justify="right" if column[0] in "nmb" else "left")
-    for row in summary_rows(results):
-        table.add_row(*row)
-    console.print(table)
-    failed: dict[tuple[str, str], list[int]] = {}
-    for failure in results.get("failures", []):
-        failed.setdefault((failure["node"], failure["reason"]), []).append(failure["round"])
-    for (node, reason), rounds in failed.items():
-        console.print(
-            f"[yellow]{escape(node)} left out of round(s) {', '.join(map(str, sorted(set(rounds))))}:[/] "
-            f"{escape(reason)}",
-            highlight=False,
-        )
-    console.print(
-        f"wall time {wall:.1f} s · results in {results['config']['results-dir']}/ (results.json, report.md, plots)"
+def federation(args: argparse.Namespace) -> Federation:
+    """The SuperLink and SuperNodes the federation flags ask for."""
+    return Federation(
+        state_dir=args.state_dir,
+        executor=args.executor,
+        tls=args.tls,
+        auth=args.auth,
+        max_message_mb=args.max_message_mb,
+        netns=getattr(args, "netns", False),
+        persistent=getattr(args, "persistent", False),
+        trust_apps=tuple(getattr(args, "trust_app", ())),
     )

@@ -4,23 +4,11 @@ seen/unseen summary."""
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
-from florist.cli.options import (
-    DEFAULT_NODES,
-    checked_config,
-    chosen_runtime,
-    count,
-    decode_data,
-    print_summary,
-    resource_options,
-    run_options,
-    run_simulated,
-    runtime_option,
-    stderr_console,
-)
-from florist.cli.signals import interrupt_on_signals
+from florist.cli.display import Bars, print_summary
+from florist.cli.options import DEFAULT_NODES, count, launch, resource_options, run_options, runtime_option
+from florist.server.report import number
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -43,35 +31,33 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from florist.runners.simulation import (
+        run as simulate,  # it imports torch and flwr: `florist --help` does not wait for them
+    )
 
-    from florist.runners import raycluster
-    from florist.runners.simulation import client_resources
-    from florist.server.report import number
-
-    args.runtime = chosen_runtime(args)
-    args.ray_address = raycluster.address_of(args.ray_address, args.runtime)
-    (cfg, num_clients), console, start = checked_config(args), stderr_console(), time.monotonic()
-    resources = client_resources(args.cpus_per_client, args.gpus_per_client, cluster=bool(args.ray_address))
-    interrupt_on_signals()
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
-        decode_data(progress, cfg, num_clients)
-        task = progress.add_task(f"{cfg.strategy} rounds", total=cfg.num_server_rounds, status="starting clients")
-
-        def on_round(row: dict[str, Any]) -> None:
-            progress.update(
-                task,
-                completed=row["round"],
-                status=f"loss {number(row['train_loss'], '.3f')}  seen acc {number(row['accuracy'], '.1%')}",
-            )
-
-        results = run_simulated(args.runtime, cfg, num_clients, on_round, resources, args.ray_address)
-    print_summary(results, console, time.monotonic() - start)
+    with RoundBars() as bars:
+        results = simulate(launch(args), bars)
+    print_summary(results, bars.console, bars.wall())
     return 0
+
+
+class RoundBars(Bars):
+    """The run's rounds as they finish, with the last round's loss and seen accuracy."""
+
+    def __init__(self) -> None:
+        super().__init__("{task.fields[status]}")
+        self.rounds, self.bar = 0, None
+
+    def started(self, runs: int, rounds: int) -> None:
+        super().started(runs, rounds)
+        self.rounds = rounds
+
+    def run(self, strategy: str, seed: int, reused: bool) -> None:
+        self.bar = self.progress.add_task(f"{strategy} rounds", total=self.rounds, status="starting clients")
+
+    def round(self, row: dict[str, Any]) -> None:
+        self.progress.update(
+            self.bar,
+            completed=row["round"],
+            status=f"loss {number(row['train_loss'], '.3f')}  seen acc {number(row['accuracy'], '.1%')}",
+        )

@@ -32,7 +32,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     executor_option(node)
     node.add_argument(
         "--preload",
-        default="florist.client.app:app",
+        default="florist.apps.client:app",
         metavar="MODULE:APP",
         help="the ClientApp the warm executor preloads and serves warm (default: florist's)",
     )

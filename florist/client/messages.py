@@ -1,12 +1,13 @@
-"""florist's ClientApp: one handler per message type of every algorithm in the registry
-(`florist/strategies`), each `(node, request) -> reply records`, inside one outer mod."""
+"""How a node answers florist's messages: the outer mod around every message (`frame`), the
+node's own `query.info` handler, and the ClientApp made of the handlers it is handed, each
+`(node, request) -> reply records` (`florist/apps/client.py` hands it every strategy's)."""
 
 from __future__ import annotations
 
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -17,8 +18,7 @@ from florist.client.deadline import deadline
 from florist.client.node import Node, Request, node_key, parse
 from florist.common import client_mods, data, devices, packing, protocol, training
 from florist.common.models import build_model
-from florist.strategies import STRATEGIES
-from florist.strategies.base import INFO, Exchange
+from florist.common.spec import Exchange, StrategySpec
 
 
 def info(node: Node, request: Request) -> RecordDict:
@@ -77,46 +77,33 @@ def ray_place() -> dict[str, str]:
     return {key: value for key, value in place.items() if protocol.PLACE_FORMS[key].fullmatch(value)}
 
 
-def exchanges() -> list[Exchange]:
-    """Every exchange of every algorithm, once (algorithms share some, e.g. FedAvg's `train`)."""
-    unique = {INFO.message_type: INFO}
-    for spec in STRATEGIES.values():
-        for exchange in spec.exchanges:
-            if unique.setdefault(exchange.message_type, exchange) != exchange:
-                raise ValueError(f"message type {exchange.message_type!r} is declared twice, differently")
-    return list(unique.values())
+Handler = Callable[[Node, Request], RecordDict]
 
 
-class NamedClientApp(ClientApp):
-    """florist's own ClientApp, `app` below, which pickles as its name. Flower's simulation
-    sends the app with every message to a Ray worker, and cloudpickle copies the handlers'
-    closures by value, scanning all of `sys.modules` for each module they use: 20-30 ms of the
-    driver's CPU per message, which held a 16-client round on 2 cores near one core's speed."""
-
-    def __reduce__(self):
-        return (_named_app, ())
-
-
-def _named_app() -> ClientApp:
-    return app
-
-
-def build_client_app(mods: Sequence[Callable] = (), *, cls: type[ClientApp] = ClientApp) -> ClientApp:
-    """The ClientApp; `mods` are Flower mods, run inside `frame` and the mods `client-mods` names
-    (e.g. for tests that inject failures)."""
+def build_client_app(
+    handlers: Mapping[Exchange, Handler],
+    strategies: Mapping[str, StrategySpec],
+    mods: Sequence[Callable] = (),
+    *,
+    cls: type[ClientApp] = ClientApp,
+) -> ClientApp:
+    """The ClientApp answering each exchange with its handler (`strategies`: what a message's
+    `strategy` may name, for its settings); `mods` are Flower mods, run inside `frame` and the
+    mods `client-mods` names (e.g. for tests that inject failures)."""
     app = cls(mods=[frame, client_mods.configured, *mods])
-    for exchange in exchanges():
+    for exchange, work in handlers.items():
         category, _, action = exchange.message_type.partition(".")
-        getattr(app, category)(action or "default")(_handler(exchange))
+        getattr(app, category)(action or "default")(_handler(exchange, work, strategies))
     return app
 
 
-def _handler(exchange: Exchange) -> Callable[[Message, Context], Message]:
-    work = exchange.handler()
-
+def _handler(
+    exchange: Exchange, work: Handler, strategies: Mapping[str, StrategySpec]
+) -> Callable[[Message, Context], Message]:
     def handler(msg: Message, context: Context) -> Message:
         start = time.perf_counter()
-        node, request = parse(msg, context, exchange)  # loads the node's data: the "data-seconds" of the reply
+        # loads the node's data: the "data-seconds" of the reply
+        node, request = parse(msg, context, exchange, strategies)
         data_seconds = time.perf_counter() - start
         devices.set_torch_threads(node.cfg.torch_threads)  # in the message's process: after the warm executor's fork
         content = work(node, request)
@@ -141,6 +128,3 @@ def warm_up() -> None:
     model = build_model("cnn", x.shape[1:], data.DIGITS_CLASSES)
     training.train(model, x[:32], y[:32], batch_size=16, lr=0.1)
     training.predict_proba(model, x[:8])
-
-
-app = build_client_app(cls=NamedClientApp)

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import math
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +31,8 @@ from florist.common import data as data_lib
 from florist.common import datacache, devices, folders, protocol, scenarios, training
 from florist.common.models import Net, seeded_model
 from florist.common.settings import Settings, coerce
+from florist.common.spec import Exchange, StrategySpec
 from florist.config import RunConfig
-from florist.strategies import strategy_spec
-from florist.strategies.base import Exchange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,20 +146,23 @@ class Node:
         return protocol.content(metrics=metrics | {"accuracy": accuracy, "loss": loss} | extra)
 
 
-def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Request]:
-    """The node and request of `msg` (see the module docstring for where settings come from)."""
+def parse(
+    msg: Message, context: Context, exchange: Exchange, strategies: Mapping[str, StrategySpec]
+) -> tuple[Node, Request]:
+    """The node and request of `msg` (see the module docstring for where settings come from);
+    `strategies`: the specs a message's `strategy` may name."""
     node_config = dict(context.node_config)
     config = dict(msg.content.config_records.get(protocol.CONFIG, {}))
     source = f"the server's {msg.metadata.message_type!r} message"
     key = node_key(node_config)
     if "strategy" in config:  # florist's server: exactly the declared keys
-        spec = strategy_spec(str(config["strategy"]))
+        spec = _spec(strategies, str(config["strategy"]))
         expected = {
             "server-round",
             "run-id",
             *RunConfig.keys(True),
             *spec.settings.keys(True),
-            *exchange.request.keys(),
+            *exchange.settings.keys(),
         }
         unknown, missing = sorted(set(config) - expected), sorted(expected - set(config))
         if unknown or missing:
@@ -168,17 +171,23 @@ def parse(msg: Message, context: Context, exchange: Exchange) -> tuple[Node, Req
             )
         shared = {*RunConfig.keys(True), *spec.settings.keys(True)}
         cfg = _run_config({k: v for k, v in config.items() if k in shared}, node_config, key)
-        request = exchange.request.from_mapping(config, strict=True)
+        request = exchange.settings.from_mapping(config, strict=True)
         server_round, run_id = (coerce(key, config[key], int) for key in ("server-round", "run-id"))
     else:  # one of Flower's strategies: the run config, and what it shares with the message
         run = dict(context.run_config) | {k: v for k, v in config.items() if k in RunConfig.keys()}
         cfg = _run_config({k: v for k, v in run.items() if k != "server-round"}, node_config, key)
-        request, server_round, run_id = exchange.request(), int(config.get("server-round", 0)), msg.metadata.run_id
+        request, server_round, run_id = exchange.settings(), int(config.get("server-round", 0)), msg.metadata.run_id
     cfg = cfg.for_node(node_config)
     key, seen, client = _identity(node_config, cfg)
     state = NodeState(node_config.get("state-dir"), key, cfg.strategy, context.state)
     node = Node(key, seen, run_id, server_round, cfg, client, state, node_config)
     return node, Request(request, msg.content)
+
+
+def _spec(strategies: Mapping[str, StrategySpec], name: str) -> StrategySpec:
+    if name not in strategies:
+        raise protocol.ProtocolError(f"unknown strategy {name!r}; this node knows {', '.join(strategies)}")
+    return strategies[name]
 
 
 def _run_config(values: dict, node_config: dict, key: str) -> RunConfig:

@@ -14,9 +14,9 @@ from typing import Any
 FORMS = "'auto' (CUDA if present, else CPU), 'cpu', 'cuda', 'cuda:N' or 'mps'"
 
 
-def parse(spec: str) -> bool:
-    """Whether `spec` is one of `FORMS` (not whether this machine has it)."""
-    return bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", spec))
+def parse(text: str) -> bool:
+    """Whether `text` is one of `FORMS` (not whether this machine has it)."""
+    return bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", text))
 
 
 def available() -> str:
@@ -32,23 +32,23 @@ def available() -> str:
     return ", ".join(found)
 
 
-def resolve(spec: str, where: str = "device"):
-    """The `torch.device` for `spec` on this machine; `auto` is CUDA when torch sees a GPU,
+def resolve(text: str, where: str = "device"):
+    """The `torch.device` for `text` on this machine; `auto` is CUDA when torch sees a GPU,
     else the CPU. A ValueError naming `where`, the device and what is available otherwise."""
     import torch
 
-    if not parse(spec):
-        raise ValueError(f"{where} {spec!r} is not one of {FORMS}")
-    if spec == "auto":
+    if not parse(text):
+        raise ValueError(f"{where} {text!r} is not one of {FORMS}")
+    if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
+    device = torch.device(text)
     usable = {
         "cpu": True,
         "cuda": torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count(),
         "mps": torch.backends.mps.is_available(),
     }[device.type]
     if not usable:
-        raise ValueError(f"{where} {spec!r} is not available on this machine (available: {available()})")
+        raise ValueError(f"{where} {text!r} is not available on this machine (available: {available()})")
     return device
 
 

@@ -19,7 +19,7 @@ from florist.common.packing import NPY_HEADER_MAX
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 SIDE = "side"  # arrays sent beside the model (FedAttn: representation, bias gradient)
 TIMING = "timing"  # ConfigRecord of every florist reply: `handler-seconds`, the handler's own time
-PLACE = "place"  # ConfigRecord of a reply made in a Ray actor: where it ran (`client/app.py`)
+PLACE = "place"  # ConfigRecord of a reply made in a Ray actor: where it ran (`client/messages.py`)
 PLACE_FORMS = {  # what each of its keys may hold: it goes into results.json
     "ray-node": re.compile(r"[0-9a-f]{1,64}"),
     "ray-node-ip": re.compile(r"[0-9A-Fa-f.:]{2,45}"),

@@ -25,23 +25,23 @@ SYNTHETIC_FEATURES, SYNTHETIC_CLASSES = 60, 10
 MAX_SYNTHETIC_SIZE = 5000  # FedProx's log-normal sizes have a heavy tail; a client holds at most this many
 
 
-def parse_shift(spec: str) -> tuple[str, int]:
+def parse_shift(text: str) -> tuple[str, int]:
     """(kind, K) of `none`, `relabel:K` or `rotate:K`; a ValueError naming the forms otherwise."""
-    kind, colon, arg = spec.partition(":")
+    kind, colon, arg = text.partition(":")
     if kind == "none" and not colon:
         return kind, 1
     if kind in ("relabel", "rotate") and arg.isdigit() and int(arg) >= 1:
         return kind, int(arg)
-    raise ValueError(f"shift {spec!r} is not one of {SHIFTS}")
+    raise ValueError(f"shift {text!r} is not one of {SHIFTS}")
 
 
-def parse_dataset(spec: str) -> tuple[str, tuple[float, ...]]:
+def parse_dataset(text: str) -> tuple[str, tuple[float, ...]]:
     """(kind, parameters) of an embedded dataset (kind `embedded`), `synthetic:ALPHA,BETA`, or
     `hub` for a dataset id or folder."""
-    kind, colon, arg = spec.partition(":")
+    kind, colon, arg = text.partition(":")
     if kind in data_lib.EMBEDDED_SHAPES and not colon:
         return "embedded", ()
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec) or (spec and Path(spec).expanduser().is_dir()):  # "": no folder, not "."
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) or (text and Path(text).expanduser().is_dir()):  # "": no folder, not "."
         return "hub", ()
     try:
         alpha, beta = (float(v) for v in arg.split(","))
@@ -49,7 +49,7 @@ def parse_dataset(spec: str) -> tuple[str, tuple[float, ...]]:
             return kind, (alpha, beta)
     except ValueError:
         pass
-    raise ValueError(f"dataset {spec!r} is not one of {DATASETS}")
+    raise ValueError(f"dataset {text!r} is not one of {DATASETS}")
 
 
 def input_shape(cfg, num_partitions: int) -> tuple[int, ...]:
@@ -150,7 +150,9 @@ def synthetic_client(
 
 def client_data(partition_id: int, num_partitions: int, cfg) -> data_lib.ClientData:
     """What node `partition_id` of `num_partitions` holds under run config `cfg`: the
-    embedded digits partition or its Synthetic(α, β) client, seen through the run's shift."""
+    embedded digits partition or its Synthetic(α, β) client, seen through the run's shift.
+    The one way from a run config to a client's data (nodes, the CLI, tests, benchmarks), so
+    that none repeats `embedded_client`'s positional arguments and drifts from the others."""
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id {partition_id} is outside [0, {num_partitions})")
     kind, params = parse_dataset(cfg.dataset)

@@ -1,6 +1,7 @@
-"""What a strategy declares, shared by its two halves: its exchanges (message types), its
-settings section (`common/settings.py`), where its halves live. Nothing here imports torch, so a
-run config is checked in milliseconds."""
+"""What a strategy declares, shared by its two halves: its exchanges (message types) and its
+settings section (`common/settings.py`). The halves themselves (the client functions that answer
+each message type, the server half that sends them) are paired with these declarations in one
+place, `florist/apps/`. Nothing here imports torch, so a run config is checked in milliseconds."""
 
 from __future__ import annotations
 
@@ -13,25 +14,17 @@ from florist.common.settings import NoSettings, Settings
 
 @dataclasses.dataclass(frozen=True)
 class Exchange:
-    """One message type: its Flower name (`category` or `category.action`), the settings its
-    request carries beside the run's (a `Settings` subclass without prefix), and the client
-    function that answers it, `(node, request) -> reply records`, given as a function that
-    returns it (`lambda: client().train`): the client halves import torch, and a spec is read
-    by tools that should not."""
+    """One message type: its Flower name (`category` or `category.action`) and the settings its
+    request carries beside the run's (a `Settings` subclass without prefix: the handler's
+    `request.settings`). The client function that answers it is listed by this name in
+    `florist/apps/client.py`."""
 
     message_type: str
-    handler: Callable[[], Callable[..., Any]]
-    request: type[Settings] = NoSettings
-
-
-def _node_info() -> Callable[..., Any]:
-    from florist.client.app import info
-
-    return info
+    settings: type[Settings] = NoSettings
 
 
 # Every run starts with it, whatever the algorithm: the node's data sizes, shape, seen/unseen.
-INFO = Exchange("query.info", _node_info)
+INFO = Exchange("query.info")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,9 +33,6 @@ class StrategySpec:
 
     name: str  # what `strategy` and `--strategy` take
     summary: str  # one line for help texts
-    server: Callable[[], type]  # returns the server half, a `florist.server.strategy.ServerStrategy`
     exchanges: tuple[Exchange, ...]
     settings: type[Settings] = NoSettings
-    # returns its own report section's `function(results, folder) -> markdown lines`
-    report: Callable[[], Callable[..., list[str]]] | None = None
     commands: Callable[[Any], None] | None = None  # adds its own subcommands to the `florist` command's subparsers

@@ -67,7 +67,7 @@ log = logging.getLogger("florist.executor")
 # Set before numpy and pyarrow are imported, so that importing them starts no thread.
 THREAD_ENV = {"OPENBLAS_NUM_THREADS": "1", "JE_ARROW_MALLOC_CONF": "background_thread:false"}
 STOP_GRACE = 5.0  # seconds children get to finish after SIGTERM before SIGKILL
-DEFAULT_APP = "florist.client.app:app"
+DEFAULT_APP = "florist.apps.client:app"
 
 
 def os_threads() -> int:

@@ -20,7 +20,7 @@ import ipaddress
 import logging
 import sys
 
-from florist.common.flower_internals import superlink as guard
+from florist.common.flower_internals import superlink as owner_guard
 
 log = logging.getLogger("flwr").getChild(__name__)
 
@@ -63,7 +63,7 @@ def run(flower_args: list[str], max_message_mb: float | None = None) -> None:
     limit = message_limit() if max_message_mb is None else int(max_message_mb * MIB)
     if limit < 1:
         raise ValueError(f"--max-message-mb must be positive, got {max_message_mb}")
-    host, found = _host(flower_args), guard.problems()
+    host, found = _host(flower_args), owner_guard.problems()
     if found:
         log.warning(
             "Flower's SuperLink reads otherwise than florist's guard expects (%s): running it stock, its "
@@ -72,12 +72,12 @@ def run(flower_args: list[str], max_message_mb: float | None = None) -> None:
             host,
         )
     else:
-        guard.limit_messages(limit)
-        guard.limit_public_keys()
+        owner_guard.limit_messages(limit)
+        owner_guard.limit_public_keys()
         if not _loopback(host):
             log.warning("the Control API listens on %s: whoever reaches it there can submit runs", host)
-        elif guard.can_see_owners():
-            guard.serve_owner_only()
+        elif owner_guard.can_see_owners():
+            owner_guard.serve_owner_only()
             log.info("Control and Runtime APIs on %s answer this user (uid of this process) only", host)
         else:
             log.warning("this machine does not report who owns a socket: every local user can submit runs")

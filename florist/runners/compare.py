@@ -19,6 +19,10 @@ from typing import Any
 import numpy as np
 
 from florist.config import RunConfig
+from florist.runners import raycluster, simulation
+from florist.runners.launch import Events, Launch
+from florist.runners.preflight import preflight
+from florist.runners.simulation import decode_data, run_simulated
 from florist.server.checkpoint import FILE as CHECKPOINT
 from florist.server.checkpoint import Checkpoint
 from florist.server.report import pyplot, save
@@ -26,6 +30,40 @@ from florist.server.report import pyplot, save
 Runner = Callable[[RunConfig, int], dict[str, Any]]
 GROUPS = ("seen", "unseen")
 FIGURES = ("mean_accuracy", "bottom_decile_accuracy")
+
+
+def run_comparison(
+    launch: Launch, out: Path, strategies: list[str], seeds: list[int], paper: Paper | None, events: Events
+) -> Path:
+    """Every strategy of `strategies` with every seed of `seeds` on the launch's scenario, all
+    checked before the first starts, one after the other (`compare`); then the table in `out`
+    (`write`), the folder it returns."""
+    address = raycluster.address_of(launch.ray_address, launch.runtime)
+    num_nodes = launch.num_nodes or launch.default_nodes
+    resources = simulation.client_resources(launch.cpus_per_client, launch.gpus_per_client, cluster=bool(address))
+    out = out.expanduser().absolute()
+    configs = planned(out, strategies, seeds, {"min-nodes": num_nodes} | dict(launch.values))
+    checked = [preflight(cfg, num_nodes, devices_here=not address) for cfg in configs]
+    for warning in sorted({w for run in checked for w in run.warnings}):  # each doubt once
+        events.warning(warning)
+    events.started(len(configs), configs[0].num_server_rounds)
+    for cfg in configs:
+        decode_data(cfg, num_nodes, events)
+
+    def runner(cfg: RunConfig, num_nodes: int) -> dict[str, Any]:
+        return run_simulated(launch.runtime, cfg, num_nodes, events.round, resources, address)
+
+    all_results = compare(configs, num_nodes, runner, lambda cfg, kept: events.run(cfg.strategy, cfg.seed, kept))
+    write(out, all_results, scenario_line(configs[0], num_nodes), paper)
+    return out
+
+
+def scenario_line(cfg: RunConfig, num_nodes: int) -> str:
+    """The scenario every run of a comparison shares, in words (the table's title)."""
+    return (
+        f"dataset {cfg.dataset}, partition {cfg.partition}, shift {cfg.shift}, {num_nodes} clients, "
+        f"{cfg.num_server_rounds} rounds, unseen fraction {cfg.unseen_fraction}"
+    )
 
 
 def run_folder(out: Path, strategy: str, seed: int) -> Path:

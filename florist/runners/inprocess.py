@@ -92,8 +92,8 @@ def run_in_process(
     results.json (the same file `florist simulate` writes). One client runs at a time, its
     torch on `cpus_per_client` threads (unless `torch-threads` says otherwise), as a
     simulated client with those CPUs would."""
-    from florist.client.app import app as default_client_app
-    from florist.server.app import run
+    from florist.apps.client import app as default_client_app
+    from florist.apps.server import run
 
     # The user's own clients, on this machine: they trust its server (client/guard.py).
     nodes = [{"partition-id": i, "num-partitions": num_clients, "trusted-server": True} for i in range(num_clients)]

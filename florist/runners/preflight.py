@@ -1,32 +1,59 @@
 """Everything about a run that can be known before it starts, checked before it starts.
 
-`simulate`, `compare` and `deploy-local` call `check_run` first, so that a mistake costs a
+`simulate`, `compare` and `deploy-local` call `configure` (the run config from the command line,
+then `preflight`) first, so that a mistake costs a
 second and one line naming the key or path, not a Ray start-up or a trained model that cannot
-be saved. What only the nodes can know (their data folders) is checked by them (`florist join`
-checks its folder before it connects).
+be saved. It works each thing out once (the data's layout and input shape, the model and its
+size) and hands it on in a `Checked`, which the run uses instead of working it out again. What
+only the nodes can know (their data folders) is checked by them (`florist join` checks its
+folder before it connects).
 """
 
 from __future__ import annotations
 
-from florist.common import scenarios
+import dataclasses
+
+from florist.apps.server import server_half
+from florist.common import devices, scenarios
 from florist.config import RunConfig
+from florist.runners.launch import Events, Launch
+from florist.server.checkpoint import Checkpoint, resumed_config
 from florist.server.results import check_results_dir
 from florist.server.tracking import check_installed
-from florist.strategies import strategy_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """A run that passed the preflight, with what the preflight worked out for it."""
+
+    cfg: RunConfig
+    num_nodes: int  # the nodes the run starts, one per partition
+    layout: scenarios.Layout  # how its data lies over them, and the samples' shape
+    model_bytes: int  # the model's weights and buffers: the largest array a message carries
+    warnings: list[str]  # what will work badly
+
+
+def preflight(cfg: RunConfig, num_nodes: int, devices_here: bool = True) -> Checked:
+    """Raise ValueError naming what cannot work; return the run, checked. `devices_here`: this
+    machine runs the nodes, so the run's device must be one it has (a Ray cluster's nodes have
+    devices of their own)."""
+    if devices_here:
+        devices.resolve(cfg.device, "device")
+    if num_nodes < cfg.min_nodes:
+        raise ValueError(
+            f"{num_nodes} clients, but min-nodes is {cfg.min_nodes}: the run would wait for nodes that never come"
+        )
+    layout = scenarios.layout(cfg, num_nodes)
+    model_bytes = check_models(cfg, layout.input_shape, num_nodes - len(layout.held_out))
+    check_results_dir(cfg.results_dir)
+    check_installed(cfg)
+    warnings = run_warnings(cfg) + model_warnings(cfg) + partition_warnings(cfg, layout)
+    return Checked(cfg, num_nodes, layout, model_bytes, warnings)
 
 
 def check_run(cfg: RunConfig, num_clients: int) -> list[str]:
-    """Raise ValueError naming what cannot work; return warnings about what will work badly.
-    `num_clients`: the nodes the run starts, one per partition."""
-    if num_clients < cfg.min_nodes:
-        raise ValueError(
-            f"{num_clients} clients, but min-nodes is {cfg.min_nodes}: the run would wait for nodes that never come"
-        )
-    layout = scenarios.layout(cfg, num_clients)
-    check_models(cfg, layout.input_shape, num_clients - len(layout.held_out))
-    check_results_dir(cfg.results_dir)
-    check_installed(cfg)
-    return run_warnings(cfg) + model_warnings(cfg) + partition_warnings(cfg, layout)
+    """`preflight`'s warnings, its device left to be checked where the nodes run."""
+    return preflight(cfg, num_clients, devices_here=False).warnings
 
 
 def run_warnings(cfg: RunConfig) -> list[str]:
@@ -50,14 +77,18 @@ def model_warnings(cfg: RunConfig) -> list[str]:
     return []
 
 
-def check_models(cfg: RunConfig, input_shape: tuple[int, ...], num_seen: int) -> None:
+def check_models(cfg: RunConfig, input_shape: tuple[int, ...], num_seen: int) -> int:
     """The run's model accepts `input_shape`, and the strategy's server half accepts the run
     (e.g. PeFLL's hypernetwork generates no BatchNorm buffers, PerFed-CKT's client models fit
-    the data): the server half is built here once, dry, so its own checks speak now."""
+    the data); returns the model's size in bytes. The server half is built here once, dry (no
+    exchanger): its checks are made by its constructor as it builds what they are about (the
+    hypernetwork, the attention over the biases, the client models, the robust rule, the server
+    device), so building it is the strategy's own check, one that cannot drift from the run's."""
     from florist.common.models import build_model
 
-    build_model(cfg.model, input_shape, cfg.num_classes)
-    strategy_spec(cfg.strategy).server()(cfg, None, input_shape, num_seen)
+    model = build_model(cfg.model, input_shape, cfg.num_classes)
+    server_half(cfg.strategy)(cfg, None, input_shape, num_seen)
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
 def partition_warnings(cfg: RunConfig, layout: scenarios.Layout) -> list[str]:
@@ -74,3 +105,24 @@ def partition_warnings(cfg: RunConfig, layout: scenarios.Layout) -> list[str]:
             f"unseen-fraction {cfg.unseen_fraction})"
         )
     return warnings
+
+
+def configure(launch: Launch, events: Events, devices_here: bool = True) -> Checked:
+    """The launch's run config and node count, refused before any work starts if anything about
+    them cannot work (`preflight`), its doubts told to `events`."""
+    checked = preflight(*run_config(launch), devices_here)
+    for warning in checked.warnings:
+        events.warning(warning)
+    return checked
+
+
+def run_config(launch: Launch) -> tuple[RunConfig, int]:
+    """The run config from the launch's values and the node count; with `resume`, the resumed
+    run's own, which any value given beside must agree with."""
+    if not launch.resume:
+        num_nodes = launch.num_nodes or launch.default_nodes
+        return RunConfig.from_mapping({"min-nodes": num_nodes} | dict(launch.values)), num_nodes
+    num_nodes = len(Checkpoint.load(launch.resume).nodes)
+    if launch.num_nodes not in (None, num_nodes):
+        raise ValueError(f"cannot resume from {launch.resume}: its run had {num_nodes} nodes, not {launch.num_nodes}")
+    return resumed_config(launch.resume, launch.values), num_nodes

@@ -1,9 +1,12 @@
-"""Run florist in Flower's simulation runtime (Ray runs the clients): in this process
-(`simulate`), or in a child process that Ctrl-C stops at once (`simulate_in_child`)."""
+"""Run florist in Flower's simulation runtime (Ray runs the clients): `florist simulate`'s run
+(`run`: the checks, the data decoded, the run in its runtime), in this process (`simulate`) or in
+a child process that Ctrl-C stops at once (`simulate_in_child`); `run_simulated` also runs the
+in-process runtime, for `simulate` and `compare` alike."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -15,10 +18,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from florist.common import storage
+from florist.common import scenarios, storage
+from florist.common.hub import hub_client
 from florist.common.processes import terminate_marked
 from florist.config import RunConfig
-from florist.runners import raycluster
+from florist.runners import inprocess, raycluster
+from florist.runners.launch import Events, Launch
+from florist.runners.preflight import configure
 
 MARKER = "FLORIST_RUN"  # in the environment of the child and of every Ray process it starts
 # Ray 2.x turns a node address of 127.0.0.1 into this machine's network address, and its GCS,
@@ -105,9 +111,9 @@ def simulate(
         local_ray()  # before Ray is imported
     from flwr.simulation import run_simulation
 
-    from florist.client.app import app as default_client_app
+    from florist.apps.client import app as default_client_app
+    from florist.apps.server import make_server_app
     from florist.client.guard import TRUSTED_SERVER_ENV, trusted_server_in_environment
-    from florist.server.app import make_server_app
 
     if num_clients < cfg.min_nodes:
         raise ValueError(f"num-clients ({num_clients}) must be at least min-nodes ({cfg.min_nodes})")
@@ -208,6 +214,42 @@ def simulate_in_child(
         )
         raise RuntimeError(f"{reason} (full log: {log_path})")
     return json.loads(results_file.read_text())
+
+
+def run(launch: Launch, events: Events) -> dict[str, Any]:
+    """`florist simulate`: one run on simulated nodes, in the launch's runtime, from the command
+    line's `Launch` to its results: the run config and the preflight (`configure`), the data
+    decoded, the run."""
+    address = raycluster.address_of(launch.ray_address, launch.runtime)
+    checked = configure(launch, events, devices_here=not address)  # a Ray cluster's nodes have devices of their own
+    resources = client_resources(launch.cpus_per_client, launch.gpus_per_client, cluster=bool(address))
+    cfg = checked.cfg
+    events.started(1, cfg.num_server_rounds)
+    decode_data(cfg, checked.num_nodes, events)
+    events.run(cfg.strategy, cfg.seed, reused=False)
+    return run_simulated(launch.runtime, cfg, checked.num_nodes, events.round, resources, address)
+
+
+def decode_data(cfg: RunConfig, num_nodes: int, events: Events) -> None:
+    """Decode every node's partition of a Hugging Face or folder dataset into the data cache
+    before the nodes start (they then read it in milliseconds), told to `events`; nothing for
+    the embedded datasets."""
+    if scenarios.parse_dataset(cfg.dataset)[0] != "hub":
+        return
+    events.decoded(0, num_nodes)
+    for pid in range(num_nodes):
+        hub_client(pid, num_nodes, cfg, report=functools.partial(events.decoding, pid))
+        events.decoded(pid + 1, num_nodes)
+
+
+def run_simulated(
+    runtime: str, cfg: RunConfig, num_nodes: int, on_round, resources: dict[str, Any], address: str | None = None
+) -> dict[str, Any]:
+    """One run in `runtime` (with `address`, on that Ray cluster); returns its results."""
+    if runtime == "in-process":
+        logging.getLogger("flwr").setLevel(logging.WARNING)  # the progress display says how far it got
+        return inprocess.run_in_process(cfg, num_nodes, on_round=on_round, cpus_per_client=resources["num_cpus"])
+    return simulate_in_child(cfg, num_nodes, on_round, resources, address)
 
 
 def _read(results_file: Path) -> dict[str, Any] | None:

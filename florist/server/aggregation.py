@@ -261,7 +261,7 @@ class Aggregator:
     """A run's aggregation: its rule (`aggregation`), clipping (`clip-norm`) and cap
     (`max-node-examples`)."""
 
-    spec: str = "mean"
+    rule: str = "mean"  # as `aggregation` gives it: "median", "trimmed:0.2", ...
     clip_norm: float = 0.0
     max_node_examples: int = 0
 
@@ -272,7 +272,7 @@ class Aggregator:
     @property
     def plain(self) -> bool:
         """Whether this is FedAvg's weighted mean with nothing else (what every run did before)."""
-        return self.spec == "mean" and self.clip_norm == 0
+        return self.rule == "mean" and self.clip_norm == 0
 
     def weight(self, claimed: float, num_train: int) -> float:
         return node_weight(claimed, num_train, self.max_node_examples)
@@ -281,7 +281,7 @@ class Aggregator:
         """Combine `states` (one per node, in a fixed node order) with `weights`; `reference`
         is the model they started from (for `clip-norm` and no-op replies; zero when None)."""
         n, clipped = len(states), []
-        rule, arg = parse_aggregation(self.spec)
+        rule, arg = parse_aggregation(self.rule)
         groups, noops = votes(states, reference) if rule != "mean" else ({}, [])
         if self.clip_norm > 0:
             states, clipped = clip_updates(states, reference, self.clip_norm)
@@ -298,7 +298,7 @@ class Aggregator:
             chosen = [voters[i] for i in picked]
         note = "; ".join(filter(None, [uncounted(len(noops), n - len(noops) - len(voters)), why]))
         if note:
-            log.warning("aggregation %s: %s", self.spec, note)
+            log.warning("aggregation %s: %s", self.rule, note)
         return Outcome(state, used, sorted(i for v in chosen for i in groups[v]), clipped, note)
 
 

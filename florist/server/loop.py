@@ -1,5 +1,6 @@
-"""florist's ServerApp: discover the nodes, run the chosen strategy's rounds, evaluate seen
-and unseen clients, and write results (checkpointed after every round)."""
+"""The run a ServerApp makes (`florist/apps/server.py`): discover the nodes, run the strategy's
+server half round by round, evaluate seen and unseen clients, and write results (checkpointed
+after every round)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,18 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from flwr.app import Context
-from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp import Grid
 
 from florist.common import protocol
 from florist.common.metrics import weighted_mean
+from florist.common.spec import INFO
 from florist.config import RunConfig
 from florist.server.checkpoint import Checkpoint
 from florist.server.exchange import Exchanger
 from florist.server.report import number, plural
-from florist.server.results import Results, check_results_dir
+from florist.server.results import Results
 from florist.server.strategy import NodeInfo, ServerStrategy, message_config
-from florist.server.tracking import Tracking, check_installed
-from florist.strategies import strategy_spec
-from florist.strategies.base import INFO
+from florist.server.tracking import Tracking
 
 # A child of Flower's logger, so messages reach `flwr run --stream` and the SuperLink log.
 log = logging.getLogger("flwr").getChild(__name__)
@@ -105,12 +104,18 @@ def disputed(node_ids: list[int]) -> str:
     return f"claimed by nodes {named} at once; a key bound to none of its claimers goes to none"
 
 
-def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_id: int = 0) -> Results:
-    """The whole run (from its checkpoint on, with `resume-from`); returns the results it also
-    wrote to `cfg.results_dir`. `run_id`: Flower's id of this run."""
+def run(
+    grid: Grid,
+    cfg: RunConfig,
+    half: type[ServerStrategy],
+    on_round: RoundCallback | None = None,
+    run_id: int = 0,
+) -> Results:
+    """The whole run of the server half `half` (from its checkpoint on, with `resume-from`);
+    returns the results it also wrote to `cfg.results_dir`. `run_id`: Flower's id of this run."""
     resumed = Checkpoint.load(cfg.resume_from) if cfg.resume_from else None
     exchanger = Exchanger(grid, cfg.round_timeout, resumed.run_id if resumed else run_id, cfg.max_reply_mb)
-    results = Results(cfg)
+    results = Results(cfg, half.report)
     if not resumed:
         results.save()  # a run stopped before its first round still says so
     # With `bind-node-keys`, a key belongs to the SuperNode (under SuperNode auth: the public key)
@@ -120,7 +125,7 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
         log.warning(warning)
     nodes = start_nodes(exchanger, cfg, bound, resuming=resumed is not None)
     seen, unseen = [n for n in nodes if n.seen], [n for n in nodes if not n.seen]
-    strategy: ServerStrategy = strategy_spec(cfg.strategy).server()(cfg, exchanger, nodes[0].input_shape, len(seen))
+    strategy = half(cfg, exchanger, nodes[0].input_shape, len(seen))
     exchanger.take_bytes()
     exchanger.take_exchanges()
     done = 0
@@ -316,21 +321,3 @@ def _log_round(row: dict[str, Any]) -> None:
         number(row["train_loss"], ".4f"),
         number(row["accuracy"], ".1%"),
     )
-
-
-def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundCallback | None = None) -> ServerApp:
-    """A ServerApp whose run config is the app's run config with `overrides` on top (the
-    simulation API passes no run config, so `florist simulate` passes it this way)."""
-    server_app = ServerApp()
-
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
-        cfg = RunConfig.from_mapping({**context.run_config, **(overrides or {})})
-        check_results_dir(cfg.results_dir)  # before any work: a run that cannot be saved is not started
-        check_installed(cfg)  # ... nor one whose trackers are missing (`florist` commands refuse it earlier)
-        run(grid, cfg, on_round, context.run_id)
-
-    return server_app
-
-
-app = make_server_app()

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from florist.common.metrics import summarize
-from florist.strategies import STRATEGIES
 
 
-def number(value: float | None, spec: str) -> str:
-    """`value` formatted with `spec`; "–" where there is none (None, or NaN: no client in a group)."""
-    return "–" if value is None or value != value else format(value, spec)
+def number(value: float | None, fmt: str) -> str:
+    """`value` formatted with `fmt`; "–" where there is none (None, or NaN: no client in a group)."""
+    return "–" if value is None or value != value else format(value, fmt)
 
 
 def pct(value: float | None) -> str:
@@ -56,7 +55,7 @@ def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]
 
 
 def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
-    """The report; `own_section` is the strategy's own part (its spec's `report` hook)."""
+    """The report; `own_section` is the strategy's own part (its server half's `report`)."""
     cfg, rounds = results["config"], results["rounds"]
     lines = [
         f"# florist run: {results['strategy']}",
@@ -154,9 +153,9 @@ def exchange_times(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def write_report(results: dict[str, Any], folder: Path) -> None:
-    spec = STRATEGIES.get(results["strategy"])
-    own_section = spec.report()(results, folder) if spec and spec.report else []
+def write_report(results: dict[str, Any], folder: Path, section: Callable[..., list[str]] | None = None) -> None:
+    """report.md (with the strategy's own `section(results, folder)`) and the plots."""
+    own_section = section(results, folder) if section else []
     (folder / "report.md").write_text(markdown(results, own_section))
     for name, figure in (("accuracy_per_round", accuracy_figure), ("client_accuracy", client_figure)):
         save(figure(results), folder / f"{name}.png")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ STANDARD_CLIENT_KEYS = ("accuracy", "num-examples", "num-train", "seen")
 
 
 class Results:
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, section: Callable[..., list[str]] | None = None):
+        """`section(results, folder)`: the strategy's own part of report.md."""
+        self.cfg, self.section = cfg, section
         self.folder = Path(cfg.results_dir).expanduser()
         self.rounds: list[dict[str, Any]] = []
         self.clients: list[dict[str, Any]] = []
@@ -102,7 +104,7 @@ class Results:
         from florist.server.report import write_report
 
         self.save()
-        write_report(self.to_json(), self.folder)
+        write_report(self.to_json(), self.folder, self.section)
 
 
 def round_accuracy(rounds: list[dict[str, Any]]) -> dict[str, float | int | None]:

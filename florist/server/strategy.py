@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -17,9 +18,9 @@ from flwr.app import ArrayRecord, RecordDict
 from florist.common import devices, protocol
 from florist.common.metrics import weighted_mean
 from florist.common.models import Net, seeded_model
+from florist.common.spec import Exchange
 from florist.config import RunConfig
 from florist.server.exchange import Exchanger
-from florist.strategies.base import Exchange
 
 # A child of Flower's logger, so messages reach `flwr run --stream` and the SuperLink log.
 log = logging.getLogger("flwr").getChild(__name__)
@@ -68,6 +69,11 @@ class ServerStrategy:
         self.settings: Any = cfg.settings
         # Where the server half's own networks train (`server-device`); what it sends and saves stays on the CPU.
         self.device = devices.resolve(cfg.server_device, "server-device")
+
+    @staticmethod
+    def report(results: dict[str, Any], folder: Path) -> list[str]:
+        """The algorithm's own section of report.md (markdown lines; its figures go in `folder`)."""
+        return []
 
     def new_model(self) -> Net:
         """The run's model, seeded: clients that build it from the same seed get the same weights."""
@@ -173,7 +179,7 @@ class ServerStrategy:
 def message_config(cfg: RunConfig, exchange: Exchange, server_round: int, run_id: int, **values: Any) -> dict[str, Any]:
     """A request's `config` record: the run's settings that travel (the common ones and the
     strategy's section), the round and run id, and the exchange's own settings, by its dataclass."""
-    own = exchange.request(**values).to_mapping()
+    own = exchange.settings(**values).to_mapping()
     return cfg.to_mapping(travelling=True) | {"server-round": server_round, "run-id": run_id} | own
 
 

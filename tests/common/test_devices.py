@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from florist.client.app import build_client_app
+from florist.apps.client import build_client_app
 from florist.common import devices
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
@@ -50,7 +50,7 @@ def test_torch_threads_follow_the_node_config_and_the_clients_cpus(tmp_path):
     grid = inprocess.InProcessGrid(app, nodes, cpus_per_client=1)
     cfg = RunConfig.from_mapping(RUN | {"results-dir": str(tmp_path)})
     with inprocess.server_identity(grid.run_id):
-        from florist.server.app import run
+        from florist.apps.server import run
 
         run(grid, cfg, None, grid.run_id)
     assert seen == {0: {1}, 1: {2}, 2: {1}}  # the node's own count wins over the client's CPUs

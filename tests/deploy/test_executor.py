@@ -28,7 +28,7 @@ APPS = Path(__file__).parent / "apps"
 
 @pytest.fixture(scope="module")
 def florist_app():
-    return PreloadedApp.load("florist.client.app:app")
+    return PreloadedApp.load("florist.apps.client:app")
 
 
 def bundle(tmp_path: Path, change=None) -> Path:
@@ -43,8 +43,8 @@ def bundle(tmp_path: Path, change=None) -> Path:
 
 def test_the_preloaded_app_is_fingerprinted_as_it_was_imported(florist_app):
     assert florist_app.distribution[0] == "florist"
-    path = checkout() / "florist" / "client" / "app.py"
-    assert florist_app.files["florist/client/app.py"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    path = checkout() / "florist" / "apps" / "client.py"
+    assert florist_app.files["florist/apps/client.py"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_the_bundle_flwr_run_builds_from_the_checkout_is_known_before_it_is_installed(florist_app):
@@ -64,7 +64,9 @@ def test_only_a_bundle_with_exactly_the_preloaded_code_is_served_warm(florist_ap
 
     def other_app(fab):
         text = (fab / "pyproject.toml").read_text()
-        (fab / "pyproject.toml").write_text(text.replace('clientapp = "florist.client.app:app"', 'clientapp = "x:app"'))
+        (fab / "pyproject.toml").write_text(
+            text.replace('clientapp = "florist.apps.client:app"', 'clientapp = "x:app"')
+        )
 
     assert "its clientapp 'x:app' is not in the preloaded package florist" in florist_app.mismatch(
         bundle(tmp_path / "other", other_app)
@@ -72,7 +74,9 @@ def test_only_a_bundle_with_exactly_the_preloaded_code_is_served_warm(florist_ap
 
     def other_server(fab):
         text = (fab / "pyproject.toml").read_text()
-        (fab / "pyproject.toml").write_text(text.replace('serverapp = "florist.server.app:app"', 'serverapp = "y:app"'))
+        (fab / "pyproject.toml").write_text(
+            text.replace('serverapp = "florist.apps.server:app"', 'serverapp = "y:app"')
+        )
 
     other = bundle(tmp_path / "other-server", other_server)
     assert florist_app.mismatch(other) is None  # its ClientApp is ours: a SuperNode serves it warm, a SuperLink not

@@ -40,7 +40,7 @@ finally:
 
 @pytest.fixture(scope="module")
 def florist_app():
-    return PreloadedApp.load("florist.client.app:app")
+    return PreloadedApp.load("florist.apps.client:app")
 
 
 def _task(fab_hash: str) -> types.SimpleNamespace:
@@ -82,7 +82,7 @@ def test_the_app_folder_stays_off_sys_path_in_a_warm_process(tmp_path, monkeypat
     monkeypatch.setattr(object_ref, "_ensure_sys_path", object_ref._ensure_sys_path)  # restored afterwards
     monkeypatch.setattr(sys, "path", sys.path[:])
     assert runtime.keep_app_folders_off_sys_path()
-    assert object_ref.load_app("florist.client.app:app", ValueError, project_dir=tmp_path) is not None
+    assert object_ref.load_app("florist.apps.client:app", ValueError, project_dir=tmp_path) is not None
     assert str(tmp_path) not in sys.path
 
 

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from florist.apps.registry import STRATEGIES
+from florist.apps.server import server_half
 from florist.cli import main
 from florist.common import data, models
 from florist.config import RunConfig
 from florist.runners import compare, presets
-from florist.strategies import STRATEGIES, strategy_spec
 
 NAMES = presets.names()
 
@@ -54,7 +55,7 @@ def test_every_full_preset_builds_its_models_server_halves_and_partitioner(name,
             net = models.build_model(model, shape, cfg.num_classes)
             assert net(torch.zeros(2, *shape)).shape == (2, cfg.num_classes)
         num_seen = preset.num_clients - round(cfg.unseen_fraction * preset.num_clients)
-        strategy_spec(cfg.strategy).server()(cfg, None, shape, num_seen)
+        server_half(cfg.strategy)(cfg, None, shape, num_seen)
         kind, column = data.parse_partition(cfg.partition)
         if kind == "natural":
             assert column  # one client per value of this column of the dataset

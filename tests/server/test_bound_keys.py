@@ -6,12 +6,13 @@ SuperLink + SuperNodes with TLS and auth: tests/deploy/test_bound_keys_deployed.
 import pytest
 import torch
 
-from florist.client.app import app as client_app
+from florist.apps.client import app as client_app
+from florist.apps.server import run
 from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
-from florist.server.app import bind, discover, run
 from florist.server.checkpoint import FILE, VERSION, Checkpoint
 from florist.server.exchange import Exchanger
+from florist.server.loop import bind, discover
 
 NODES = [{"partition-id": i, "num-partitions": 3} for i in range(3)]  # node ids 100, 101, 102
 SWAPPED = [NODES[0] | {"node-key": "partition-1"}, NODES[1] | {"node-key": "partition-0"}, NODES[2]]

@@ -11,7 +11,7 @@ from flwr.common.constant import ErrorCode
 from flwr.supercore.inflatable import inflatable_utils
 from flwr.superlink.grid import http_grid
 
-from florist.client.app import app as client_app
+from florist.apps.client import app as client_app
 from florist.common import flower_internals
 from florist.runners.inprocess import InProcessGrid, server_identity
 from florist.server.exchange import Exchanger

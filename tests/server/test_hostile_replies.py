@@ -18,7 +18,7 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message
 from flwr.common.constant import ErrorCode
 
-from florist.client.app import app as client_app
+from florist.apps.client import app as client_app
 from florist.common import packing, protocol
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process

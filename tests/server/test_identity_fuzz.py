@@ -19,8 +19,8 @@ from florist.common import protocol
 from florist.common.protocol import NODE_KEY
 from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, _copy, server_identity
-from florist.server.app import discover, start_nodes
 from florist.server.exchange import Exchanger
+from florist.server.loop import discover, start_nodes
 
 FUZZ = settings(
     max_examples=300, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)

@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from florist.client.app import app as client_app
+from florist.apps.client import app as client_app
+from florist.apps.server import run
 from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
-from florist.server.app import run, serve_late_joiners
 from florist.server.checkpoint import Checkpoint
 from florist.server.exchange import Exchanger
+from florist.server.loop import serve_late_joiners
 from florist.server.strategy import NodeInfo
 
 NODES = [{"partition-id": i, "num-partitions": 3} for i in range(3)]  # node ids 100, 101, 102

@@ -15,12 +15,12 @@ from flwr.common.constant import ErrorCode
 from flwr.supercore.inflatable import inflatable_utils
 from flwr.superlink.grid import http_grid
 
-from florist.client.app import app as client_app
-from florist.client.app import build_client_app
+from florist.apps.client import app as client_app
+from florist.apps.client import build_client_app
+from florist.apps.server import run
 from florist.common import flower_internals, packing, protocol
 from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
-from florist.server.app import run
 from florist.server.exchange import REPLY_SLACK, Exchanger
 
 BULKY = 101  # partition 1's node id in the in-process grid

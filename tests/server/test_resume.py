@@ -6,13 +6,13 @@ import dataclasses
 import pytest
 import torch
 
+from florist.apps.client import app as client_app
+from florist.apps.registry import STRATEGIES
+from florist.apps.server import run
 from florist.cli import main
-from florist.client.app import app as client_app
 from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, run_in_process, server_identity
-from florist.server.app import run
 from florist.server.checkpoint import Checkpoint, resumed_config
-from florist.strategies import STRATEGIES
 
 NUM_CLIENTS = 4
 

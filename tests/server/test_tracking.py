@@ -22,6 +22,7 @@ ALL = "tensorboard,mlflow,wandb"
 # The server process dies after round `argv[2]` is checkpointed and logged: no exit handler runs.
 CRASH = f"""
 import json, os, sys
+import florist.apps.registry  # hands the run config its strategies, as every entry point does
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 die = lambda row: row["round"] == int(sys.argv[2]) and os._exit(3)

@@ -7,7 +7,7 @@ import pytest
 from florist.cli import main
 from florist.client.state import NodeState
 from florist.common import data as data_lib
-from florist.common import training
+from florist.common import scenarios, training
 from florist.strategies.knnper import client as knnper
 from florist.strategies.knnper.datastore import Datastore
 
@@ -134,17 +134,7 @@ def _marked_store(node, model) -> int:
 
 
 def _another_partition(node):
-    cfg = node.cfg
-    return data_lib.embedded_client(
-        3,
-        5,
-        cfg.partition,
-        cfg.seed,
-        cfg.val_fraction,
-        cfg.test_fraction,
-        cfg.min_partition_size,
-        public_size=cfg.public_size,
-    )
+    return scenarios.client_data(3, 5, node.cfg)
 
 
 def _first_train_point_moved_to_test(node):

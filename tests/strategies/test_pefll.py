@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from flwr.app import Context, Message
 
-from florist.client.app import build_client_app
+from florist.apps.client import build_client_app
+from florist.apps.server import server_half
 from florist.common import data as data_lib
 from florist.common import protocol
 from florist.common.models import build_model
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
-from florist.strategies import strategy_spec
 from florist.strategies.pefll.networks import EmbeddingNet, HyperNetwork
 from florist.strategies.pefll.spec import DESCRIBE, DESCRIPTOR, TRAIN_ENCODER
 
@@ -101,7 +101,7 @@ def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradi
     )
     assert results["complete"] and not results["failures"]
 
-    server = strategy_spec(strategy).server()(cfg, None, (1, 8, 8), 1)  # the same seed: the networks before the round
+    server = server_half(strategy)(cfg, None, (1, 8, 8), 1)  # the same seed: the networks before the round
     client = data_lib.embedded_client(
         0, 1, "iid", cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size, public_size=cfg.public_size
     )

@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from florist.client.app import build_client_app
+from florist.apps.client import build_client_app
+from florist.apps.server import server_half
 from florist.common.client_mods import attack
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
-from florist.strategies import strategy_spec
 from florist.strategies.pefll.networks import Standardizer
 
 LIAR = 100  # node id of partition 0, the first node in key order
@@ -86,7 +86,7 @@ def test_a_round_the_rule_leaves_unchanged_takes_no_step():
     """Two replies cannot outvote one node: the rule keeps nobody, and the networks stay as
     they are (an Adam step on a zero gradient would still move them)."""
     cfg = RunConfig.from_mapping({"strategy": "pefll", "hn-embed-dim": 3, "aggregation": "median"})
-    server = strategy_spec("pefll").server()(cfg, None, (1, 8, 8), 2)
+    server = server_half("pefll")(cfg, None, (1, 8, 8), 2)
     before = {k: v.clone() for k, v in server.hyper.state_dict().items()}
     generator = torch.Generator().manual_seed(0)
     steps = {}

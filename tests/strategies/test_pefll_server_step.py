@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
+from florist.apps.server import server_half
 from florist.common.models import build_model
 from florist.config import RunConfig
-from florist.strategies import strategy_spec
 from florist.strategies.pefll.networks import EmbeddingNet, HyperNetwork, Standardizer
 from florist.strategies.pefll.server import server_optimizer
 from florist.strategies.pefll.spec import ENCODERS, HyperNetSettings
@@ -76,7 +76,7 @@ def test_adam_and_adamw_differ_exactly_by_the_decoupled_weight_decay():
 def _server(**overrides):
     values = {"strategy": "pefll", "hn-embed-dim": 3, "hn-optimizer": "sgd", "hn-server-lr": 1.0}
     values |= {"hn-l2-hyper": 0.0, "hn-l2-embed": 0.0} | overrides
-    return strategy_spec("pefll").server()(RunConfig.from_mapping(values), None, (1, 8, 8), 4)
+    return server_half("pefll")(RunConfig.from_mapping(values), None, (1, 8, 8), 4)
 
 
 def _moved(clip: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from flwr.app import ArrayRecord
 from florist.cli import main
 from florist.client.node import Node, Request
 from florist.common import data as data_lib
-from florist.common import folders, protocol
+from florist.common import folders, protocol, scenarios
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.server.strategy import NodeInfo
@@ -63,16 +63,7 @@ def test_the_distillation_gradient_matches_the_closed_form():
 
 def _node(make_node, key="partition-0", run_id=1, node_config=None, **changes) -> Node:
     cfg = _cfg(**changes)
-    client = data_lib.embedded_client(
-        0,
-        10,
-        cfg.partition,
-        cfg.seed,
-        cfg.val_fraction,
-        cfg.test_fraction,
-        cfg.min_partition_size,
-        public_size=cfg.public_size,
-    )
+    client = scenarios.client_data(0, 10, cfg)
     node_config = {"partition-id": 0, "num-partitions": 10} | (node_config or {})
     return make_node(cfg.to_mapping(), key, client, node_config, run_id=run_id)
 

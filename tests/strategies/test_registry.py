@@ -8,17 +8,18 @@ import pytest
 import torch
 from flwr.app import Context, Message, RecordDict
 
-import florist.client.app as client_app_module
+import florist.client.messages as client_app_module
 import florist.strategies
-from florist.client.app import app, exchanges
+from florist.apps.client import HANDLERS, app, exchanges
+from florist.apps.registry import STRATEGIES
+from florist.apps.server import server_half
 from florist.client.node import parse
 from florist.common import protocol
 from florist.common.models import seeded_model
+from florist.common.spec import INFO
 from florist.config import RunConfig
 from florist.runners.inprocess import server_identity
 from florist.server.strategy import ServerStrategy, message_config
-from florist.strategies import STRATEGIES
-from florist.strategies.base import INFO
 from florist.strategies.knnper.spec import EVALUATE_KNNPER
 
 ALGORITHMS = Path(florist.strategies.__file__).parent
@@ -49,21 +50,21 @@ class Dispatched(Exception):
 def test_every_exchange_has_one_handler_and_every_spec_loads(monkeypatch):
     reached = []
 
-    def dispatched(msg, context, exchange):
+    def dispatched(msg, context, exchange, strategies):
         reached.append(exchange)
         raise Dispatched(exchange)
 
     monkeypatch.setattr(client_app_module, "parse", dispatched)  # each handler's first step
-    for exchange in exchanges():  # each declared message type reaches its own handler, not Flower's "no handler"
-        reply = app(_message({}, exchange.message_type), _context())  # the frame makes what it raised an error reply
-        assert reply.error.reason.startswith(f"Dispatched in {exchange.message_type}: ") and reached[-1] == exchange
-        handler = exchange.handler()  # a strategy's client half, or the ClientApp's own for INFO
-        assert callable(handler) and handler.__module__.endswith(".client" if exchange != INFO else ".app")
+    for message_type, exchange in exchanges().items():  # each reaches its own handler, not Flower's "no handler"
+        reply = app(_message({}, message_type), _context())  # the frame makes what it raised an error reply
+        assert reply.error.reason.startswith(f"Dispatched in {message_type}: ") and reached[-1] == exchange
+        handler = HANDLERS[message_type]  # a strategy's client half, or the ClientApp's own for INFO
+        assert callable(handler) and handler.__module__.endswith(".client" if exchange != INFO else ".messages")
     with pytest.raises(ValueError, match="No query function registered with name 'undeclared'"):
         app(_message({}, "query.undeclared"), _context())  # what a type without a handler gets
     assert len(exchanges()) == 1 + len({e.message_type for s in STRATEGIES.values() for e in s.exchanges})
     for spec in STRATEGIES.values():
-        server = spec.server()
+        server = server_half(spec.name)
         assert issubclass(server, ServerStrategy) and server.__module__.startswith("florist.strategies.")
         assert server.__module__.endswith(".server")
 
@@ -82,23 +83,24 @@ def _context() -> Context:
 def test_a_florist_message_must_carry_exactly_the_declared_keys():
     cfg = RunConfig.from_mapping({"strategy": "knnper", "knn-ks": "3"})
     config = message_config(cfg, EVALUATE_KNNPER, 2, 1)
-    node, request = parse(_message(config, "evaluate.knnper"), _context(), EVALUATE_KNNPER)
+    node, request = parse(_message(config, "evaluate.knnper"), _context(), EVALUATE_KNNPER, STRATEGIES)
     assert (node.server_round, node.cfg.settings.k_grid, node.key) == (2, (3,), "partition-0")
     with pytest.raises(protocol.ProtocolError, match=r"unknown keys \['knn-kz'\], missing keys \['knn-ks'\]"):
         typo = {("knn-kz" if k == "knn-ks" else k): v for k, v in config.items()}
-        parse(_message(typo, "evaluate.knnper"), _context(), EVALUATE_KNNPER)
+        parse(_message(typo, "evaluate.knnper"), _context(), EVALUATE_KNNPER, STRATEGIES)
     with pytest.raises(protocol.ProtocolError, match=r"missing keys \['server-round'\]"):
         parse(
             _message({k: v for k, v in config.items() if k != "server-round"}, "evaluate.knnper"),
             _context(),
             EVALUATE_KNNPER,
+            STRATEGIES,
         )
 
 
 def test_a_standard_message_from_a_flower_strategy_uses_the_run_config():
     context = _context()
     context.run_config.update({"lr": 0.05, "strategy": "fedavg"})
-    node, _ = parse(_message({"server-round": 3, "lr": 0.01}, "train"), context, INFO)
+    node, _ = parse(_message({"server-round": 3, "lr": 0.01}, "train"), context, INFO, STRATEGIES)
     assert (node.server_round, node.cfg.lr) == (3, 0.01)
 
 

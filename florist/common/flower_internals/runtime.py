@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from florist.common import flower_internals as guard
+from florist.common import flower_internals
 
 # The Runtime API calls of the executor's own loop; with a SuperExec auth secret they are signed
 # (Flower's SuperExec signs these and PullPendingTasks/ClaimTask, which the executor never calls).
@@ -158,7 +158,7 @@ def skip_installed_fabs(holds: Callable[[str, Path], bool] | None = None) -> boo
     bundle it installs must then pass `holds` too, or the task fails (Flower keeps a folder that
     another bundle with the same 8-digit hash prefix installed). False (nothing changed) off the
     fast path, or without `holds`."""
-    if holds is None or not guard.fast_path():
+    if holds is None or not flower_internals.fast_path():
         return False
     import hashlib
 

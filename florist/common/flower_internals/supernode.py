@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from florist.common import flower_internals as guard
+from florist.common import flower_internals
 from florist.common.pacing import Backoff
 
 
@@ -50,7 +50,7 @@ class _PacedTime:
 def quick_object_pulls() -> bool:
     """In this process, retry an object that is not there yet after 10 ms, doubling up to
     0.2 s (instead of 1 s doubling up to 10 s). False (nothing changed) off the fast path."""
-    if not guard.fast_path():
+    if not flower_internals.fast_path():
         return False
     from flwr.supercore.inflatable import inflatable_utils
 
@@ -95,7 +95,7 @@ def _bounded(grid: Any) -> bool:
     process, on the fast path only)."""
     http_grid = sys.modules.get("flwr.superlink.grid.http_grid")  # not imported: not the deployment Grid
     grid_class = getattr(http_grid, "HttpGrid", None)
-    if not (isinstance(grid_class, type) and isinstance(grid, grid_class)) or not guard.fast_path():
+    if not (isinstance(grid_class, type) and isinstance(grid, grid_class)) or not flower_internals.fast_path():
         return False
     with _patching:
         if http_grid.pull_objects is not _bounded_pull_objects:
@@ -137,7 +137,7 @@ def _capped(pull_object_fn: Callable[[str], bytes], cap: int) -> Callable[[str],
             counted["declared"] += declared
             total = counted["other"] + max(counted["chunks"], counted["declared"])
         if total > cap:
-            raise ObjectPullError(object_id, f"{guard.OVERSIZED} {total} bytes pulled, cap {cap} bytes")
+            raise ObjectPullError(object_id, f"{flower_internals.OVERSIZED} {total} bytes pulled, cap {cap} bytes")
         return content
 
     return pull

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from florist.common.settings import Settings, setting
-from florist.strategies.base import Exchange, StrategySpec
+from florist.common.spec import Exchange, StrategySpec
 from florist.strategies.fedavg.spec import EVALUATE
 
 Z, BIAS_GRAD = "z", "bias-grad"  # keys of the `side` ArrayRecord: Z_i, and ∂L/∂M̃_i at the biases received
@@ -46,27 +46,12 @@ class AttentionSettings(Settings):
         return []
 
 
-def _client():
-    """The client half (imported on a node's first message: it imports torch)."""
-    from florist.strategies.fedattn import client
-
-    return client
-
-
-def _server():
-    """The server half (imported when a run starts: it imports torch)."""
-    from florist.strategies.fedattn import server
-
-    return server
-
-
-TRAIN_ATTN = Exchange("train.attn", lambda: _client().train)  # G + M̃_i down; G, M_i, and Z_i, ∂L/∂M̃_i beside, up
-REPRESENT = Exchange("query.represent", lambda: _client().represent)  # a model down, Z up
+TRAIN_ATTN = Exchange("train.attn")  # G + M̃_i down; G, M_i, and Z_i, ∂L/∂M̃_i beside, up
+REPRESENT = Exchange("query.represent")  # a model down, Z up
 
 FEDATTN = StrategySpec(
     "fedattn",
     "FedAttn: attention over the nearest clients' bias vectors",
-    lambda: _server().FedAttn,
     (TRAIN_ATTN, REPRESENT, EVALUATE),
     AttentionSettings,
 )

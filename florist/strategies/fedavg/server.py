@@ -9,9 +9,9 @@ from typing import Any
 
 from florist.common import packing, protocol
 from florist.common.models import Net
+from florist.common.spec import Exchange
 from florist.server.aggregation import Aggregator
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
-from florist.strategies.base import Exchange
 from florist.strategies.fedavg.spec import EVALUATE, TRAIN
 
 

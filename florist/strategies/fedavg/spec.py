@@ -7,25 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from florist.common.settings import Settings, setting
-from florist.strategies.base import Exchange, StrategySpec
+from florist.common.spec import Exchange, StrategySpec
 
-
-def _client():
-    """The client half (imported on a node's first message: it imports torch)."""
-    from florist.strategies.fedavg import client
-
-    return client
-
-
-def _server():
-    """The server half (imported when a run starts: it imports torch)."""
-    from florist.strategies.fedavg import server
-
-    return server
-
-
-TRAIN = Exchange("train", lambda: _client().train)  # model down, trained model up
-EVALUATE = Exchange("evaluate", lambda: _client().evaluate)  # model down, test metrics up
+TRAIN = Exchange("train")  # model down, trained model up
+EVALUATE = Exchange("evaluate")  # model down, test metrics up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +25,10 @@ class FinetuneSettings(Settings):
         return [(self.epochs >= 0, "finetune-epochs must be >= 0"), (self.lr > 0, "finetune-lr must be > 0")]
 
 
-FEDAVG = StrategySpec("fedavg", "FedAvg: one global model", lambda: _server().FedAvg, (TRAIN, EVALUATE))
+FEDAVG = StrategySpec("fedavg", "FedAvg: one global model", (TRAIN, EVALUATE))
 FEDAVG_FT = StrategySpec(
     "fedavg-ft",
     "FedAvg+: the global model fine-tuned on each client",
-    lambda: _server().FedAvg,
     (TRAIN, EVALUATE),
     FinetuneSettings,
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from florist.common.settings import Settings, setting
-from florist.strategies.base import Exchange, StrategySpec
+from florist.common.spec import Exchange, StrategySpec
 from florist.strategies.knnper import commands
 
 INDEX_TYPES = ("flat", "hnsw", "ivf")
@@ -75,32 +75,16 @@ def in_phase_two(settings: KnnSettings, num_server_rounds: int, server_round: in
     return settings.train_on_val and server_round > phase_rounds(settings, num_server_rounds)
 
 
-def _client():
-    """The client half (imported on a node's first message: it imports torch)."""
-    from florist.strategies.knnper import client
-
-    return client
-
-
-def _server():
-    """The server half (imported when a run starts: it imports torch)."""
-    from florist.strategies.knnper import server
-
-    return server
-
-
 # FedAvg's training exchange, on the validation split too in phase 2 of `knn-train-on-val`.
-TRAIN_KNNPER = Exchange("train.knnper", lambda: _client().train)
+TRAIN_KNNPER = Exchange("train.knnper")
 # The global model down (in phase 2 also phase 1's, under `side`, for the choice); the
 # mixture's test metrics up, with the chosen λ, k and σ.
-EVALUATE_KNNPER = Exchange("evaluate.knnper", lambda: _client().evaluate)
+EVALUATE_KNNPER = Exchange("evaluate.knnper")
 
 KNNPER = StrategySpec(
     "knnper",
     "kNN-Per: FedAvg's model mixed with a local FAISS kNN",
-    lambda: _server().KnnPer,
     (TRAIN_KNNPER, EVALUATE_KNNPER),
     KnnSettings,
-    report=lambda: _server().report,
     commands=commands.add,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from florist.common.settings import Settings, setting
-from florist.strategies.base import Exchange, StrategySpec
+from florist.common.spec import Exchange, StrategySpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,21 +15,7 @@ class ScratchSettings(Settings):
     scratch_epochs: int = setting(1)
 
 
-def _client():
-    """The client half (imported on a node's first message: it imports torch)."""
-    from florist.strategies.local import client
+TRAIN_LOCAL = Exchange("train.local")  # nothing down, metrics up
+EVALUATE_LOCAL = Exchange("evaluate.local", ScratchSettings)
 
-    return client
-
-
-def _server():
-    """The server half (imported when a run starts: it imports torch)."""
-    from florist.strategies.local import server
-
-    return server
-
-
-TRAIN_LOCAL = Exchange("train.local", lambda: _client().train)  # nothing down, metrics up
-EVALUATE_LOCAL = Exchange("evaluate.local", lambda: _client().evaluate, ScratchSettings)
-
-LOCAL = StrategySpec("local", "Local: each client trains alone", lambda: _server().Local, (TRAIN_LOCAL, EVALUATE_LOCAL))
+LOCAL = StrategySpec("local", "Local: each client trains alone", (TRAIN_LOCAL, EVALUATE_LOCAL))

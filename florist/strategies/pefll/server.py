@@ -243,3 +243,6 @@ def report(results: dict[str, Any], folder: Path) -> list[str]:
             for c in private
         ]
     return lines
+
+
+ODPFL.report = staticmethod(report)  # its section of report.md

@@ -17,7 +17,7 @@ import dataclasses
 import math
 
 from florist.common.settings import Settings, setting
-from florist.strategies.base import Exchange, StrategySpec
+from florist.common.spec import Exchange, StrategySpec
 
 DESCRIPTOR = "descriptor"  # the array key of v (up, exchange 1) and of Δv (down, exchange 3)
 ENCODERS = ("label-channels", "trunk", "slots")  # PeFLL's embedding networks (`networks.EmbeddingNet`)
@@ -96,38 +96,21 @@ class BackpropSettings(Settings):
     normalize: bool = setting(True)  # OD-PFL: as in the round's describe
 
 
-def _client():
-    """The client half (imported on a node's first message: it imports torch)."""
-    from florist.strategies.pefll import client
-
-    return client
-
-
-def _server():
-    """The server half (imported when a run starts: it imports torch)."""
-    from florist.strategies.pefll import server
-
-    return server
-
-
-DESCRIBE = Exchange("query.describe", lambda: _client().describe, DescribeSettings)
-TRAIN_GENERATED = Exchange("train.generated", lambda: _client().train)
-TRAIN_ENCODER = Exchange("train.encoder", lambda: _client().backprop, BackpropSettings)
-EVALUATE_GENERATED = Exchange("evaluate.generated", lambda: _client().evaluate)  # θ = h(v) down, kept and tested
+DESCRIBE = Exchange("query.describe", DescribeSettings)
+TRAIN_GENERATED = Exchange("train.generated")
+TRAIN_ENCODER = Exchange("train.encoder", BackpropSettings)
+EVALUATE_GENERATED = Exchange("evaluate.generated")  # θ = h(v) down, kept and tested
 EXCHANGES = (DESCRIBE, TRAIN_GENERATED, TRAIN_ENCODER, EVALUATE_GENERATED)
 
 PEFLL = StrategySpec(
     "pefll",
     "PeFLL: a hypernetwork maps each client's descriptor to its model",
-    lambda: _server().PeFLL,
     EXCHANGES,
     HyperNetSettings,
 )
 ODPFL = StrategySpec(
     "odpfl",
     "OD-PFL: PeFLL's shape on unlabeled descriptors, optionally private",
-    lambda: _server().ODPFL,
     EXCHANGES,
     OnDemandSettings,
-    report=lambda: _server().report,
 )

@@ -20,24 +20,24 @@ PUBLIC_DATASETS = (
 PUBLIC_SHIFTS = ("clients", "none")
 
 
-def parse(spec: str) -> str:
+def parse(text: str) -> str:
     """`same`, an embedded dataset's name, or `hub` for a dataset id or folder (kept for a later
     version: P from the hub is given per node with `public-dir` today); a ValueError otherwise."""
-    if spec == SAME or spec in data_lib.EMBEDDED_SHAPES:
-        return spec
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+    if text == SAME or text in data_lib.EMBEDDED_SHAPES:
+        return text
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text):
         return "hub"
-    raise ValueError(f"public-dataset {spec!r} is not one of {PUBLIC_DATASETS}")
+    raise ValueError(f"public-dataset {text!r} is not one of {PUBLIC_DATASETS}")
 
 
-def checks(spec: str, shift: str) -> list[tuple[bool, str]]:
+def checks(text: str, shift: str) -> list[tuple[bool, str]]:
     """The settings' validation, for `CktSettings.checks`."""
     try:
-        known = parse(spec) != "hub"
+        known = parse(text) != "hub"
     except ValueError as err:
         return [(False, str(err))]
     return [
-        (known, f"public-dataset {spec!r}: a hub id is not read as P yet; put its images in public-dir on each node"),
+        (known, f"public-dataset {text!r}: a hub id is not read as P yet; put its images in public-dir on each node"),
         (shift in PUBLIC_SHIFTS, f"public-shift must be one of {', '.join(PUBLIC_SHIFTS)}, got {shift!r}"),
     ]
 
@@ -47,11 +47,11 @@ def public_set(cfg, input_shape: tuple[int, ...]) -> np.ndarray:
     samples of `public-dataset` (`same`: the clients' own dataset, none of them owned by a
     client), and under `shift = rotate:K` with `public-shift = clients` dealt into K groups,
     group k rotated as cluster k's images are, so P holds every cluster's view."""
-    spec = parse(cfg.settings.public_dataset)
-    if spec in (SAME, cfg.dataset):
+    text = parse(cfg.settings.public_dataset)
+    if text in (SAME, cfg.dataset):
         x = scenarios.public_set(cfg)
     else:
-        x = data_lib.embedded_public(cfg.public_size, cfg.seed, spec, shape=input_shape)
+        x = data_lib.embedded_public(cfg.public_size, cfg.seed, text, shape=input_shape)
     if x.shape[1:] != tuple(input_shape):
         raise ValueError(f"the public set P has samples of shape {x.shape[1:]}, the clients' data {input_shape}")
     kind, clusters = scenarios.parse_shift(cfg.shift)

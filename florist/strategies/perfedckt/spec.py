@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from florist.common.settings import Settings, setting
-from florist.strategies.base import Exchange, StrategySpec
+from florist.common.spec import Exchange, StrategySpec
 from florist.strategies.perfedckt import commands, public
 
 CENTROIDS = "centroids"  # c × |P| × C, down
@@ -58,29 +58,13 @@ class PublicSettings(Settings):
     scratch_rounds: int = setting(0)  # evaluate: a node without a model first trains this many rounds
 
 
-def _client():
-    """The client half (imported on a node's first message: it imports torch)."""
-    from florist.strategies.perfedckt import client
-
-    return client
-
-
-def _server():
-    """The server half (imported when a run starts: it imports torch)."""
-    from florist.strategies.perfedckt import server
-
-    return server
-
-
-TRAIN_CKT = Exchange("train.ckt", lambda: _client().train, PublicSettings)  # centroids down, soft decisions up
-EVALUATE_CKT = Exchange("evaluate.ckt", lambda: _client().evaluate, PublicSettings)  # the node's own model is tested
+TRAIN_CKT = Exchange("train.ckt", PublicSettings)  # centroids down, soft decisions up
+EVALUATE_CKT = Exchange("evaluate.ckt", PublicSettings)  # the node's own model is tested
 
 PERFED_CKT = StrategySpec(
     "perfed-ckt",
     "PerFed-CKT: clustered distillation on a public set, any architecture",
-    lambda: _server().PerFedCKT,
     (TRAIN_CKT, EVALUATE_CKT),
     CktSettings,
-    report=lambda: _server().report,
     commands=commands.add,
 )

@@ -4,8 +4,9 @@ of their own) to each of its `train` replies."""
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message
 
-from florist.client.app import build_client_app, warm_up
-from florist.server.app import app as server
+from florist.apps.client import build_client_app
+from florist.apps.server import app as server
+from florist.client.messages import warm_up
 
 BULK = 50_000_000  # float32 values: 200 MB
 

@@ -7,8 +7,9 @@ import time
 import torch
 from flwr.app import Context, Message
 
-from florist.client.app import build_client_app, warm_up
-from florist.server.app import app as server
+from florist.apps.client import build_client_app
+from florist.apps.server import app as server
+from florist.client.messages import warm_up
 
 
 def fault(msg: Message, context: Context, call_next) -> Message:

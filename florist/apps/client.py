@@ -1,0 +1,76 @@
+"""florist's ClientApp (`[tool.flwr.app.components] clientapp`): every message type any strategy
+declares, with the function that answers it. Search a message type (`train.knnper`) to find
+its handler here, and go to the handler's definition from its line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from flwr.clientapp import ClientApp
+
+from florist.apps.registry import STRATEGIES
+from florist.client import messages
+from florist.common.spec import INFO, Exchange
+from florist.strategies.fedattn import client as fedattn
+from florist.strategies.fedavg import client as fedavg
+from florist.strategies.knnper import client as knnper
+from florist.strategies.local import client as local
+from florist.strategies.pefll import client as pefll
+from florist.strategies.perfedckt import client as perfedckt
+
+HANDLERS: dict[str, messages.Handler] = {
+    "query.info": messages.info,  # every run's first message: the node's data sizes, shape, seen/unseen
+    "train": fedavg.train,  # FedAvg, FedAvg+, and Flower's own strategies
+    "evaluate": fedavg.evaluate,  # FedAvg, FedAvg+ (fine-tuned first), FedAttn
+    "train.local": local.train,
+    "evaluate.local": local.evaluate,
+    "train.knnper": knnper.train,
+    "evaluate.knnper": knnper.evaluate,
+    "query.describe": pefll.describe,  # PeFLL and OD-PFL
+    "train.generated": pefll.train,
+    "train.encoder": pefll.backprop,
+    "evaluate.generated": pefll.evaluate,
+    "train.ckt": perfedckt.train,
+    "evaluate.ckt": perfedckt.evaluate,
+    "train.attn": fedattn.train,
+    "query.represent": fedattn.represent,
+}
+
+
+def exchanges() -> dict[str, Exchange]:
+    """Every exchange any strategy declares, once by message type (strategies share some, e.g.
+    FedAvg's `evaluate`), each with a handler in HANDLERS and no handler without one."""
+    declared: dict[str, Exchange] = {INFO.message_type: INFO}
+    for spec in STRATEGIES.values():
+        for exchange in spec.exchanges:
+            if declared.setdefault(exchange.message_type, exchange) != exchange:
+                raise ValueError(f"message type {exchange.message_type!r} is declared twice, differently")
+    if unanswered := sorted(set(declared) - set(HANDLERS)):
+        raise ValueError(f"no handler in florist/apps/client.py for message type {unanswered[0]!r}")
+    if undeclared := sorted(set(HANDLERS) - set(declared)):
+        raise ValueError(f"a handler for message type {undeclared[0]!r}, which no strategy declares")
+    return declared
+
+
+def build_client_app(mods: Sequence[Callable] = (), *, cls: type[ClientApp] = ClientApp) -> ClientApp:
+    """florist's ClientApp with `mods` (Flower mods, run inside florist's own: e.g. for tests
+    that inject failures)."""
+    handlers: Mapping[Exchange, messages.Handler] = {e: HANDLERS[t] for t, e in exchanges().items()}
+    return messages.build_client_app(handlers, STRATEGIES, mods, cls=cls)
+
+
+class NamedClientApp(ClientApp):
+    """florist's own ClientApp, `app` below, which pickles as its name. Flower's simulation
+    sends the app with every message to a Ray worker, and cloudpickle copies the handlers'
+    closures by value, scanning all of `sys.modules` for each module they use: 20-30 ms of the
+    driver's CPU per message, which held a 16-client round on 2 cores near one core's speed."""
+
+    def __reduce__(self):
+        return (_named_app, ())
+
+
+def _named_app() -> ClientApp:
+    return app
+
+
+app = build_client_app(cls=NamedClientApp)

@@ -1,0 +1,67 @@
+"""florist's ServerApp (`[tool.flwr.app.components] serverapp`): the run config parsed, then the
+run (`florist/server/loop.py`) driven by the chosen strategy's server half, from this table."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from florist.apps.registry import STRATEGIES
+from florist.config import RunConfig
+from florist.server import loop
+from florist.server.loop import RoundCallback
+from florist.server.results import Results, check_results_dir
+from florist.server.strategy import ServerStrategy
+from florist.server.tracking import check_installed
+from florist.strategies.fedattn.server import FedAttn
+from florist.strategies.fedavg.server import FedAvg
+from florist.strategies.knnper.server import KnnPer
+from florist.strategies.local.server import Local
+from florist.strategies.pefll.server import ODPFL, PeFLL
+from florist.strategies.perfedckt.server import PerFedCKT
+
+SERVER_HALVES: dict[str, type[ServerStrategy]] = {
+    "fedavg": FedAvg,
+    "fedavg-ft": FedAvg,  # the same rounds: its clients fine-tune before they test
+    "local": Local,
+    "knnper": KnnPer,
+    "pefll": PeFLL,
+    "odpfl": ODPFL,
+    "perfed-ckt": PerFedCKT,
+    "fedattn": FedAttn,
+}
+if sorted(SERVER_HALVES) != sorted(STRATEGIES):
+    raise ValueError(f"florist/apps/server.py pairs {sorted(SERVER_HALVES)}, the registry lists {sorted(STRATEGIES)}")
+
+
+def server_half(name: str) -> type[ServerStrategy]:
+    """The server half of strategy `name`."""
+    if name not in SERVER_HALVES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(SERVER_HALVES)}")
+    return SERVER_HALVES[name]
+
+
+def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_id: int = 0) -> Results:
+    """The whole run of `cfg` on `grid`, by its strategy's server half (`loop.run`)."""
+    return loop.run(grid, cfg, server_half(cfg.strategy), on_round, run_id)
+
+
+def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundCallback | None = None) -> ServerApp:
+    """A ServerApp whose run config is the app's run config with `overrides` on top (the
+    simulation API passes no run config, so `florist simulate` passes it this way)."""
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        cfg = RunConfig.from_mapping({**context.run_config, **(overrides or {})})
+        check_results_dir(cfg.results_dir)  # before any work: a run that cannot be saved is not started
+        check_installed(cfg)  # ... nor one whose trackers are missing (`florist` commands refuse it earlier)
+        run(grid, cfg, on_round, context.run_id)
+
+    return server_app
+
+
+app = make_server_app()

@@ -1,0 +1,67 @@
+"""`florist deploy-local`'s run: a real deployment on this machine for one run, a SuperLink and
+SuperNodes as processes of their own (`runners/federation.py`), `flwr run`, every process
+stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from florist.deploy.bundle import app_dir, bundle_hash
+from florist.deploy.federation import LocalFederation
+from florist.deploy.netns import Network, check_usable
+from florist.deploy.superlink import message_limit
+from florist.runners.federation import node_configs
+from florist.runners.launch import Events, Federation, Launch
+from florist.runners.preflight import configure
+from florist.runners.simulation import Interrupted
+
+
+def deploy_local(launch: Launch, federation: Federation, events: Events) -> dict[str, Any]:
+    """One run on a federation started for it, stopped after it; returns its results."""
+    if federation.netns:
+        check_usable()  # before the run's own checks, which take seconds
+    checked = configure(launch, events)
+    events.started(1, checked.cfg.num_server_rounds)
+    num_nodes, results_dir = checked.num_nodes, Path(checked.cfg.results_dir).expanduser().resolve()
+    # The ServerApp runs in the federation's folder: paths it is given are absolute.
+    tracking = checked.cfg.tracking_dir
+    absolute = {"tracking_dir": str(Path(tracking).expanduser().resolve())} if tracking else {}
+    # Under SuperNode auth a Flower node id stands for a registered public key: bind node keys to it.
+    bind = {"bind_node_keys": True} if federation.auth else {}
+    cfg = checked.cfg.replace(results_dir=str(results_dir), **absolute, **bind)
+    workdir = Path(federation.state_dir or results_dir / "federation").expanduser().resolve()
+    results_file = results_dir / "results.json"
+    app = app_dir()  # the bundle submitted below, and the only one its SuperNodes run
+    given_mb = federation.max_message_mb
+    try:
+        # The network is made first and removed last, with whatever still runs in it.
+        with (
+            Network.for_federation(num_nodes) if federation.netns else contextlib.nullcontext() as network,
+            LocalFederation(
+                workdir,
+                node_configs(num_nodes, workdir),
+                tls=federation.tls,
+                auth=federation.auth,
+                persistent=federation.auth,  # node ids, to which node keys are bound, survive a --resume
+                executor=federation.executor,
+                network=network,
+                trust_apps=[bundle_hash(app)],
+                max_message_bytes=int(given_mb * 2**20) if given_mb else message_limit(checked.model_bytes),
+            ) as fed,
+        ):
+            events.federation(fed.describe(submit=False))
+            if not cfg.resume_from:
+                results_file.unlink(missing_ok=True)
+            rc = subprocess.run(
+                fed.run_command(cfg.to_mapping(), app), env=fed.env, cwd=workdir, start_new_session=True
+            ).returncode
+    except KeyboardInterrupt:
+        saved = json.loads(results_file.read_text()) if results_file.exists() else None
+        raise Interrupted(saved, results_dir) from None
+    if rc != 0 or not results_file.exists():
+        raise RuntimeError(f"the run failed (flwr run exited {rc}); logs in {workdir / 'logs'}")
+    return json.loads(results_file.read_text())
