@@ -19,7 +19,7 @@ from florist.common.spec import INFO
 from florist.config import RunConfig
 from florist.server.checkpoint import Checkpoint
 from florist.server.exchange import Exchanger
-from florist.server.report import number, plural
+from florist.server.report import number, plural, summary_text
 from florist.server.results import Results
 from florist.server.strategy import NodeInfo, ServerStrategy, message_config
 from florist.server.tracking import Tracking
@@ -167,14 +167,10 @@ def run(
 
 
 def _log_summary(results: Results) -> None:
-    for group, summary in results.summary().items():
-        if summary["num_clients"]:  # a run without unseen clients has no line for them
-            log.info(
-                "%s: mean accuracy %.3f, bottom decile %.3f",
-                plural(summary["num_clients"], f"{group} client"),
-                summary["mean_accuracy"],
-                summary["bottom_decile_accuracy"],
-            )
+    """The table `florist` commands print at the end, one log record a line (each gets Flower's
+    prefix), so `flwr run --stream` and the SuperLink log end with it too, then the folder."""
+    for line in summary_text(results.to_json()):
+        log.info("%s", line)
     log.info("results in %s", results.folder.resolve())
 
 

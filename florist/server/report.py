@@ -27,6 +27,29 @@ def plural(count: int, noun: str) -> str:
 # Per-client fields some strategies report beside `accuracy`, each summarized in its own row.
 SECONDARY = {"global_accuracy": "  (global model)", "masked_accuracy": "  (masked to train classes)"}
 
+# The columns of `summary_rows`, wherever the table is shown; those from `FIGURES` on are numbers (right-aligned).
+SUMMARY_COLUMNS = ("strategy", "clients", "n", "mean acc. (%)", "bottom decile (%)")
+FIGURES = 2
+
+
+def summary_title(results: dict[str, Any]) -> str:
+    """The table's title: strategy and partition, which a row does not say."""
+    return f"florist · {results['strategy']} · {results['config']['partition']}"
+
+
+def summary_text(results: dict[str, Any]) -> list[str]:
+    """The summary table as plain lines with aligned columns, for a log (the ServerApp's, which
+    `flwr run --stream` shows) where the CLI prints the same rows with rich."""
+    rows = [SUMMARY_COLUMNS, *summary_rows(results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(SUMMARY_COLUMNS))]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = (c.rjust(w) if i >= FIGURES else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(padded).rstrip()
+
+    header, *body = (line(row) for row in rows)
+    return [summary_title(results), header, "  ".join("-" * w for w in widths), *body]
+
 
 def summary_rows(results: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     """(strategy, clients, n, mean %, bottom-decile %) for seen and unseen clients, plus a row
@@ -65,8 +88,8 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
         f"model `{cfg.get('client-models') or cfg['model']}`, {plural(len(rounds), 'round')}, "
         f"seed {cfg['seed']}, unseen fraction {cfg['unseen-fraction']}.",
         "",
-        "| strategy | clients | n | mean acc. (%) | bottom decile (%) |",
-        "|---|---|---:|---:|---:|",
+        "| " + " | ".join(SUMMARY_COLUMNS) + " |",
+        "|" + "|".join("---:" if i >= FIGURES else "---" for i in range(len(SUMMARY_COLUMNS))) + "|",
         *("| " + " | ".join(row) + " |" for row in summary_rows(results)),
         "",
         *best_round(results),
