@@ -4,12 +4,14 @@ papers' table over them."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from florist.apps.registry import STRATEGIES
 from florist.cli.display import Bars
 from florist.cli.options import count, launch, resource_options, runtime_option, scenario_options, track_option
 from florist.runners import presets
+from florist.server.report import plural
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -18,8 +20,9 @@ def add(sub: argparse._SubParsersAction) -> None:
         help="run strategies × seeds on one scenario and write the papers' table",
         description="Run every strategy of --strategies with every seed of --seeds on one scenario, one after the "
         "other, each in OUT/<strategy>/seed<k> (a finished run with the same config is kept, an interrupted one "
-        "resumes), then write OUT/compare.md (seen/unseen mean and bottom decile, mean ± std over seeds, kB and "
-        "seconds per round), compare.json and compare.png.",
+        "resumes: it says which before it starts), then write OUT/compare.md (seen/unseen mean and bottom decile, "
+        "mean ± std over seeds, kB and seconds per round), compare.json, compare.png and compare_rounds.png "
+        "(every strategy's accuracy per round).",
     )
     cmp.add_argument("--strategies", help="comma-separated (default: all, or the preset's)")
     cmp.add_argument("--seeds", help="comma-separated (default: 1,2,3, or the preset's)")
@@ -60,12 +63,37 @@ def run(args: argparse.Namespace) -> int:
             launch(args, preset.run_config if preset else {}), Path(args.out), strategies, seeds, paper, bars
         )
     print((out / "compare.md").read_text())
-    print(f"compare.md, compare.json and compare.png in {args.out}/")
+    print(bars.tally())
+    print(f"compare.md, compare.json, compare.png and compare_rounds.png in {args.out}/")
     return 0
 
 
 class RunBars(Bars):
-    """Two bars: the runs, and the rounds of the one under way."""
+    """Which runs are kept, resumed and started, one line each on stderr before work starts;
+    then two bars: the runs, and the rounds of the one under way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plan: dict[str, list[str]] = {}  # kept / resumed / started -> the runs' names
+        self.resumed: dict[str, int] = {}  # name -> rounds done before
+
+    def planned(self, kept: list[str], resumed: list[tuple[str, int]], started: list[str]) -> None:
+        self.resumed = dict(resumed)
+        described = [f"{name} after round {done}" for name, done in resumed]
+        self.plan = {"kept": kept, "resumed": described, "started": started}
+        lines = (
+            ("keeps", "finished with this config", kept),
+            ("resumes", "from its checkpoint", described),
+            ("starts", "from round 1", started),
+        )
+        for verb, how, names in lines:
+            if names:
+                print(f"florist: {verb} {plural(len(names), 'run')} {how}: {', '.join(names)}", file=sys.stderr)
+
+    def tally(self) -> str:
+        """The plan's counts, for the summary at the end."""
+        counts = ", ".join(f"{len(names)} {action}" for action, names in self.plan.items())
+        return f"{plural(sum(map(len, self.plan.values())), 'run')}: {counts}"
 
     def started(self, runs: int, rounds: int) -> None:
         super().started(runs, rounds)
@@ -73,9 +101,11 @@ class RunBars(Bars):
         self.rounds = self.progress.add_task("rounds", total=rounds)
 
     def run(self, strategy: str, seed: int, reused: bool) -> None:
-        description = f"runs ({strategy}, seed {seed}{', kept' * reused})"
+        done = self.resumed.get(f"{strategy}/seed{seed}")
+        how = ", kept" if reused else "" if done is None else f", resumed after round {done}"
+        description = f"runs ({strategy}, seed {seed}{how})"
         self.progress.update(self.runs, completed=self.done, description=description)
-        self.progress.update(self.rounds, completed=0)
+        self.progress.update(self.rounds, completed=done or 0)
         self.done += 1
 
     def round(self, row: dict) -> None:

@@ -2,15 +2,18 @@
 
 Each run has its own results folder under the output folder (`<strategy>/seed<k>`), so the
 comparison can be stopped and started again: a finished run with the same config is kept, an
-interrupted one resumes from its checkpoint. `compare.md` holds the table (seen and unseen mean
-and bottom decile as mean ± std over seeds, kB per round, seconds per round), `compare.json`
-the same figures and the per-run summaries, `compare.png` the bars with error bars.
+interrupted one resumes from its checkpoint, and the comparison says which before it starts
+(`plan`). `compare.md` holds the table (seen and unseen mean and bottom decile as mean ± std
+over seeds, kB per round, seconds per round), `compare.json` the same figures, the per-run
+summaries and the per-round series, `compare.png` the bars with error bars, `compare_rounds.png`
+every strategy's accuracy per round side by side.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -42,10 +45,16 @@ def run_comparison(
     num_nodes = launch.num_nodes or launch.default_nodes
     resources = simulation.client_resources(launch.cpus_per_client, launch.gpus_per_client, cluster=bool(address))
     out = out.expanduser().absolute()
-    configs = planned(out, strategies, seeds, {"min-nodes": num_nodes} | dict(launch.values))
+    configs = run_configs(out, strategies, seeds, {"min-nodes": num_nodes} | dict(launch.values))
     checked = [preflight(cfg, num_nodes, devices_here=not address) for cfg in configs]
     for warning in sorted({w for run in checked for w in run.warnings}):  # each doubt once
         events.warning(warning)
+    runs = plan(configs)
+    events.planned(
+        [r.name for r in runs if r.action == "kept"],
+        [(r.name, r.resumed_after) for r in runs if r.resumed_after is not None],
+        [r.name for r in runs if r.action == "started"],
+    )
     events.started(len(configs), configs[0].num_server_rounds)
     for cfg in configs:
         decode_data(cfg, num_nodes, events)
@@ -53,7 +62,7 @@ def run_comparison(
     def runner(cfg: RunConfig, num_nodes: int) -> dict[str, Any]:
         return run_simulated(launch.runtime, cfg, num_nodes, events.round, resources, address)
 
-    all_results = compare(configs, num_nodes, runner, lambda cfg, kept: events.run(cfg.strategy, cfg.seed, kept))
+    all_results = compare(runs, num_nodes, runner, lambda r: events.run(r.cfg.strategy, r.cfg.seed, r.action == "kept"))
     write(out, all_results, scenario_line(configs[0], num_nodes), paper)
     return out
 
@@ -70,7 +79,7 @@ def run_folder(out: Path, strategy: str, seed: int) -> Path:
     return out / strategy / f"seed{seed}"
 
 
-def planned(out: Path, strategies: list[str], seeds: list[int], values: Mapping[str, Any]) -> list[RunConfig]:
+def run_configs(out: Path, strategies: list[str], seeds: list[int], values: Mapping[str, Any]) -> list[RunConfig]:
     """The run configs of the comparison, checked before any run starts. Their trackers write
     to `out` (unless `values` say where): TensorBoard's runs side by side, one MLflow experiment
     and one W&B group named after it, a tracker run per strategy and seed."""
@@ -86,37 +95,67 @@ def planned(out: Path, strategies: list[str], seeds: list[int], values: Mapping[
 
 
 def finished(cfg: RunConfig) -> dict[str, Any] | None:
-    """The results of `cfg`'s run when its folder holds them complete, with this config."""
+    """The results of `cfg`'s run when its folder holds them complete, with this config (a run
+    that was resumed to its end counts: its `resume-from` is where, not what, it computed)."""
     path = Path(cfg.results_dir) / "results.json"
     try:
         results = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    return results if results.get("complete") and results.get("config") == cfg.to_mapping() else None
+    config = results.get("config")
+    same = isinstance(config, dict) and config | {"resume-from": cfg.resume_from} == cfg.to_mapping()
+    return results if results.get("complete") and same else None
 
 
-def resumable(cfg: RunConfig) -> RunConfig:
-    """`cfg`, resuming from the checkpoint its folder holds for the same config, if any."""
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """A run of the comparison and what this start does with it: keep its finished `results`,
+    resume it after round `resumed_after` (`cfg` then resumes from its checkpoint), or start it."""
+
+    cfg: RunConfig
+    results: dict[str, Any] | None = None
+    resumed_after: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.cfg.strategy}/seed{self.cfg.seed}"
+
+    @property
+    def action(self) -> str:
+        if self.results is not None:
+            return "kept"
+        return "started" if self.resumed_after is None else "resumed"
+
+
+def plan(configs: list[RunConfig]) -> list[Planned]:
+    """What each config's folder lets this start do: keep a finished run with the same config,
+    resume one cut after a round from its checkpoint of the same config, else start over. Decided
+    for all before the first run, so the user hears it before waiting for anything."""
+    return [_plan_one(cfg) for cfg in configs]
+
+
+def _plan_one(cfg: RunConfig) -> Planned:
+    if (results := finished(cfg)) is not None:
+        return Planned(cfg, results=results)
     folder = Path(cfg.results_dir)
     if not (folder / CHECKPOINT).is_file():
-        return cfg
+        return Planned(cfg)
     try:
         checkpoint = Checkpoint.load(folder)
         checkpoint.refuse_differences(cfg.to_mapping(), folder)
     except ValueError:  # another config or format: start over
-        return cfg
-    return cfg.replace(resume_from=str(folder))
+        return Planned(cfg)
+    return Planned(cfg.replace(resume_from=str(folder)), resumed_after=checkpoint.round)
 
 
 def compare(
-    configs: list[RunConfig], num_clients: int, runner: Runner, on_run: Callable[[RunConfig, bool], None]
+    runs: list[Planned], num_clients: int, runner: Runner, on_run: Callable[[Planned], None]
 ) -> list[dict[str, Any]]:
-    """Run (or reuse) every config; `on_run(cfg, reused)` before each. Returns their results."""
+    """Run (or keep) every planned run; `on_run(run)` before each. Returns their results."""
     all_results = []
-    for cfg in configs:
-        results = finished(cfg)
-        on_run(cfg, results is not None)
-        all_results.append(results or runner(resumable(cfg), num_clients))
+    for run in runs:
+        on_run(run)
+        all_results.append(run.results if run.results is not None else runner(run.cfg, num_clients))
     return all_results
 
 
@@ -208,6 +247,13 @@ def markdown(rows: dict[str, dict[str, Any]], scenario: str, paper: Paper | None
         )
     if paper:
         lines += paper_lines(rows, paper)
+    lines += [
+        "",
+        "![seen and unseen mean accuracy per strategy](compare.png)",
+        "",
+        "![seen clients' mean accuracy per round, one line per strategy: mean over seeds, band from the lowest to "
+        "the highest seed](compare_rounds.png)",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -238,24 +284,73 @@ def figure(rows: dict[str, dict[str, Any]], scenario: str):
         stds = [100 * (s or 0.0) for _, s in pairs]
         ax.bar(x + (i - 0.5) * width, means, width, yerr=stds, capsize=3, label=group)
     ax.set_xticks(x, list(rows), rotation=20)
-    columns = int(fig.get_figwidth() * 9)  # characters of a 10-point title per inch
-    ax.set_title(textwrap.fill(f"florist compare: {scenario}", columns), fontsize=10)
+    _title(ax, f"florist compare: {scenario}")
     ax.set(ylabel="client mean accuracy (%)", ylim=(0, 100))
     ax.legend()
     ax.grid(alpha=0.3, axis="y")
     return fig
 
 
+def _title(ax, text: str) -> None:
+    """`text` as the axes' title, wrapped to the figure's width (a scenario line is long)."""
+    columns = int(ax.figure.get_figwidth() * 9)  # characters of a 10-point title per inch
+    ax.set_title(textwrap.fill(text, columns), fontsize=10)
+
+
+def round_series(all_results: list[dict[str, Any]]) -> dict[str, dict[str, list]]:
+    """Per strategy, the lines of compare_rounds.png: each evaluated round (`round`) with the
+    seen clients' mean accuracy of its runs (results.json's per-round `accuracy`): their mean,
+    lowest and highest over the seeds that evaluated it, and how many did (`seeds`)."""
+    by_strategy: dict[str, dict[int, list[float]]] = {}
+    for results in all_results:
+        rounds = by_strategy.setdefault(results["strategy"], {})
+        for row in results["rounds"]:
+            if row.get("accuracy") is not None and math.isfinite(row["accuracy"]):
+                rounds.setdefault(row["round"], []).append(row["accuracy"])
+    series = {}
+    for strategy, rounds in by_strategy.items():
+        order = sorted(rounds)
+        series[strategy] = {
+            "round": order,
+            "mean": [float(np.mean(rounds[r])) for r in order],
+            "min": [min(rounds[r]) for r in order],
+            "max": [max(rounds[r]) for r in order],
+            "seeds": [len(rounds[r]) for r in order],
+        }
+    return series
+
+
+def rounds_figure(series: dict[str, dict[str, list]], scenario: str):
+    """Every strategy's seen-client mean accuracy per round, one line each (the mean over seeds,
+    a band from the lowest to the highest seed where there are several), on report.md's fixed
+    0-100 % axis with whole-round ticks; the legend outside the axes, where it hides no line."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = pyplot().subplots(figsize=(7.5, 4))
+    for strategy, s in series.items():
+        (line,) = ax.plot(s["round"], [100 * v for v in s["mean"]], marker=".", label=strategy)
+        if any(n > 1 for n in s["seeds"]):
+            low, high = [100 * v for v in s["min"]], [100 * v for v in s["max"]]
+            ax.fill_between(s["round"], low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="round", ylabel="seen-client mean accuracy (%)", ylim=(0, 100))
+    _title(ax, f"accuracy per round (mean over seeds, band: min–max): {scenario}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
+
+
 def write(
     out: Path, all_results: list[dict[str, Any]], scenario: str, paper: Paper | None = None
 ) -> dict[str, dict[str, Any]]:
-    """compare.md, compare.json and compare.png in `out`; returns the table's rows."""
-    rows = table(all_results)
+    """compare.md, compare.json, compare.png and compare_rounds.png in `out`; returns the table's rows."""
+    rows, series = table(all_results), round_series(all_results)
     (out / "compare.md").write_text(markdown(rows, scenario, paper))
     runs = [{"strategy": r["strategy"], "seed": r["config"]["seed"], "summary": r["summary"]} for r in all_results]
-    figures = {"scenario": scenario, "rows": rows, "runs": runs} | (
+    figures = {"scenario": scenario, "rows": rows, "runs": runs, "per_round": series} | (
         {"paper": dataclasses.asdict(paper)} if paper else {}
     )
     (out / "compare.json").write_text(json.dumps(figures, indent=1))
     plot(rows, scenario, out / "compare.png")
+    save(rounds_figure(series, scenario), out / "compare_rounds.png")
     return rows

@@ -47,13 +47,19 @@ class Federation:
 
 class Events:
     """What a run tells whoever started it; each is ignored here, and a command's display
-    overrides those it shows. In order: `warning` for each doubt of the preflight; `started` once
-    every check passed (work is under way from then on: a Ctrl-C stops it and says what was
-    kept); then, as they come, `decoded`/`decoding` (a dataset's partitions), `federation` (the
-    processes are up), `run` (each run, of `runs`) and `round` (each finished round)."""
+    overrides those it shows. In order: `warning` for each doubt of the preflight; `planned`
+    (`compare`: which runs it keeps, resumes, starts); `started` once every check passed (work
+    is under way from then on: a Ctrl-C stops it and says what was kept); then, as they come,
+    `decoded`/`decoding` (a dataset's partitions), `federation` (the processes are up), `run`
+    (each run, of `runs`) and `round` (each finished round)."""
 
     def warning(self, text: str) -> None:
         """Something the preflight found doubtful; the run goes on."""
+
+    def planned(self, kept: list[str], resumed: list[tuple[str, int]], started: list[str]) -> None:
+        """What a comparison does with its runs (`strategy/seedK`), decided from their folders
+        before any starts: `kept` finished with the same config, `resumed` (name, rounds done)
+        from their checkpoint, `started` from round 1."""
 
     def started(self, runs: int, rounds: int) -> None:
         """Every check passed: `runs` runs of `rounds` rounds start."""
