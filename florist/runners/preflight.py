@@ -44,11 +44,23 @@ def preflight(cfg: RunConfig, num_nodes: int, devices_here: bool = True) -> Chec
             f"{num_nodes} clients, but min-nodes is {cfg.min_nodes}: the run would wait for nodes that never come"
         )
     layout = scenarios.layout(cfg, num_nodes)
+    check_labels(cfg, layout)
     model_bytes = check_models(cfg, layout.input_shape, num_nodes - len(layout.held_out))
     check_results_dir(cfg.results_dir)
     check_installed(cfg)
     warnings = run_warnings(cfg) + model_warnings(cfg) + partition_warnings(cfg, layout)
     return Checked(cfg, num_nodes, layout, model_bytes, warnings)
+
+
+def check_labels(cfg: RunConfig, layout: scenarios.Layout) -> None:
+    """The embedded partitions' labels fit `num-classes` (a folder's are checked as it is read):
+    a label beyond it would stop every node in its first round."""
+    top = max((int(y.max()) for y in layout.labels if len(y)), default=-1)
+    if top >= cfg.num_classes:
+        raise ValueError(
+            f"num-classes {cfg.num_classes}, but dataset {cfg.dataset!r} has labels up to {top}: "
+            f"set num-classes={top + 1} or more"
+        )
 
 
 def check_run(cfg: RunConfig, num_clients: int) -> list[str]:
