@@ -10,7 +10,7 @@ from typing import Any
 
 from florist.cli.signals import interrupt_on_signals
 from florist.runners.launch import Events
-from florist.server.report import summary_rows
+from florist.server.report import FIGURES, SUMMARY_COLUMNS, summary_rows, summary_title
 
 
 class Display(Events):
@@ -78,9 +78,9 @@ def print_summary(results: dict[str, Any], console, wall: float) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"florist · {results['strategy']} · {results['config']['partition']}")
-    for column in ("strategy", "clients", "n", "mean acc. (%)", "bottom decile (%)"):
-        table.add_column(column, justify="right" if column[0] in "nmb" else "left")
+    table = Table(title=summary_title(results))
+    for i, column in enumerate(SUMMARY_COLUMNS):
+        table.add_column(column, justify="right" if i >= FIGURES else "left")
     for row in summary_rows(results):
         table.add_row(*row)
     console.print(table)
