@@ -29,6 +29,36 @@ SECTIONS: dict[str, type[Settings]] = {}
 # The experiment trackers `trackers` may name (florist/server/tracking), each also the name of the
 # package it needs: the optional `tracking` extra installs them.
 TRACKERS = ("tensorboard", "mlflow", "wandb")
+# What other tools and papers call a setting, with its key here: difflib finds typos, not these.
+SYNONYMS = {
+    "learning-rate": "lr",
+    "learningrate": "lr",
+    "step-size": "lr",
+    "epochs": "local-epochs",
+    "num-epochs": "local-epochs",
+    "rounds": "num-server-rounds",
+    "num-rounds": "num-server-rounds",
+    "server-rounds": "num-server-rounds",
+    "batch": "batch-size",
+    "batchsize": "batch-size",
+    "bs": "batch-size",
+    "seeds": "seed",
+    "random-seed": "seed",
+    "algorithm": "strategy",
+    "method": "strategy",
+    "mu": "proximal-mu",
+    "fraction-fit": "fraction-train",
+    "min-fit-clients": "min-train-nodes",
+    "min-available-clients": "min-nodes",
+    "output-dir": "results-dir",
+    "out-dir": "results-dir",
+}
+# The number of clients is no run-config key: each command takes it as a flag.
+NUM_CLIENTS_WORDS = frozenset(("clients", "num-clients", "nodes", "num-nodes", "num-supernodes", "num-partitions"))
+NUM_CLIENTS_HINT = (
+    "the number of clients is a flag: --num-clients (simulate, compare), --num-nodes (deploy-local, local-federation)"
+)
+WHERE_KEYS = "every key with its default: [tool.flwr.app.config] in pyproject.toml"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,10 +164,7 @@ class RunConfig(Settings):
             (self.strategy in SECTIONS, f"unknown strategy {self.strategy!r}; choose one of {', '.join(SECTIONS)}"),
             (self.num_server_rounds >= 0, "num-server-rounds must be >= 0"),
             (_parses(parse_partition, self.partition), f"partition must be {PARTITIONS}, got {self.partition!r}"),
-            (
-                _parses(scenarios.parse_dataset, self.dataset),
-                f"dataset must be {scenarios.DATASETS}, got {self.dataset!r}",
-            ),
+            (not (dataset_problem := _problem(scenarios.parse_dataset, self.dataset)), dataset_problem),
             (_parses(scenarios.parse_shift, self.shift), f"shift must be {scenarios.SHIFTS}, got {self.shift!r}"),
             (
                 not self.partition.startswith("natural:") or _parses(scenarios.parse_dataset, self.dataset, "hub"),
@@ -215,6 +242,16 @@ def _parses(parse, text: str, kind: str = "") -> bool:
         return False
 
 
+def _problem(parse, text: str) -> str:
+    """What `parse` says is wrong with `text` ("" when it parses): its message can be more
+    precise than one naming every accepted form (a dataset folder that does not exist)."""
+    try:
+        parse(text)
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
 def parse_overrides(text: str) -> dict[str, Any]:
     """`'k=v k2="s"'` as `flwr run --run-config` reads it: space-separated pairs, each value
     TOML (numbers, true/false, "quoted strings"). A pair that is not one is an error naming it."""
@@ -236,11 +273,20 @@ def parse_overrides(text: str) -> dict[str, Any]:
 
 
 def _closest(key: str, known: set[str]) -> str:
-    """A "did you mean" hint where a known key is close (`local_epochs`: `local-epochs`), else every key."""
+    """Where to look instead of `key`, in a few words: the key another tool's word means
+    (`learning-rate`: `lr`), else the closest few (`local_epochs`: `local-epochs`); never all
+    ~100 keys, which bury the one meant."""
     import difflib
 
-    close = difflib.get_close_matches(key.replace("_", "-"), known, n=1, cutoff=0.75)
-    return f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(sorted(known))}"
+    word = key.lower().replace("_", "-")
+    if word in NUM_CLIENTS_WORDS:
+        return NUM_CLIENTS_HINT
+    meant = SYNONYMS.get(word, word)
+    close = [meant] if meant in known else difflib.get_close_matches(word, sorted(known), n=3, cutoff=0.6)
+    if not close:
+        return f"no key is close ({WHERE_KEYS})"
+    names = [repr(name) for name in close]
+    return f"did you mean {' or '.join(names)}? ({WHERE_KEYS})"
 
 
 def use_sections(sections: Mapping[str, type[Settings]]) -> None:

@@ -54,13 +54,13 @@ from flwr.common.constant import ErrorCode
 
 from florist.common import devices
 from florist.common.data import EMBEDDED_SHAPES
+from florist.common.scenarios import HUB_ID
 from florist.common.settings import coerce
 
 log = logging.getLogger("flwr").getChild(__name__)
 
 TRUSTED_SERVER = "trusted-server"  # node-config key: this node's server is its own user
 TRUSTED_SERVER_ENV = "FLORIST_TRUSTED_SERVER"  # ... and "1" in its environment, where florist builds no node config
-HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*/[A-Za-z0-9_][\w.-]*")  # OWNER/NAME, no "." or ".." part
 REASON_CHARS, LIST_ITEMS = 200, 3
 
 

@@ -131,7 +131,7 @@ def make_partitioner(
     if kind == "inner-dirichlet":
         return _inner_dirichlet(num_partitions, partition_by, arg, seed)
     if kind == "dirichlet":
-        return DirichletPartitioner(
+        return _quiet(DirichletPartitioner)(
             num_partitions=num_partitions,
             partition_by=partition_by,
             alpha=arg,
@@ -148,6 +148,20 @@ def make_partitioner(
         shuffle=True,
         seed=seed,
     )
+
+
+def _quiet(dirichlet: type) -> type:
+    """flwr-datasets' DirichletPartitioner without the paragraph it warns at each draw that
+    misses `min-partition-size`: it draws again, and after 10 misses raises an error, the one
+    message to act on; the warnings before it only alarm (and fill a screen per client)."""
+
+    class QuietDirichlet(dirichlet):
+        def _determine_partition_id_to_indices_if_needed(self) -> None:  # where it draws and warns
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "The specified min_partition_size", UserWarning)
+                super()._determine_partition_id_to_indices_if_needed()
+
+    return QuietDirichlet
 
 
 def _inner_dirichlet(num_partitions: int, partition_by: str, alpha: float, seed: int):

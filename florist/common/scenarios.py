@@ -21,6 +21,9 @@ DATASETS = (
     "'digits', 'mnist5k', 'synthetic:ALPHA,BETA' (ALPHA, BETA >= 0), a Hugging Face dataset id "
     "(OWNER/NAME) or a local folder"
 )
+# A Hugging Face id: OWNER/NAME, neither part starting with "." or "-" ("./x", "../x" are paths).
+HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*/[A-Za-z0-9_][\w.-]*")
+LOCAL_DATASET = "a local dataset is a folder of parquet/csv/json files or of one subfolder of images per class"
 SYNTHETIC_FEATURES, SYNTHETIC_CLASSES = 60, 10
 MAX_SYNTHETIC_SIZE = 5000  # FedProx's log-normal sizes have a heavy tail; a client holds at most this many
 
@@ -37,11 +40,18 @@ def parse_shift(text: str) -> tuple[str, int]:
 
 def parse_dataset(text: str) -> tuple[str, tuple[float, ...]]:
     """(kind, parameters) of an embedded dataset (kind `embedded`), `synthetic:ALPHA,BETA`, or
-    `hub` for a dataset id or folder."""
+    `hub` for a dataset id or folder. An existing folder is local, and an OWNER/NAME that is
+    no file or folder here is a hub id; any other text with a `/`, or starting with `~` or `.`,
+    is a path, and saying that it is no folder beats listing every form."""
     kind, colon, arg = text.partition(":")
     if kind in data_lib.EMBEDDED_SHAPES and not colon:
         return "embedded", ()
-    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) or (text and Path(text).expanduser().is_dir()):  # "": no folder, not "."
+    folder = Path(text).expanduser()
+    if text and folder.exists():  # "": no folder, not "."
+        if not folder.is_dir():
+            raise ValueError(f"dataset {text!r}: not a folder ({LOCAL_DATASET})")
+        return "hub", ()
+    if HUB_ID.fullmatch(text):
         return "hub", ()
     try:
         alpha, beta = (float(v) for v in arg.split(","))
@@ -49,7 +59,9 @@ def parse_dataset(text: str) -> tuple[str, tuple[float, ...]]:
             return kind, (alpha, beta)
     except ValueError:
         pass
-    raise ValueError(f"dataset {text!r} is not one of {DATASETS}")
+    if "/" in text or text.startswith(("~", ".")):
+        raise ValueError(f"dataset {text!r}: no such folder ({LOCAL_DATASET})")
+    raise ValueError(f"dataset must be {DATASETS}, got {text!r}")
 
 
 def input_shape(cfg, num_partitions: int) -> tuple[int, ...]:

@@ -250,4 +250,5 @@ def test_a_node_that_trusts_its_server_takes_its_folders_and_requests_but_its_ow
     refused = _send(trusted | {"node-max-seconds": 60}, ttl=600.0).error.reason
     assert refused.endswith("over this node's cap of 60 s (raise node-max-seconds in its --node-config)")
     missing = _send(trusted, raw={"dataset": str(watch / "absent")})  # read as the folder it names
-    assert missing.error.reason.startswith("ValueError in query.info: invalid run config: dataset must be")
+    reason = missing.error.reason
+    assert reason.startswith("ValueError in query.info: invalid run config: dataset '") and "no such folder" in reason
