@@ -40,16 +40,48 @@ def add(sub: argparse._SubParsersAction) -> None:
         "cuda:N | mps (default: the run's, auto)",
     )
     join.add_argument(
-        "--max-wait-time", type=float, default=60.0, help="give up connecting after this many seconds (default: 60)"
+        "--max-wait-time",
+        type=wait_time,
+        default=60.0,
+        metavar="SECONDS|forever",
+        help="give up connecting after this many seconds without the SuperLink, or never: `forever` keeps retrying, "
+        "for a box that must rejoin whenever the SuperLink is back (default: 60)",
+    )
+    join.add_argument(
+        "--unseen",
+        action="store_true",
+        help="this box never trains: the run scores it on the model it gives a new client (as unseen-fraction does)",
+    )
+    join.add_argument(
+        "--node-config",
+        default="",
+        metavar='"k=v ..."',
+        help="more of this node's config: its caps (node-max-classes, node-max-steps, node-max-seconds, "
+        "node-max-batch-size, node-max-threads), torch-threads, public-dir, and run settings a node may override",
     )
     executor_option(join)
     trust_app_option(join)
     join.set_defaults(func=run)
 
 
+def wait_time(text: str) -> float | None:
+    """Seconds to keep trying the SuperLink, > 0, or `forever` (None)."""
+    if text.strip().lower() == "forever":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 or forever, got {text!r}")
+    return seconds
+
+
 def run(args: argparse.Namespace) -> int:
+    from florist.config import parse_overrides
     from florist.deploy.join import join
 
+    node_config = parse_overrides(args.node_config)  # Flower's `k=v` syntax, as --run-config
     interrupt_on_signals()
     return join(
         args.superlink,
@@ -64,4 +96,6 @@ def run(args: argparse.Namespace) -> int:
         executor=args.executor,
         device=args.device,
         trust_apps=args.trust_app,
+        unseen=args.unseen,
+        node_config=node_config,
     )

@@ -4,6 +4,7 @@ running SuperLink, and turn Flower's failure modes into messages that say what t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -13,8 +14,9 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from florist.client.state import NodeState
 from florist.common import devices
@@ -134,6 +136,40 @@ def tls_mismatch(superlink: str, root_certificates: str | Path | None) -> str | 
     return None
 
 
+# Node-config keys a box sets with flags of their own, and the one it never sets.
+SET_BY_FLAGS = {"data-dir": "--data-dir", "node-key": "--node-key", "state-dir": "--state-dir", "device": "--device"}
+SET_BY_FLAGS |= {"unseen": "--unseen"}
+NEVER = {"trusted-server": "a box never trusts another party's server: its caps and folders bind that server"}
+
+
+def node_config_keys() -> set[str]:
+    """What `--node-config` may set on a box: its caps, threads and public folder, and the run's
+    settings a node may override (the common ones and every strategy's)."""
+    from florist.client.guard import Limits
+    from florist.config import SECTIONS, RunConfig
+
+    caps = {"node-" + f.name.replace("_", "-") for f in dataclasses.fields(Limits)}
+    return (
+        caps
+        | {"torch-threads", "public-dir"}
+        | set(RunConfig.node_keys()).union(*(s.node_keys() for s in SECTIONS.values()))
+    )
+
+
+def check_node_config(values: Mapping[str, Any]) -> None:
+    """Refuse, in one line naming the key, what a box's `--node-config` may not say."""
+    from florist.client.guard import Limits
+
+    for key in values:
+        if key in SET_BY_FLAGS:
+            raise ValueError(f"--node-config {key}: set it with {SET_BY_FLAGS[key]}")
+        if key in NEVER:
+            raise ValueError(f"--node-config {key}: {NEVER[key]}")
+        if key not in (allowed := node_config_keys()):
+            raise ValueError(f"--node-config {key}: not a key a box sets; it may set {', '.join(sorted(allowed))}")
+    Limits.of(values)  # a cap that is no positive number, named
+
+
 def supernode_args(
     superlink: str,
     data_dir: Path,
@@ -142,26 +178,26 @@ def supernode_args(
     auth_key: Path | None,
     state_dir: Path | None,
     node_key: str,
-    max_wait_time: float,
+    max_wait_time: float | None,
     executor: str = "warm",
     device: str | None = None,
     trust_apps: Sequence[str] = (),
     auth_secret: Path | None = None,
+    unseen: bool = False,
+    node_config: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    node_config = {"data-dir": str(data_dir), "node-key": node_key} | (
-        {"state-dir": str(state_dir)} if state_dir else {}
-    )
-    node_config |= {"device": device} if device else {}
+    """`florist supernode`'s command line for this box; `max_wait_time` None: it retries forever."""
+    own = {"data-dir": str(data_dir), "node-key": node_key} | ({"state-dir": str(state_dir)} if state_dir else {})
+    own |= ({"device": device} if device else {}) | ({"unseen": True} if unseen else {})
     args = [
         *supernode_command(executor),
         "--superlink",
         superlink,
         "--node-config",
-        toml_node_config(node_config),
+        toml_node_config(dict(node_config or {}) | own),
         "--port",
         str(free_port()),
-        "--max-wait-time",
-        str(max_wait_time),
+        *(["--max-wait-time", str(max_wait_time)] if max_wait_time is not None else []),
     ]
     args += ["--root-certificates", str(root_certificates)] if root_certificates else ["--insecure"]
     if auth_key:
@@ -305,15 +341,19 @@ def join(
     state_dir: str | Path | None = None,
     node_key: str | None = None,
     num_classes: int = 10,
-    max_wait_time: float = 60.0,
+    max_wait_time: float | None = 60.0,
     executor: str = "warm",
     device: str | None = None,
     trust_apps: Sequence[str] = (),
+    unseen: bool = False,
+    node_config: Mapping[str, Any] | None = None,
 ) -> int:
-    """Check everything local first (data, files, device, the apps to trust), then run the
-    SuperNode in the foreground."""
+    """Check everything local first (data, files, device, the apps to trust, the node config),
+    then run the SuperNode in the foreground. `unseen`: this box never trains (it is scored on
+    the model the run gives it); `node_config`: more of its keys (caps, threads, folders)."""
     data_dir = Path(data_dir).expanduser().resolve()
     TrustedApps.parse(trust_apps)  # a mistyped hash fails here, in one line, before anything starts
+    check_node_config(node_config or {})
     client = check_locally(superlink, data_dir, num_classes, root_certificates, auth_key, device, insecure)
     key = node_key or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "edge"
     state = NodeState(state_dir, key)
@@ -334,6 +374,8 @@ def join(
             device=device,
             trust_apps=trust_apps,
             auth_secret=secret,
+            unseen=unseen,
+            node_config=node_config,
         )
         process = spawn(args, log_path)
         output = follow(process, log_path)
