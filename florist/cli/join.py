@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from florist.cli.options import executor_option
+from florist.cli.options import executor_option, positive_float
 from florist.cli.signals import interrupt_on_signals
 from florist.cli.supernode import trust_app_option
 
@@ -69,12 +69,9 @@ def wait_time(text: str) -> float | None:
     if text.strip().lower() == "forever":
         return None
     try:
-        seconds = float(text)
-    except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected seconds > 0 or forever, got {text!r}")
-    return seconds
+        return positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 or forever, got {text!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
