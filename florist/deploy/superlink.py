@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import sys
+from pathlib import Path
 
 from florist.common.flower_internals import superlink as owner_guard
 
@@ -84,5 +86,7 @@ def run(flower_args: list[str], max_message_mb: float | None = None) -> None:
         log.info("gRPC messages over %.1f MiB are refused", limit / MIB)
     from flwr.superlink.cli.flower_superlink import flower_superlink
 
+    # Flower starts `flower-superexec` by name: this environment's, whether or not it is activated.
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     sys.argv = ["flower-superlink", *flower_args]
     flower_superlink()
