@@ -17,9 +17,3 @@ STRATEGIES: dict[str, StrategySpec] = {
     s.name: s for s in (FEDAVG, FEDAVG_FT, LOCAL, KNNPER, PEFLL, ODPFL, PERFED_CKT, FEDATTN)
 }
 config.use_sections({name: spec.settings for name, spec in STRATEGIES.items()})
-
-
-def strategy_spec(name: str) -> StrategySpec:
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
-    return STRATEGIES[name]
