@@ -18,6 +18,9 @@ from florist.strategies.local import client as local
 from florist.strategies.pefll import client as pefll
 from florist.strategies.perfedckt import client as perfedckt
 
+__all__ = ["HANDLERS", "app", "build_client_app", "exchanges", "warm_up"]
+warm_up = messages.warm_up  # the warm executor finds it beside `app` and runs it once before forking
+
 HANDLERS: dict[str, messages.Handler] = {
     "query.info": messages.info,  # every run's first message: the node's data sizes, shape, seen/unseen
     "train": fedavg.train,  # FedAvg, FedAvg+, and Flower's own strategies
