@@ -113,6 +113,8 @@ class RunConfig(Settings):
     bind_node_keys: bool = setting(False, server=True)
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = setting(False)
+    # each node keeps the model it scored with, per run, in its state folder (client/personal.py)
+    keep_models: bool = setting(True)
     # serve phase: personalize nodes that connect after training
     serve_seconds: float = setting(0.0, server=True)
     serve_count: int = setting(0, server=True)

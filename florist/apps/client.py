@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 from flwr.clientapp import ClientApp
 
 from florist.apps.registry import STRATEGIES
-from florist.client import messages
+from florist.client import messages, personal
+from florist.common.models import Net
 from florist.common.spec import INFO, Exchange
 from florist.strategies.fedattn import client as fedattn
 from florist.strategies.fedavg import client as fedavg
@@ -18,7 +20,7 @@ from florist.strategies.local import client as local
 from florist.strategies.pefll import client as pefll
 from florist.strategies.perfedckt import client as perfedckt
 
-__all__ = ["HANDLERS", "app", "build_client_app", "exchanges", "warm_up"]
+__all__ = ["HANDLERS", "PREDICTORS", "app", "build_client_app", "exchanges", "warm_up"]
 warm_up = messages.warm_up  # the warm executor finds it beside `app` and runs it once before forking
 
 HANDLERS: dict[str, messages.Handler] = {
@@ -38,6 +40,10 @@ HANDLERS: dict[str, messages.Handler] = {
     "train.attn": fedattn.train,
     "query.represent": fedattn.represent,
 }
+
+# A kept model (`client/personal.py`) predicts with its network alone, unless its strategy is
+# here: what else it scored with (kNN-Per: its datastore, mixed in).
+PREDICTORS: dict[str, Callable[[personal.Kept, Net, np.ndarray], np.ndarray]] = {"knnper": knnper.personal_proba}
 
 
 def exchanges() -> dict[str, Exchange]:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, RecordDict
 
-from florist.client import guard
+from florist.client import guard, personal
 from florist.client.state import NodeState
 from florist.common import data as data_lib
 from florist.common import datacache, devices, folders, protocol, scenarios, training
@@ -126,8 +126,11 @@ class Node:
         return training.seeded_generator(*self.seed(*salt))
 
     def test_reply(self, model: Net, **extra: float) -> RecordDict:
-        """The standard evaluate reply: accuracy and loss of `model` on this node's test split."""
-        return self.score_reply(training.predict_proba(model, self.data.x_test, device=self.device), **extra)
+        """The standard evaluate reply: accuracy and loss of `model` on this node's test split,
+        which the node keeps as the model it earned in this run (`client/personal.py`)."""
+        probs = training.predict_proba(model, self.data.x_test, device=self.device)
+        personal.keep(self, model, probs)
+        return self.score_reply(probs, **extra)
 
     def score_reply(self, probs: np.ndarray, **extra: float) -> RecordDict:
         """The standard evaluate reply for test-split class probabilities (N_test×C). With

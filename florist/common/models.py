@@ -16,6 +16,7 @@ class Net(nn.Module):
 
     body: nn.Module
     head: nn.Module
+    architecture: str  # its name in `build_model`
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
@@ -100,8 +101,14 @@ def _require(name: str, ok: bool, in_shape: tuple[int, ...], expected: str) -> N
 
 
 def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> Net:
-    """The model called `name` for inputs of `in_shape` (without the batch dimension)."""
-    in_shape = tuple(int(d) for d in in_shape)
+    """The model called `name` for inputs of `in_shape` (without the batch dimension); it
+    carries its name as `architecture`, which a kept model's manifest records."""
+    model = _build(name, tuple(int(d) for d in in_shape), num_classes)
+    model.architecture = name
+    return model
+
+
+def _build(name: str, in_shape: tuple[int, ...], num_classes: int) -> Net:
     if name in ("cnn", "cnn-wide"):
         _require(name, len(in_shape) == 3 and min(in_shape[1:]) >= 2, in_shape, "C×H×W")
         wide = {"width": 32, "hidden": 256} if name == "cnn-wide" else {}

@@ -115,7 +115,7 @@ def run(
     returns the results it also wrote to `cfg.results_dir`. `run_id`: Flower's id of this run."""
     resumed = Checkpoint.load(cfg.resume_from) if cfg.resume_from else None
     exchanger = Exchanger(grid, cfg.round_timeout, resumed.run_id if resumed else run_id, cfg.max_reply_mb)
-    results = Results(cfg, half.report)
+    results = Results(cfg, half.report, exchanger.run_id)
     if not resumed:
         results.save()  # a run stopped before its first round still says so
     # With `bind-node-keys`, a key belongs to the SuperNode (under SuperNode auth: the public key)

@@ -23,9 +23,10 @@ STANDARD_CLIENT_KEYS = ("accuracy", "num-examples", "num-train", "seen")
 
 
 class Results:
-    def __init__(self, cfg: RunConfig, section: Callable[..., list[str]] | None = None):
-        """`section(results, folder)`: the strategy's own part of report.md."""
-        self.cfg, self.section = cfg, section
+    def __init__(self, cfg: RunConfig, section: Callable[..., list[str]] | None = None, run_id: int = 0):
+        """`section(results, folder)`: the strategy's own part of report.md. `run_id`: Flower's,
+        which each node's kept model is named by (`florist predict --run-id`)."""
+        self.cfg, self.section, self.run_id = cfg, section, run_id
         self.folder = Path(cfg.results_dir).expanduser()
         self.rounds: list[dict[str, Any]] = []
         self.clients: list[dict[str, Any]] = []
@@ -79,6 +80,7 @@ class Results:
     def to_json(self) -> dict[str, Any]:
         return {
             "strategy": self.cfg.strategy,
+            "run_id": self.run_id,
             "config": self.cfg.to_mapping(),
             "complete": bool(self.clients),
             "rounds": self.rounds,

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from processes import EXPIRY, RUN, node_configs, streaming_run, wait_for_rounds
 
+from florist.client import personal
 from florist.common.data import load_digits
 from florist.common.models import build_model
 from florist.deploy.federation import LocalFederation
@@ -100,8 +101,9 @@ def test_odpfl_serves_a_late_node_that_has_no_labels(federation, tmp_path):
     [newcomer] = [c for c in results["clients"] if c["client"] == "newcomer"]
     assert newcomer["accuracy"] is None and newcomer["dp_epsilon"] == 3.0 and newcomer["dp_sigma"] > 0
     assert newcomer["descriptor_size"] == newcomer["num_train"]
-    saved = np.load(tmp_path / "state" / "newcomer" / "odpfl" / "model.npz")  # the node keeps its model
-    assert set(saved.files) == set(build_model("cnn", (1, 8, 8), 10).state_dict())
+    kept = personal.find(tmp_path / "state", "newcomer")  # the node keeps its model, unscored
+    assert kept.manifest["strategy"] == "odpfl" and kept.manifest["accuracy"] is None
+    assert kept.network().state_dict().keys() == build_model("cnn", (1, 8, 8), 10).state_dict().keys()
     assert not [f for f in results["failures"] if f["node"].endswith("(newcomer)")]
 
 

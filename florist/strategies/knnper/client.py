@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from flwr.app import RecordDict
 
+from florist.client import personal
 from florist.client.node import Node, Request
 from florist.client.state import NodeState
 from florist.common import folders, protocol, training
@@ -146,7 +147,11 @@ class Scored:
     mixed: np.ndarray
     p_global: np.ndarray
     choice: Choice
-    datastore_size: int
+    store: Datastore
+
+    @property
+    def datastore_size(self) -> int:
+        return len(self.store)
 
 
 def choose(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID, emb_val: np.ndarray | None = None) -> Choice:
@@ -168,7 +173,7 @@ def personalize(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID, c
     p_global = training.predict_proba(model, d.x_test, device=node.device)
     emb_test = training.embed(model, d.x_test, device=node.device)
     mixed = mix(stored_proba(node, whole, emb_test, choice.k, choice.sigma), p_global, choice.lam)
-    return Scored(mixed, p_global, choice, len(whole))
+    return Scored(mixed, p_global, choice, whole)
 
 
 def phase_one_choice(node: Node, request: Request) -> Choice | None:
@@ -233,7 +238,28 @@ def evaluate(node: Node, request: Request) -> RecordDict:
     }
     if node.cfg.settings.train_on_val:
         extra["phase-one-choice"] = int(kept is not None)
+    keep(node, model, scored)
     return node.score_reply(scored.mixed, **extra)
+
+
+def keep(node: Node, model: Net, scored: Scored) -> None:
+    """Keep what the test split was scored with: the global model, the store it was searched in
+    (train + validation pairs) and the (λ, k, σ) and kernel of the mixture (`personal_proba`)."""
+    store, choice = scored.store, scored.choice
+    knn = {"lambda": choice.lam, "k": choice.k, "sigma": choice.sigma, "kernel": node.cfg.settings.kernel}
+    extras = {"embeddings": store.embeddings, "labels": store.labels}
+    personal.keep(node, model, scored.mixed, extras, knn=knn | {"index": store.index_type})
+
+
+def personal_proba(kept: personal.Kept, model: Net, x: np.ndarray) -> np.ndarray:
+    """A kept kNN-Per model's probabilities for `x`: the mixture its evaluation scored with,
+    searched in the store it kept (rebuilt with its index type, as the evaluation built it)."""
+    knn, extras = kept.manifest["knn"], kept.extras()
+    store = Datastore(extras["embeddings"].shape[1], knn["index"])
+    store.add(extras["embeddings"], extras["labels"])
+    distances, labels = store.search(training.embed(model, x), int(knn["k"]))
+    p_knn = knn_proba(distances, labels, kept.num_classes, float(knn["sigma"]), knn["kernel"])
+    return mix(p_knn, training.predict_proba(model, x), float(knn["lambda"]))
 
 
 def add_samples(state: NodeState, data_dir: str, seed: int = 0) -> tuple[int, int]:

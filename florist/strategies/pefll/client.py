@@ -30,13 +30,13 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
+from florist.client import personal
 from florist.client.node import Node, Request
 from florist.common import protocol, training
 from florist.strategies.pefll.networks import EmbeddingNet, Encoder, SetEncoder
 from florist.strategies.pefll.spec import DESCRIPTOR, OnDemandSettings
 
 ENCODER = "encoder"  # η_v from message 1, remembered for the run
-MODEL_FILE = "model.npz"  # the last θ = h(v) received, in the node's folder
 ANALYTIC_FROM = 1.0  # from this ε on, σ is calibrated analytically (the classic proof needs ε < 1)
 
 
@@ -122,11 +122,11 @@ def backprop(node: Node, request: Request) -> RecordDict:
 
 
 def evaluate(node: Node, request: Request) -> RecordDict:
-    """Predict's last step: keep θ = h(v) in the node's state folder, where the node's own
-    code can load it, and score it as received when the node has test labels."""
+    """Predict's last step: keep θ = h(v) as the model this node earned (`client/personal.py`,
+    where `florist predict` finds it) and score it when the node has test labels."""
     model = node.received_model(request)
-    node.state.save_arrays(MODEL_FILE, {k: v.numpy() for k, v in model.state_dict().items()})
     if node.data.y_test is None:  # an unlabeled node: it gets its model, nobody can score it
+        personal.keep(node, model, None)
         return protocol.content(
             metrics={"num-examples": 0, "num-train": len(node.data.x_train), "seen": int(node.seen)}
         )

@@ -1,0 +1,152 @@
+"""The model a node earned: exactly what it scored with in its last evaluation of a run, kept
+in its state folder as `models/<run id>/`, so that runs never overwrite each other's and
+`florist predict` / `florist export` use the very weights (and, for kNN-Per, the very
+datastore) the run's accuracy was measured with.
+
+A kept model is a folder: `model.npz` (the network's state dict), `extras.npz` (what else the
+strategy predicts with: kNN-Per's datastore) and `manifest.json`, written last, so a folder
+with a manifest is whole. The manifest says what the model is (strategy, architecture, input
+shape, classes), where it came from (run id, round, node key, the data's fingerprint, the run
+config) and how it scored (`accuracy` on the node's test split, None without test labels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from florist.client.state import NodeState, default_root
+from florist.common import data as data_lib
+from florist.common.models import Net, build_model
+from florist.common.storage import atomic_write
+
+if TYPE_CHECKING:
+    from florist.client.node import Node
+
+MODELS = "models"
+MANIFEST, WEIGHTS, EXTRAS = "manifest.json", "model.npz", "extras.npz"
+FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Kept:
+    """One kept model: its folder and manifest."""
+
+    folder: Path
+    manifest: dict[str, Any]
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.manifest["input_shape"])
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.manifest["num_classes"])
+
+    def network(self) -> Net:
+        """The network with its kept weights, in eval mode."""
+        model = build_model(self.manifest["model"], self.input_shape, self.num_classes)
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in self._arrays(WEIGHTS).items()})
+        return model.eval()
+
+    def extras(self) -> dict[str, np.ndarray]:
+        return self._arrays(EXTRAS) if (self.folder / EXTRAS).exists() else {}
+
+    def _arrays(self, name: str) -> dict[str, np.ndarray]:
+        try:
+            with np.load(self.folder / name, allow_pickle=False) as archive:
+                return {k: archive[k] for k in archive.files}
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{self.folder / name}: unreadable ({err})") from None
+
+    @classmethod
+    def read(cls, folder: Path) -> Kept:
+        """The model kept in `folder` (one line naming the folder if it is not one)."""
+        try:
+            manifest = json.loads((folder / MANIFEST).read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{folder}: no {MANIFEST}, so no kept model (or not a whole one)") from None
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{folder / MANIFEST}: unreadable ({err})") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise ValueError(f"{folder / MANIFEST}: not a florist model manifest of format {FORMAT}")
+        return cls(folder, manifest)
+
+
+def keep(
+    node: Node,
+    model: Net,
+    probs: np.ndarray | None,
+    extras: dict[str, np.ndarray] | None = None,
+    **details: Any,
+) -> Path | None:
+    """Keep `model` as the model `node` earned in this run (replacing the one an earlier
+    evaluation of the run kept), with `probs`, its test-split probabilities, for the accuracy it
+    scored; `extras` and `details` (JSON) are what the strategy predicts with besides. Nothing
+    is kept with `keep-models = false`."""
+    if not node.cfg.keep_models:
+        return None
+    d = node.data
+    accuracy = None if probs is None or d.y_test is None else float((probs.argmax(1) == d.y_test).mean())
+    manifest = {
+        "format": FORMAT,
+        "strategy": node.cfg.strategy,
+        "run_id": node.run_id,
+        "round": node.server_round,
+        "node_key": node.key,
+        "seen": node.seen,
+        "model": getattr(model, "architecture", node.cfg.model),
+        "input_shape": list(d.input_shape),
+        "num_classes": node.cfg.num_classes,
+        "accuracy": accuracy,
+        "num_test": len(d.x_test),
+        "data": {"train": data_lib.fingerprint(d.x_train), "test": data_lib.fingerprint(d.x_test)},
+        "saved": time.time(),
+        "versions": {"torch": torch.__version__},
+        "run_config": node.cfg.to_mapping(),
+        "node_config": node.node_config,
+    } | details
+    folder = node.state.folder / MODELS / str(node.run_id)
+    (folder / MANIFEST).unlink(missing_ok=True)  # the folder is not whole again until the new manifest lands
+    atomic_write(folder / WEIGHTS, lambda f: np.savez(f, **{k: v.cpu().numpy() for k, v in model.state_dict().items()}))
+    if extras:
+        atomic_write(folder / EXTRAS, lambda f: np.savez(f, **extras))
+    else:
+        (folder / EXTRAS).unlink(missing_ok=True)
+    return atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2, default=str).encode()))
+
+
+def kept_models(root: str | Path | None, node_key: str) -> list[Kept]:
+    """Every whole model node `node_key` keeps under state root `root`, oldest first."""
+    folder = NodeState(root, node_key).folder / MODELS
+    found = []
+    for run in sorted(folder.iterdir()) if folder.is_dir() else ():
+        try:
+            found.append(Kept.read(run))
+        except (FileNotFoundError, ValueError):
+            continue  # being written, or not ours: `find` names the folder when asked for it
+    return sorted(found, key=lambda k: k.manifest["saved"])
+
+
+def find(root: str | Path | None, node_key: str, run_id: int | None = None) -> Kept:
+    """The model node `node_key` kept in run `run_id` (default: its latest), or a
+    FileNotFoundError naming the state folder and the runs it does hold."""
+    kept = kept_models(root, node_key)
+    where = NodeState(root, node_key).folder / MODELS
+    if run_id is not None:
+        if (where / str(run_id)).is_dir():
+            return Kept.read(where / str(run_id))
+        runs = ", ".join(str(k.manifest["run_id"]) for k in kept) or "none"
+        raise FileNotFoundError(f"node {node_key} kept no model of run {run_id} in {where} (runs kept: {runs})")
+    if not kept:
+        root_said = "" if root else f" (the default state folder, {default_root()}; --state-dir names another)"
+        raise FileNotFoundError(
+            f"node {node_key} keeps no model in {where}{root_said}: it is kept when a run evaluates it"
+        )
+    return kept[-1]
