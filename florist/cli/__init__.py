@@ -21,7 +21,7 @@ from florist.cli import (
     certs,
     compare,
     deploy_local,
-    export,
+    export_partition,
     join,
     local_federation,
     simulate,
@@ -32,7 +32,18 @@ from florist.cli.signals import forget_interrupt, ignore_signals
 from florist.common.spec import StrategySpec
 
 # In the order `florist --help` lists them; each strategy's own commands come after these.
-COMMANDS = (simulate, deploy_local, local_federation, certs, join, export, supernode, superlink, app_hash, compare)
+COMMANDS = (
+    simulate,
+    deploy_local,
+    local_federation,
+    certs,
+    join,
+    export_partition,
+    supernode,
+    superlink,
+    app_hash,
+    compare,
+)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -30,7 +30,7 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from florist.runners.export import export_partition
+    from florist.runners.partition import export_partition
 
     out = Path(args.out).expanduser()
     data = export_partition(given(args), args.partition_id, args.num_partitions, out, args.unlabeled)
