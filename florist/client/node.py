@@ -215,6 +215,12 @@ def node_key(node_config: dict) -> str:
     return f"partition-{node_config.get('partition-id')}"
 
 
+def node_data(node_config: dict, cfg: RunConfig) -> data_lib.ClientData:
+    """The data a node with `node_config` holds in a run of `cfg` (its splits exactly as its
+    handlers see them): what `florist predict --split` scores a kept model on."""
+    return _identity(node_config, cfg.for_node(node_config))[2]
+
+
 def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.ClientData]:
     """(node key, seen, data) from the node config."""
     if "data-dir" in node_config:
