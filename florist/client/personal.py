@@ -1,4 +1,4 @@
-"""The model a node earned: exactly what it scored with in its last evaluation of a run, kept
+"""The model a node earned: exactly what it scored with in its final evaluation of a run, kept
 in its state folder as `models/<run id>/`, so that runs never overwrite each other's and
 `florist predict` / `florist export` use the very weights (and, for kNN-Per, the very
 datastore) the run's accuracy was measured with.
@@ -88,9 +88,11 @@ def keep(
 ) -> Path | None:
     """Keep `model` as the model `node` earned in this run (replacing the one an earlier
     evaluation of the run kept), with `probs`, its test-split probabilities, for the accuracy it
-    scored; `extras` and `details` (JSON) are what the strategy predicts with besides. Nothing
-    is kept with `keep-models = false`."""
-    if not node.cfg.keep_models:
+    scored; `extras` and `details` (JSON) are what the strategy predicts with besides. Kept from
+    the last round's evaluations on (the final one, and the serve phase's), not at every
+    `eval-every`: a thousand clients do not write (and fingerprint their data) every round.
+    Nothing is kept with `keep-models = false`."""
+    if not node.cfg.keep_models or node.server_round < node.cfg.num_server_rounds:
         return None
     d = node.data
     accuracy = None if probs is None or d.y_test is None else float((probs.argmax(1) == d.y_test).mean())
@@ -147,6 +149,6 @@ def find(root: str | Path | None, node_key: str, run_id: int | None = None) -> K
     if not kept:
         root_said = "" if root else f" (the default state folder, {default_root()}; --state-dir names another)"
         raise FileNotFoundError(
-            f"node {node_key} keeps no model in {where}{root_said}: it is kept when a run evaluates it"
+            f"node {node_key} keeps no model in {where}{root_said}: a run's final evaluation keeps one"
         )
     return kept[-1]
