@@ -226,3 +226,21 @@ def federation(args: argparse.Namespace) -> Federation:
         persistent=getattr(args, "persistent", False),
         trust_apps=tuple(getattr(args, "trust_app", ())),
     )
+
+
+def kept_model(parser: argparse.ArgumentParser) -> None:
+    """Which kept model: a node's (its latest, or --run-id's) or a model folder."""
+    parser.add_argument(
+        "--node-key",
+        metavar="K",
+        help="the node whose model to use (default: the only node keeping models in the state folder)",
+    )
+    parser.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="node state folder: the node's --state-dir (default: ~/.cache/florist/nodes; deploy-local's nodes: "
+        "RESULTS_DIR/federation/node-state)",
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--run-id", type=int, metavar="R", help="the model of run R (default: the node's latest)")
+    which.add_argument("--model", metavar="DIR", help="a kept model's folder (<state>/<node>/models/<run id>)")

@@ -124,6 +124,30 @@ def keep(
     return atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2, default=str).encode()))
 
 
+def nodes_keeping_models(root: str | Path | None) -> tuple[Path, list[str]]:
+    """The state folder and the keys of the nodes in it that keep models."""
+    where = Path(root or default_root()).expanduser()
+    return where, sorted(p.name for p in where.iterdir() if (p / MODELS).is_dir()) if where.is_dir() else []
+
+
+def locate(root: str | Path | None, node_key: str | None, run_id: int | None, model_dir: str | None) -> Kept:
+    """The kept model that `florist predict`'s and `export`'s flags name: `model_dir`'s, else node
+    `node_key`'s of run `run_id` (default: its latest); without `node_key`, the one node under
+    the state folder that keeps models. A node that keeps none is told with the nodes that do."""
+    if model_dir is not None:
+        return Kept.read(Path(model_dir).expanduser())
+    where, keys = nodes_keeping_models(root)
+    if node_key is None:
+        if len(keys) != 1:
+            said = f"nodes {', '.join(keys)} keep models there" if keys else "no node keeps a model there"
+            raise FileNotFoundError(f"{where}: {said}; --node-key names the node (or --model a model folder)")
+        node_key = keys[0]
+    NodeState(root, node_key)  # a malformed key is one line, before any path is built from it
+    if keys and node_key not in keys:
+        raise FileNotFoundError(f"node {node_key} keeps no model in {where}; nodes that do: {', '.join(keys)}")
+    return find(root, node_key, run_id)
+
+
 def kept_models(root: str | Path | None, node_key: str) -> list[Kept]:
     """Every whole model node `node_key` keeps under state root `root`, oldest first."""
     folder = NodeState(root, node_key).folder / MODELS

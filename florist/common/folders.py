@@ -25,11 +25,11 @@ def folder_client(data_dir: str | Path, num_classes: int, seed: int, val_fractio
             "test.npz (arrays x and y) or ImageFolder trees train/ and test/"
         )
     if (root / "train.npz").exists():
-        x_train, y_train = _read_npz(root / "train.npz", num_classes)
-        x_test, y_test = _read_npz(root / "test.npz", num_classes)
+        x_train, y_train = read_npz(root / "train.npz", num_classes)
+        x_test, y_test = read_npz(root / "test.npz", num_classes)
     elif (root / "train").is_dir():
-        x_train, y_train = _read_image_folder(root / "train", num_classes)
-        x_test, y_test = _read_image_folder(root / "test", num_classes)
+        x_train, y_train = read_image_folder(root / "train", num_classes)
+        x_test, y_test = read_image_folder(root / "test", num_classes)
     else:
         raise FileNotFoundError(
             f"data-dir {str(root)!r} holds neither train.npz nor a train/ folder; expected "
@@ -59,15 +59,15 @@ def folder_public(public_dir: str | Path, num_classes: int) -> np.ndarray:
     or a folder of images."""
     root = Path(public_dir).expanduser()
     if (root / "public.npz").is_file():
-        return _read_npz(root / "public.npz", num_classes)[0]
+        return read_npz(root / "public.npz", num_classes)[0]
     if not root.is_dir():
         raise FileNotFoundError(
             f"public-dir {str(root)!r} does not exist; expected a folder holding public.npz (array x) or images"
         )
-    return _read_image_folder(root, num_classes)[0]
+    return read_image_folder(root, num_classes)[0]
 
 
-def _read_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | None]:
+def read_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | None]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; expected an .npz with array x (and y when labelled)")
     try:
@@ -80,7 +80,7 @@ def _read_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | No
     return check_arrays(str(path), arrays["x"], arrays.get("y"), num_classes)
 
 
-def _read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | None]:
+def read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | None]:
     """An ImageFolder tree (`path/<class>/*.png`, labelled), or images directly in `path`
     (unlabeled, e.g. a node that will only be served)."""
     from torchvision.datasets import ImageFolder

@@ -16,6 +16,10 @@ logits with probabilities, which is not a distribution; florist does not)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,10 +30,11 @@ from florist.client.node import Node, Request
 from florist.client.state import NodeState
 from florist.common import folders, protocol, training
 from florist.common.models import Net, build_model
+from florist.common.storage import atomic_write
 from florist.common.training import log_loss
 from florist.strategies.fedavg import client as fedavg_client
 from florist.strategies.knnper.datastore import Datastore, train_fingerprint
-from florist.strategies.knnper.spec import in_phase_two, phase_rounds
+from florist.strategies.knnper.spec import KNNPER, in_phase_two, phase_rounds
 
 GLOBAL_MODEL = "global.npz"  # kept beside the datastore so new samples can be embedded later
 CHOICE = "choice"  # phase 1's (λ, k, σ) under knn-train-on-val, a `save_round` version of the run
@@ -262,31 +267,121 @@ def personal_proba(kept: personal.Kept, model: Net, x: np.ndarray) -> np.ndarray
     return mix(p_knn, training.predict_proba(model, x), float(knn["lambda"]))
 
 
-def add_samples(state: NodeState, data_dir: str, seed: int = 0) -> tuple[int, int]:
-    """Add the labelled samples of a folder's train split to the node's datastore without
-    retraining the global model: embed them with the global model the datastore was built with,
-    apply the capacity policy, save. Returns (size before, size after). The folder's test split
-    is never added: test points in the store would find themselves, with their true labels."""
-    store = Datastore.load(state)
-    weights = state.load_arrays(GLOBAL_MODEL)
+@dataclasses.dataclass(frozen=True)
+class Grown:
+    """A store `add_samples` grew: which one (`datastore`: the state's, for the next runs;
+    `kept`: a kept model's, for `florist predict` now) and its size before and after."""
+
+    name: str
+    before: int
+    after: int
+    kept: personal.Kept | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """A store to grow, the network that embeds its entries (and its input), and how to write
+    the store back once every store has taken the samples."""
+
+    name: str
+    store: Datastore
+    model: Net
+    input_shape: tuple[int, ...]
+    num_classes: int
+    save: Callable[[np.ndarray, np.ndarray], None]
+    kept: personal.Kept | None = None
+
+
+def kept_knnper(root: str | Path | None, node_key: str, run_id: int | None = None) -> personal.Kept | None:
+    """The kept kNN-Per model `datastore add` grows: run `run_id`'s (an error if that run's is
+    another strategy's), else the latest kNN-Per model of the node, even when a later run of
+    another strategy kept one since; None when the node keeps none."""
+    if run_id is not None:
+        kept = personal.find(root, node_key, run_id)
+        if kept.manifest.get("strategy") != KNNPER.name:
+            raise ValueError(
+                f"node {node_key}'s model of run {run_id} ({kept.folder}) is strategy "
+                f"{kept.manifest.get('strategy')!r}'s, not knnper's: it has no datastore to add to"
+            )
+        return kept
+    found = [k for k in personal.kept_models(root, node_key) if k.manifest.get("strategy") == KNNPER.name]
+    return found[-1] if found else None
+
+
+def _state_target(state: NodeState) -> _Target | None:
+    """The node's datastore in its state folder (what its next run reuses), with the global
+    model it was built with; None when there is none yet."""
+    store, weights = Datastore.load(state), state.load_arrays(GLOBAL_MODEL)
     if store is None or weights is None:
-        raise FileNotFoundError(
-            f"no kNN-Per datastore in {state.folder}: it is built the first time the node is evaluated with "
-            "strategy knnper"
+        return None
+    shape, classes = tuple(store.meta["input_shape"]), int(store.meta["num_classes"])
+    model = build_model(store.meta["model"], shape, classes)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    return _Target("datastore", store, model.eval(), shape, classes, lambda x, y: store.save(state))
+
+
+def _kept_target(kept: personal.Kept) -> _Target:
+    """A kept model's store, under the policy and capacity of the run that kept it, with the
+    kept network: it embedded the store's entries and embeds every query `predict` makes."""
+    extras, run = kept.extras(), kept.manifest.get("run_config", {})
+    if "embeddings" not in extras or "labels" not in extras:
+        raise ValueError(f"{kept.folder / personal.EXTRAS}: no kNN-Per datastore (embeddings, labels) in it")
+    embeddings = extras["embeddings"]
+    capacity, policy = int(run.get("knn-capacity", 0)), str(run.get("knn-policy", "concat"))
+    store = Datastore(embeddings.shape[1], kept.manifest["knn"]["index"], capacity, policy)
+    store.add(embeddings, extras["labels"])  # kept under this policy already: nothing is evicted
+    before = len(store)
+
+    def save(x: np.ndarray, y: np.ndarray) -> None:
+        """extras.npz, then the manifest, each replaced whole; the accuracy the run reported stays."""
+        atomic_write(
+            kept.folder / personal.EXTRAS,
+            lambda f: np.savez(f, **extras | {"embeddings": store.embeddings, "labels": store.labels}),
         )
-    new = folders.folder_client(data_dir, store.meta["num_classes"], seed, val_fraction=0.5)
+        record = {"count": len(y), "data": train_fingerprint(x, y), "before": before, "after": len(store)}
+        manifest = kept.manifest | {"added": [*kept.manifest.get("added", []), record | {"saved": time.time()}]}
+        atomic_write(kept.folder / personal.MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+
+    return _Target("kept", store, kept.network(), kept.input_shape, kept.num_classes, save, kept)
+
+
+def _folder_samples(
+    data_dir: str, num_classes: int, input_shape: tuple[int, ...], seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The labelled samples of a folder's train split, (x, y), checked against the model's input."""
+    new = folders.folder_client(data_dir, num_classes, seed, val_fraction=0.5)
     if not new.labelled:
         raise ValueError(f"{data_dir}: datastore entries need labels (array y)")
-    if new.input_shape != tuple(store.meta["input_shape"]):
+    if new.input_shape != input_shape:
         raise ValueError(
-            f"{data_dir}: samples have shape {new.input_shape}, the datastore's model expects "
-            f"{tuple(store.meta['input_shape'])}"
+            f"{data_dir}: samples have shape {new.input_shape}, the datastore's model expects {input_shape}"
         )
-    model = build_model(store.meta["model"], new.input_shape, store.meta["num_classes"])
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
-    before = len(store)
-    x = np.concatenate([new.x_train, new.x_val])  # the folder's train split: the loader carves val out of it
-    y = np.concatenate([new.y_train, new.y_val])
-    store.add(training.embed(model, x), y)
-    store.save(state)
-    return before, len(store)
+    # The folder's train split whole: the loader carves a validation split out of it.
+    return np.concatenate([new.x_train, new.x_val]), np.concatenate([new.y_train, new.y_val])
+
+
+def add_samples(state: NodeState, data_dir: str, kept: personal.Kept | None = None, seed: int = 0) -> list[Grown]:
+    """Add the labelled samples of a folder's train split, without retraining, to the node's
+    datastore (`state`: what its next run reuses) and to the store of the kept model `kept`
+    (what `florist predict` uses now), each embedded with the network it was built with and
+    under the run's capacity policy. Everything is checked and embedded before either store is
+    written. The folder's test split is never added: test points in a store would find
+    themselves, with their true labels."""
+    targets = [t for t in (_state_target(state), kept and _kept_target(kept)) if t is not None]
+    if not targets:
+        raise FileNotFoundError(
+            f"node {state.key} has no kNN-Per datastore in {state.folder / state.namespace} and keeps no kNN-Per "
+            f"model in {state.folder / personal.MODELS}: both are built the first time the node is evaluated with "
+            "strategy knnper"
+        )
+    grown, samples = [], {}
+    for target in targets:
+        where = (target.num_classes, target.input_shape)
+        if where not in samples:
+            samples[where] = _folder_samples(data_dir, *where, seed)
+        before = len(target.store)
+        target.store.add(training.embed(target.model, samples[where][0]), samples[where][1])
+        grown.append(Grown(target.name, before, len(target.store), target.kept))
+    for target in targets:
+        target.save(*samples[target.num_classes, target.input_shape])
+    return grown
