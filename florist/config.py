@@ -17,6 +17,7 @@ from typing import Any
 
 from florist.common import client_mods, devices, scenarios
 from florist.common.data import PARTITIONS, parse_partition
+from florist.common.folders import parse_image_size
 from florist.common.settings import NoSettings, Settings, setting
 
 AUGMENTS = ("none", "flip", "crop-flip")  # florist/common/training.py applies them
@@ -80,6 +81,9 @@ class RunConfig(Settings):
     shift: str = setting("none")  # or relabel:K / rotate:K: K clusters of clients, each its own labels or angle
     image_column: str = setting("")  # a Hugging Face dataset's image (or feature) column; found when empty
     label_column: str = setting("")  # ... and its label column
+    image_size: str = setting("", node=True)  # H,W: each image resized to it when decoded (common/folders.py)
+    # a bad image file (unreadable, truncated, another size) is left out and counted instead of stopping the run
+    skip_bad_images: bool = setting(False, node=True)
     min_partition_size: int = setting(10)
     seed: int = setting(1)
     unseen_fraction: float = setting(0.2)
@@ -168,6 +172,7 @@ class RunConfig(Settings):
             (_parses(parse_partition, self.partition), f"partition must be {PARTITIONS}, got {self.partition!r}"),
             (not (dataset_problem := _problem(scenarios.parse_dataset, self.dataset)), dataset_problem),
             (_parses(scenarios.parse_shift, self.shift), f"shift must be {scenarios.SHIFTS}, got {self.shift!r}"),
+            (not (size_problem := _problem(parse_image_size, self.image_size)), size_problem),
             (
                 not self.partition.startswith("natural:") or _parses(scenarios.parse_dataset, self.dataset, "hub"),
                 f"partition {self.partition!r} needs a Hugging Face dataset or folder with that column",

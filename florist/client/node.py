@@ -146,6 +146,8 @@ class Node:
         metrics = {"num-examples": len(d.x_test), "num-train": len(d.x_train), "seen": int(self.seen)}
         if d.cluster is not None:  # a shift scenario: the report breaks accuracy down by cluster
             metrics["shift-cluster"] = d.cluster
+        if d.skipped_images:  # its results.json row says how many bad image files it left out
+            metrics["skipped-images"] = d.skipped_images
         return protocol.content(metrics=metrics | {"accuracy": accuracy, "loss": loss} | extra)
 
 
@@ -224,16 +226,20 @@ def node_data(node_config: dict, cfg: RunConfig) -> data_lib.ClientData:
 def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.ClientData]:
     """(node key, seen, data) from the node config."""
     if "data-dir" in node_config:
-        client = _cached_folder(str(node_config["data-dir"]), cfg.num_classes, cfg.seed, cfg.val_fraction)
+        options = folders.ImageOptions.of(cfg)
+        client = _cached_folder(str(node_config["data-dir"]), cfg.num_classes, cfg.seed, cfg.val_fraction, options)
         return node_key(node_config), not bool(node_config.get("unseen", False)), client
     pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
     client = scenarios.client_data(pid, num, cfg)
     return node_key(node_config), pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed), client
 
 
-def _cached_folder(data_dir: str, num_classes: int, seed: int, val_fraction: float) -> data_lib.ClientData:
-    """The node's folder, decoded once per machine (`common/datacache.py`): keyed by its file
-    listing, so a changed file is decoded again."""
+def _cached_folder(
+    data_dir: str, num_classes: int, seed: int, val_fraction: float, images: folders.ImageOptions
+) -> data_lib.ClientData:
+    """The node's folder, decoded once per machine (`common/datacache.py`) with the run's
+    `images` options: keyed by its file listing and those options, so a changed file or
+    setting is decoded again."""
     root = Path(data_dir).expanduser()
     key = {
         "data-dir": str(root.absolute()),
@@ -241,5 +247,5 @@ def _cached_folder(data_dir: str, num_classes: int, seed: int, val_fraction: flo
         "num-classes": num_classes,
         "seed": seed,
         "val-fraction": val_fraction,
-    }
-    return datacache.cached(key, lambda: folders.folder_client(data_dir, num_classes, seed, val_fraction))
+    } | images.key()
+    return datacache.cached(key, lambda: folders.folder_client(data_dir, num_classes, seed, val_fraction, images))

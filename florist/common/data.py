@@ -42,6 +42,7 @@ class ClientData:
     y_test: np.ndarray | None
     num_classes: int
     cluster: int | None = None
+    skipped_images: int = 0  # bad image files left out (`skip-bad-images`), counted in results.json
 
     @property
     def input_shape(self) -> tuple[int, ...]:

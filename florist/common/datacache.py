@@ -95,7 +95,10 @@ def load(folder: Path) -> ClientData | None:
         log.warning("data cache %s is damaged (%s); decoding the data again", folder, err)
         shutil.rmtree(folder, ignore_errors=True)
         return None
-    return ClientData(**{name: arrays.get(name) for name in ARRAYS}, num_classes=meta["num_classes"])
+    skipped = int(meta.get("skipped_images", 0))
+    return ClientData(
+        **{name: arrays.get(name) for name in ARRAYS}, num_classes=meta["num_classes"], skipped_images=skipped
+    )
 
 
 def _checked(path: Path, record: dict[str, Any]) -> np.ndarray:
@@ -127,7 +130,7 @@ def _save(folder: Path, client: ClientData) -> None:
                 np.save(path, np.ascontiguousarray(array), allow_pickle=False)
                 stat = path.stat()
                 files[name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
-        meta = {"num_classes": client.num_classes, "files": files}
+        meta = {"num_classes": client.num_classes, "files": files, "skipped_images": client.skipped_images}
         atomic_write(staging / "meta.json", lambda f: f.write(json.dumps(meta).encode()))
         shutil.rmtree(folder, ignore_errors=True)  # a damaged entry, or one another process wrote meanwhile
         staging.rename(folder)

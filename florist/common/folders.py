@@ -1,19 +1,131 @@
 """A node's own data: a folder with train.npz and test.npz (arrays x, and y when labelled) or
 ImageFolder trees train/ and test/, and a user's public set P (public.npz or images). Every
 problem is reported naming the file and what was expected; the arrays come out as
-`data.ClientData` holds them (uint8 images kept as they are, other numbers float32)."""
+`data.ClientData` holds them (uint8 images kept as they are, other numbers float32).
+
+Images, here and in a Hugging Face or local dataset (`common/hub.py`), are decoded by one
+`ImageDecoder`: resized to `image-size` when set, and a file that cannot be read or has another
+size than the rest stops the run naming it, or with `skip-bad-images` is left out and counted."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from florist.common.data import ClientData
 
+log = logging.getLogger(__name__)
+SHOWN_BAD = 3  # bad files named in the line that counts the skipped ones
+IMAGE_SIZE_FORM = "H,W (whole pixels >= 1, e.g. 64,64) or empty (images as they are)"
 
-def folder_client(data_dir: str | Path, num_classes: int, seed: int, val_fraction: float) -> ClientData:
-    """A node's own data: `train.npz`/`test.npz` or ImageFolder trees `train/` and `test/`.
+
+@dataclasses.dataclass(frozen=True)
+class ImageOptions:
+    """How images are decoded: every one resized to `size` (H, W; None keeps each as it is),
+    and whether a bad file is left out and counted (`skip_bad`) rather than stopping the run."""
+
+    size: tuple[int, int] | None = None
+    skip_bad: bool = False
+
+    @classmethod
+    def of(cls, cfg) -> ImageOptions:
+        """The options of a run config (`image-size`, `skip-bad-images`)."""
+        return cls(parse_image_size(cfg.image_size), cfg.skip_bad_images)
+
+    @classmethod
+    def of_node(cls, node_config) -> ImageOptions:
+        """A node's own options (its `--node-config` image-size and skip-bad-images): what a box
+        checks its folder with before it joins."""
+        size = parse_image_size(str(node_config.get("image-size", "")))
+        return cls(size, bool(node_config.get("skip-bad-images", False)))
+
+    def key(self) -> dict:
+        """What a decoded entry depends on (`common/datacache.py`): a changed setting decodes again."""
+        return {"image-size": list(self.size or ()), "skip-bad-images": self.skip_bad}
+
+
+def parse_image_size(text: str) -> tuple[int, int] | None:
+    """`"H,W"` as (H, W); "" as None; a ValueError naming the form otherwise."""
+    if not text.strip():
+        return None
+    parts = text.split(",")
+    sizes = [int(p) for p in parts if p.strip().isdigit()]
+    if len(parts) != 2 or len(sizes) != 2 or min(sizes) < 1:
+        raise ValueError(f"image-size must be {IMAGE_SIZE_FORM}, got {text!r}")
+    return sizes[0], sizes[1]
+
+
+class ImageDecoder:
+    """Images decoded one by one (`add`) to uint8 C×H×W, resized to `options.size`, then stacked
+    (`stack`) into one array. A file that cannot be read, or whose size differs from most of the
+    others', is named with its path and what was expected, or with `options.skip_bad` left out
+    and counted in `skipped`. A set mixing grayscale and colour is read as colour."""
+
+    def __init__(self, where: str, options: ImageOptions):
+        self.where, self.options = where, options
+        self.images: list[np.ndarray] = []
+        self.names: list[str] = []
+        self.indices: list[int] = []
+        self.skipped: list[str] = []
+
+    def add(self, index: int, name: str, open_image: Callable) -> None:
+        """Decode sample `index`, the image `open_image()` opens (`name`: its path)."""
+        from PIL import Image
+
+        try:
+            with open_image() as image:
+                array = image_array(image)
+        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as err:
+            return self._bad(name, f"cannot be read as an image ({err})", "replace or remove the file")
+        if self.options.size and array.shape[1:] != self.options.size:
+            import torch
+            from torchvision.transforms.functional import resize
+
+            array = resize(torch.from_numpy(array), list(self.options.size), antialias=True).numpy()
+        self.images.append(array)
+        self.names.append(name)
+        self.indices.append(index)
+
+    def stack(self) -> tuple[np.ndarray, np.ndarray]:
+        """(N×C×H×W uint8 of the images kept, the `index` each was added with)."""
+        colour = any(a.shape[0] == 3 for a in self.images)
+        images = [np.repeat(a, 3, axis=0) if colour and a.shape[0] == 1 else a for a in self.images]
+        sizes = collections.Counter(a.shape for a in images)
+        expected = sizes.most_common(1)[0][0] if sizes else None
+        keep = []
+        for i, array in enumerate(images):
+            if array.shape == expected:
+                keep.append(i)
+            else:
+                why = f"is {_size(array.shape)} but the other images are {_size(expected)}"
+                self._bad(self.names[i], why, f"set image-size={expected[1]},{expected[2]} to resize every image")
+        if self.skipped:
+            shown = ", ".join(self.skipped[:SHOWN_BAD]) + (", ..." if len(self.skipped) > SHOWN_BAD else "")
+            log.warning("%s: skipped %d bad image files (skip-bad-images): %s", self.where, len(self.skipped), shown)
+        if not keep:
+            raise ValueError(f"{self.where}: no readable image (skipped {len(self.skipped)} bad files)")
+        return np.stack([images[i] for i in keep]), np.asarray([self.indices[i] for i in keep], dtype=np.int64)
+
+    def _bad(self, name: str, why: str, fix: str) -> None:
+        if not self.options.skip_bad:
+            raise ValueError(f"{name}: {why}; {fix}, or set skip-bad-images=true to leave such files out")
+        self.skipped.append(name)
+
+
+def _size(shape: tuple[int, ...]) -> str:
+    return f"{shape[1]}×{shape[2]} {'RGB' if shape[0] == 3 else 'grayscale'}"
+
+
+def folder_client(
+    data_dir: str | Path, num_classes: int, seed: int, val_fraction: float, images: ImageOptions = ImageOptions()
+) -> ClientData:
+    """A node's own data: `train.npz`/`test.npz` or ImageFolder trees `train/` and `test/`
+    (decoded with `images`).
 
     The validation split is carved out of the training set with `seed`. Every problem is
     reported with the file it was found in and what was expected.
@@ -24,12 +136,14 @@ def folder_client(data_dir: str | Path, num_classes: int, seed: int, val_fractio
             f"data-dir {str(root)!r} does not exist or is not a folder; expected train.npz and "
             "test.npz (arrays x and y) or ImageFolder trees train/ and test/"
         )
+    skipped = 0
     if (root / "train.npz").exists():
         x_train, y_train = read_npz(root / "train.npz", num_classes)
         x_test, y_test = read_npz(root / "test.npz", num_classes)
     elif (root / "train").is_dir():
-        x_train, y_train = read_image_folder(root / "train", num_classes)
-        x_test, y_test = read_image_folder(root / "test", num_classes)
+        x_train, y_train, skipped_train = image_folder(root / "train", num_classes, images)
+        x_test, y_test, skipped_test = image_folder(root / "test", num_classes, images)
+        skipped = skipped_train + skipped_test
     else:
         raise FileNotFoundError(
             f"data-dir {str(root)!r} holds neither train.npz nor a train/ folder; expected "
@@ -49,8 +163,9 @@ def folder_client(data_dir: str | Path, num_classes: int, seed: int, val_fractio
     def take(y: np.ndarray | None, idx: np.ndarray) -> np.ndarray | None:
         return None if y is None else y[idx]
 
+    x_val, y_val = x_train[val], take(y_train, val)
     return ClientData(
-        x_train[train], take(y_train, train), x_train[val], take(y_train, val), x_test, y_test, num_classes
+        x_train[train], take(y_train, train), x_val, y_val, x_test, y_test, num_classes, skipped_images=skipped
     )
 
 
@@ -80,9 +195,19 @@ def read_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | Non
     return check_arrays(str(path), arrays["x"], arrays.get("y"), num_classes)
 
 
-def read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | None]:
+def read_image_folder(
+    path: Path, num_classes: int, options: ImageOptions = ImageOptions()
+) -> tuple[np.ndarray, np.ndarray | None]:
     """An ImageFolder tree (`path/<class>/*.png`, labelled), or images directly in `path`
-    (unlabeled, e.g. a node that will only be served)."""
+    (unlabeled, e.g. a node that will only be served), decoded with `options`."""
+    return image_folder(path, num_classes, options)[:2]
+
+
+def image_folder(
+    path: Path, num_classes: int, options: ImageOptions = ImageOptions()
+) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """`read_image_folder`'s (x, y), and how many bad files it left out (`skip-bad-images`)."""
+    from PIL import Image
     from torchvision.datasets import ImageFolder
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
@@ -102,18 +227,11 @@ def read_image_folder(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndar
                 "images (a sub-folder without images, or files of no image type)"
             ) from err
         files, y = [f for f, _ in folder.samples], np.asarray(folder.targets)
-    images = [_load_image(f) for f in files]
-    shapes = {im.shape for im in images}
-    if len(shapes) > 1:
-        raise ValueError(f"{path}: images have different shapes {sorted(shapes)}; expected one size")
-    return check_arrays(str(path), np.stack(images), y, num_classes)
-
-
-def _load_image(file: str) -> np.ndarray:
-    from PIL import Image
-
-    with Image.open(file) as image:
-        return image_array(image)
+    decoder = ImageDecoder(str(path), options)
+    for index, file in enumerate(files):
+        decoder.add(index, file, lambda file=file: Image.open(file))
+    x, kept = decoder.stack()
+    return *check_arrays(str(path), x, None if y is None else y[kept], num_classes), len(decoder.skipped)
 
 
 def image_array(image) -> np.ndarray:

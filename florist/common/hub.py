@@ -69,20 +69,58 @@ def columns(features: dict[str, Any], image_column: str, label_column: str) -> t
 
 
 def to_arrays(
-    rows, image: str, label: str, report: Callable[[int], None] | None = None
+    rows,
+    image: str,
+    label: str,
+    where: str,
+    options: folders.ImageOptions,
+    report: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of a `datasets.Dataset`: images as uint8 C×H×W (grayscale keeps one channel),
-    numbers as float32; decoded `DECODE_CHUNK` rows at a time, `report(rows done)` after each."""
-    parts = []
+    """(x, y) of a `datasets.Dataset`: images as uint8 C×H×W (grayscale keeps one channel)
+    decoded by `folders.ImageDecoder` with `options` (a bad file named by its path, or skipped
+    and counted), numbers as float32; decoded `DECODE_CHUNK` rows at a time, `report(rows
+    done)` after each."""
+    import datasets
+
+    y = np.asarray(rows[label], dtype=np.int64)
+    if not isinstance(rows.features[image], datasets.Image):
+        x = np.asarray(rows[image], dtype=np.float32)
+        if report:
+            report(len(rows))
+        return x, y
+    rows = rows.cast_column(image, datasets.Image(decode=False))  # the files' paths, to name a bad one
+    decoder = folders.ImageDecoder(where, options)
     for start in range(0, len(rows), DECODE_CHUNK):
-        values = rows[start : start + DECODE_CHUNK][image]
-        if hasattr(values[0], "mode"):  # PIL images
-            parts.append(np.stack([folders.image_array(v) for v in values]))
-        else:
-            parts.append(np.asarray(values, dtype=np.float32))
+        for index, value in enumerate(rows[start : start + DECODE_CHUNK][image], start):
+            decoder.add(index, *_opener(value, f"{where}, row {index}"))
         if report:
             report(min(start + DECODE_CHUNK, len(rows)))
-    return np.concatenate(parts), np.asarray(rows[label], dtype=np.int64)
+    x, kept = decoder.stack()
+    return x, y[kept]
+
+
+def _opener(value: dict, row: str) -> tuple[str, Callable]:
+    """(name, open) of an undecoded `datasets.Image` value: a file's path, or bytes stored in
+    the dataset (named by row, and by the file name they came from when the dataset kept it)."""
+    import io
+
+    from PIL import Image
+
+    path, data = value.get("path"), value.get("bytes")
+    if data is None:
+        return str(path), lambda: Image.open(path)
+    return (f"{row} ({path})" if path else row), lambda: Image.open(io.BytesIO(data))
+
+
+def class_count(cfg, num_partitions: int) -> int | None:
+    """How many classes the dataset's label column names (an image folder: one per class
+    sub-folder), None when it is a plain integer column; what `num-classes` is when not given."""
+    from datasets import ClassLabel
+
+    fds = federated(cfg.dataset, cfg.partition, num_partitions, cfg.seed, cfg.label_column)
+    features = fds.load_split("train").features
+    label = features[columns(features, cfg.image_column, cfg.label_column)[1]]
+    return label.num_classes if isinstance(label, ClassLabel) else None
 
 
 def hub_client(
@@ -109,6 +147,7 @@ def hub_client(
         "val-fraction": cfg.val_fraction,
         "test-fraction": cfg.test_fraction,
         "num-classes": cfg.num_classes,
+        **folders.ImageOptions.of(cfg).key(),
     }
     report = report or _logger(cfg.dataset, partition_id)
     return datacache.cached(key, lambda: _decode(partition_id, num_partitions, cfg, report))
@@ -136,9 +175,13 @@ def _decode(partition_id: int, num_partitions: int, cfg, report: Callable[[int, 
             f"dataset {cfg.dataset!r}: partition {partition_id} of {cfg.partition!r} cannot be loaded ({err})"
         ) from None
     image, label = columns(rows.features, cfg.image_column, cfg.label_column)
-    x, y = to_arrays(rows, image, label, lambda done: report(done, len(rows)))
-    x, y = folders.check_arrays(f"dataset {cfg.dataset!r}, partition {partition_id}", x, y, cfg.num_classes)
+    where = f"dataset {cfg.dataset!r}, partition {partition_id}"
+    options = folders.ImageOptions.of(cfg)
+    x, y = to_arrays(rows, image, label, where, options, lambda done: report(done, len(rows)))
+    skipped = len(rows) - len(x)  # bad image files left out (`skip-bad-images`)
+    x, y = folders.check_arrays(where, x, y, cfg.num_classes)
     train, val, test = data_lib.split_indices(
         len(x), cfg.val_fraction, cfg.test_fraction, cfg.seed * 100_003 + partition_id
     )
-    return data_lib.ClientData(x[train], y[train], x[val], y[val], x[test], y[test], cfg.num_classes)
+    splits = (x[train], y[train], x[val], y[val], x[test], y[test])
+    return data_lib.ClientData(*splits, cfg.num_classes, skipped_images=skipped)

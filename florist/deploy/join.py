@@ -21,7 +21,7 @@ from typing import Any
 from florist.client.state import NodeState
 from florist.common import devices
 from florist.common.data import ClientData
-from florist.common.folders import folder_client
+from florist.common.folders import ImageOptions, folder_client
 from florist.deploy.bundle import TrustedApps
 from florist.deploy.serving import write_auth_secret
 from florist.deploy.spawning import Process, free_port, spawn, supernode_command, toml_node_config
@@ -234,6 +234,7 @@ def check_locally(
     auth_key: str | Path | None,
     device: str | None,
     insecure: bool = False,
+    images: ImageOptions | None = None,
 ) -> ClientData:
     """What a box can get wrong before it dials, each in one line: the address, the device, the
     data folder (naming the file), the certificate and key files, no TLS without --insecure,
@@ -242,7 +243,7 @@ def check_locally(
         raise ValueError(f"--superlink must be HOST:PORT (the SuperLink's Fleet API), got {superlink!r}")
     if device:
         devices.resolve(device, "--device")  # a device this machine lacks fails here, not at the first message
-    client = folder_client(data_dir, num_classes, seed=0, val_fraction=0.15)
+    client = folder_client(data_dir, num_classes, seed=0, val_fraction=0.15, images=images or ImageOptions())
     files = {"--root-certificates": root_certificates, "--auth-key": auth_key}
     for flag, path in files.items():
         if path is not None and not Path(path).is_file():
@@ -354,7 +355,8 @@ def join(
     data_dir = Path(data_dir).expanduser().resolve()
     TrustedApps.parse(trust_apps)  # a mistyped hash fails here, in one line, before anything starts
     check_node_config(node_config or {})
-    client = check_locally(superlink, data_dir, num_classes, root_certificates, auth_key, device, insecure)
+    images = ImageOptions.of_node(node_config or {})  # decoded as the node will, with its own settings
+    client = check_locally(superlink, data_dir, num_classes, root_certificates, auth_key, device, insecure, images)
     key = node_key or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "edge"
     state = NodeState(state_dir, key)
     announce(key, client, superlink, tls=bool(root_certificates))
