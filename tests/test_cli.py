@@ -18,14 +18,17 @@ BAD = {  # what the user typed (after `florist`) -> what the one line must say
     "unknown model": (["simulate", "--run-config", 'model="resnet"'], "unknown model 'resnet'"),
     "model for other images": (
         ["simulate", "--strategy", "pefll", "--run-config", 'model="mobilenet_v2"'],
-        "expects inputs of shape 3×H×W",
+        "model 'mobilenet_v2' takes 3×H×W, H and W 32 or more; got 1×8×8",
     ),
     "unknown shift": (["simulate", "--shift", "relabel"], "shift must be 'none', 'relabel:K' or 'rotate:K'"),
     "unknown dataset": (
         ["simulate", "--dataset", "cifar10"],
         "dataset must be 'digits', 'mnist5k', 'synthetic:ALPHA,BETA'",
     ),
-    "synthetic into a CNN": (["simulate", "--dataset", "synthetic:1,1"], "model 'cnn' expects inputs of shape C×H×W"),
+    "synthetic into a CNN": (
+        ["simulate", "--dataset", "synthetic:1,1"],
+        "model 'cnn' takes C×H×W, H and W from 8 to 32; got 60: use model=mlp",
+    ),
     "unknown strategy": (["simulate", "--run-config", 'strategy="knn"'], "unknown strategy 'knn'"),
     "unquoted string": (["simulate", "--run-config", "lr=abc"], "strings need quotes"),
     "commas": (["simulate", "--run-config", "lr=0.1,local-epochs=2"], "not commas"),

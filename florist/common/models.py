@@ -4,6 +4,7 @@ kNN-Per stores and FedAttn summarises), and `forward(x) = head(features(x))`."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -26,8 +27,8 @@ class Net(nn.Module):
 
 
 class SmallCNN(Net):
-    """Two 3×3 convolutions and one pooling: enough for 8×8 digits, fast on a CPU (`cnn-wide`
-    doubles the channels and the hidden layer)."""
+    """Two 3×3 convolutions and one pooling: enough for 8×8 digits, fast on a CPU, up to 32×32
+    (`INPUTS`; `cnn-wide` doubles the channels and the hidden layer)."""
 
     def __init__(self, in_shape: tuple[int, int, int], num_classes: int, width: int = 16, hidden: int = 128):
         super().__init__()
@@ -84,7 +85,8 @@ class MLP(Net):
 
 
 class MobileNetV2(Net):
-    """torchvision's MobileNetV2 (random init); features = the pooled 1280-d vector."""
+    """torchvision's MobileNetV2 (random init); features = the pooled 1280-d vector. Its adaptive
+    pooling makes it take any image from 32×32 (five halvings leave 1×1) with the same weights."""
 
     def __init__(self, in_shape: tuple[int, int, int], num_classes: int):
         super().__init__()
@@ -95,37 +97,111 @@ class MobileNetV2(Net):
         self.head = net.classifier
 
 
-def _require(name: str, ok: bool, in_shape: tuple[int, ...], expected: str) -> None:
-    if not ok:
-        raise ValueError(f"model {name!r} expects inputs of shape {expected}, got {in_shape}")
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The per-sample input shapes a built-in model is designed for: images C×H×W (with
+    `channels` channels, any when 0) whose sides lie in `sides` (no upper limit when its second
+    value is 0) or are one of the square `squares`; or, with `max_values`, any shape of at most
+    that many values. `build_model` refuses the rest, so a misfit stops a run at start-up."""
+
+    channels: int = 0
+    sides: tuple[int, int] = (1, 0)
+    squares: tuple[int, ...] = ()
+    max_values: int = 0
+
+    def accepts(self, shape: tuple[int, ...]) -> bool:
+        if self.max_values:
+            return math.prod(shape) <= self.max_values
+        if len(shape) != 3 or self.channels not in (0, shape[0]):
+            return False
+        if self.squares:
+            return shape[1] == shape[2] and shape[1] in self.squares
+        low, high = self.sides
+        return all(low <= side <= (high or side) for side in shape[1:])
+
+    def resized(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """The H, W nearest to an image's that this takes (what `image-size` would make of it),
+        or None when resizing cannot make it fit (not an image, or other channels)."""
+        if len(shape) != 3 or self.channels not in (0, shape[0]):
+            return None
+        height, width = shape[1:]
+        if self.max_values:  # both sides scaled by one factor, down to at most max_values
+            scale = math.sqrt(self.max_values / math.prod(shape))
+            return (int(height * scale), int(width * scale)) if scale < 1 and shape[0] <= self.max_values else None
+        if self.squares:
+            side = min(self.squares, key=lambda s: (abs(s - max(height, width)), -s))
+            return side, side
+        low, high = self.sides
+        return max(low, min(height, high or height)), max(low, min(width, high or width))
+
+    def __str__(self) -> str:
+        if self.max_values:
+            return f"any shape of at most {self.max_values:,} values"
+        channels = str(self.channels or "C")
+        if self.squares:
+            return " or ".join(f"{channels}×{side}×{side}" for side in self.squares)
+        low, high = self.sides
+        return f"{channels}×H×W, H and W from {low} to {high}" if high else f"{channels}×H×W, H and W {low} or more"
+
+
+# What each built-in model takes (docs/models.md's table states the same, a test checks it). The
+# CNNs flatten their one pooled map, so their weights grow with H×W (cnn: 0.3 MB at 8×8, 4.2 MB at
+# 32×32, 16.8 MB at 64×64) while their receptive field stays 6 pixels: beyond 32×32 they grow
+# without seeing more. LeNet's fully connected layers are sized for the paper's 28×28 and 32×32.
+# The MLP's first layer grows with the input too: up to CIFAR's 3,072 values (1.6 MB). MobileNetV2
+# pools adaptively, so its 9.1 MB of weights take any image from its 32× downsampling's 32×32 up.
+INPUTS = {
+    "cnn": Inputs(sides=(8, 32)),
+    "cnn-wide": Inputs(sides=(8, 32)),
+    "lenet": Inputs(squares=(28, 32)),
+    "mlp": Inputs(max_values=3 * 32 * 32),
+    "mobilenet_v2": Inputs(channels=3, sides=(32, 0)),
+}
+MODEL_NAMES = tuple(INPUTS)
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    return "×".join(map(str, shape))
+
+
+def megabytes(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:,.1f} MB"
+
+
+def check_inputs(name: str, in_shape: tuple[int, ...]) -> None:
+    """Raise ValueError, in one line naming what would fit, unless model `name` takes `in_shape`."""
+    if name not in INPUTS:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
+    if INPUTS[name].accepts(in_shape):
+        return
+    size = INPUTS[name].resized(in_shape)
+    others = [other for other, inputs in INPUTS.items() if other != name and inputs.accepts(in_shape)]
+    fixes = [f"image-size={size[0]},{size[1]}"] if size else []
+    if others:
+        fixes.append(f"model={others[0]}" if len(others) == 1 else f"one of model={', '.join(others)}")
+    fix = f"use {' or '.join(fixes)}" if fixes else "no built-in model takes it"
+    raise ValueError(f"model {name!r} takes {INPUTS[name]}; got {shape_text(in_shape)}: {fix}")
 
 
 def build_model(name: str, in_shape: tuple[int, ...], num_classes: int) -> Net:
     """The model called `name` for inputs of `in_shape` (without the batch dimension); it
     carries its name as `architecture`, which a kept model's manifest records."""
-    model = _build(name, tuple(int(d) for d in in_shape), num_classes)
+    in_shape = tuple(int(d) for d in in_shape)
+    check_inputs(name, in_shape)
+    model = _build(name, in_shape, num_classes)
     model.architecture = name
     return model
 
 
 def _build(name: str, in_shape: tuple[int, ...], num_classes: int) -> Net:
     if name in ("cnn", "cnn-wide"):
-        _require(name, len(in_shape) == 3 and min(in_shape[1:]) >= 2, in_shape, "C×H×W")
         wide = {"width": 32, "hidden": 256} if name == "cnn-wide" else {}
         return SmallCNN(in_shape, num_classes, **wide)  # type: ignore[arg-type]
     if name == "lenet":
-        ok = len(in_shape) == 3 and in_shape[1] == in_shape[2] and in_shape[1] in (28, 32)
-        _require(name, ok, in_shape, "C×28×28 or C×32×32")
         return LeNet(in_shape, num_classes)  # type: ignore[arg-type]
     if name == "mlp":
         return MLP(in_shape, num_classes)
-    if name == "mobilenet_v2":
-        _require(name, len(in_shape) == 3 and in_shape[0] == 3 and in_shape[1] >= 32, in_shape, "3×H×W, H >= 32")
-        return MobileNetV2(in_shape, num_classes)  # type: ignore[arg-type]
-    raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_NAMES)}")
-
-
-MODEL_NAMES = ("cnn", "cnn-wide", "lenet", "mlp", "mobilenet_v2")
+    return MobileNetV2(in_shape, num_classes)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
