@@ -1,5 +1,6 @@
 """`florist certs`: the certificates and keys of a TLS, authenticated federation, on the
-SuperLink's machine, and a box's own key pair (`--node-key-only`) on the box."""
+SuperLink's machine; one more box's key pair there (`--add-node`), or a box's own key pair on the
+box (`--node-key-only`)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,11 @@ def add(sub: argparse._SubParsersAction) -> None:
         "SuperNodes run from that machine (docker compose, one-machine tests). The CA's key is not kept: it signs "
         "the SuperLink's certificate only, and SuperNodes are known by their registered public keys. On a box: "
         "--node-key-only NAME writes only that box's key pair, DIR/NAME and DIR/NAME.pub, and prints the command "
-        "that registers the .pub with the SuperLink; the private key never leaves the box. Folders are made 0700; "
-        "one that another user owns or can write is refused.",
+        "that registers the .pub with the SuperLink; the private key never leaves the box. On the SuperLink's "
+        "machine, --add-node NAME adds one more box to a folder made before: DIR/keys/NAME and NAME.pub beside the "
+        "others, from the existing CA (never made again), and prints what to copy to the box (its private key and "
+        "ca.crt) and how to register it; prefer --node-key-only on the box where its key should never travel. "
+        "Folders are made 0700; one that another user owns or can write is refused.",
     )
     certs.add_argument("--out", required=True, metavar="DIR", help="output folder (made 0700)")
     what = certs.add_mutually_exclusive_group(required=True)
@@ -35,6 +39,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         "--node-key-only",
         metavar="NAME",
         help="on a box: make only its key pair DIR/NAME and DIR/NAME.pub (an existing key is never replaced)",
+    )
+    what.add_argument(
+        "--add-node",
+        metavar="NAME",
+        help="on the SuperLink's machine: add a box's key pair DIR/keys/NAME[.pub] to an existing folder (its CA is "
+        "kept; the private key must then be copied to the box); --node-key-only makes it on the box instead",
     )
     certs.add_argument(
         "--num-nodes",
@@ -50,9 +60,14 @@ def run(args: argparse.Namespace) -> int:
     from florist.deploy.certs import make_certificates, make_node_key, old_ca_key
 
     out = Path(args.out)
+    one_key = next(
+        (f for f, v in (("--node-key-only", args.node_key_only), ("--add-node", args.add_node)) if v is not None), None
+    )
+    if one_key and (args.force or args.num_nodes is not None):
+        raise ValueError(f"{one_key} makes one key pair and never replaces one: drop --num-nodes and --force")
+    if args.add_node is not None:
+        return add_node(out, args.add_node)
     if args.node_key_only is not None:
-        if args.force or args.num_nodes is not None:
-            raise ValueError("--node-key-only makes one key pair and never replaces one: drop --num-nodes and --force")
         private, public = make_node_key(out, args.node_key_only)
         print(f"Key pair: {private} (stays here: florist join --auth-key {private}) and {public}")
         register = f"flwr supernode register {public.name} <connection>"
@@ -70,4 +85,22 @@ def run(args: argparse.Namespace) -> int:
     )
     if note := old_ca_key(out):
         print(f"Note: {note}")
+    return 0
+
+
+def add_node(out: Path, name: str) -> int:
+    """What a box added on the SuperLink's machine needs, and the commands that follow."""
+    from florist.deploy.certs import add_node as add
+
+    private, public = add(out, name)
+    print(f"Key pair: {private} and {public}; the CA ({out / 'ca.crt'}) is unchanged")
+    print(
+        f"Copy to the box, over a channel you trust: {private} (its private key: delete it here once copied) "
+        f"and {out / 'ca.crt'}"
+    )
+    print(f"Register it: florist nodes register --certs {out} (or: flwr supernode register {public} <connection>)")
+    print(
+        f"On the box: florist join --superlink HOST:9092 --root-certificates ca.crt --auth-key {name} "
+        f"--node-key {name} --data-dir DIR"
+    )
     return 0

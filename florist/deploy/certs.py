@@ -161,6 +161,19 @@ def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
     return _write(private_path, private, private=True), _write(out / f"{name}.pub", public + b"\n")
 
 
+def add_node(out: str | Path, name: str) -> tuple[Path, Path]:
+    """A key pair for one more box, `keys/NAME` and `keys/NAME.pub`, beside the keys of a folder
+    `make_certificates` wrote: the CA is only read for (its `ca.crt` is what the box needs beside
+    its key), never made again, so the boxes already out keep theirs. An existing NAME is kept."""
+    out = Path(out)
+    if not (out / "ca.crt").is_file():
+        raise FileNotFoundError(
+            f"{out / 'ca.crt'} does not exist: --add-node adds a box to a folder `florist certs --hosts ...` made "
+            "(or, on the box itself: florist certs --node-key-only NAME)"
+        )
+    return make_node_key(key_folder(out) / "keys", name)
+
+
 def old_ca_key(out: Path) -> str:
     """A note on the `ca.key` an older `florist certs` kept in `out` ("" when there is none): it
     is left alone, but nothing reads it, and whoever does can sign certificates that every box
@@ -184,7 +197,8 @@ def make_certificates(out: str | Path, hosts: list[str], num_nodes: int, force: 
         note = old_ca_key(out)
         raise FileExistsError(
             f"{out / 'ca.crt'} exists: a new CA would have to be copied to every box (--force replaces it; a new box "
-            "needs no CA, only its own key: florist certs --node-key-only NAME)" + (f"; {note}" if note else "")
+            "needs no new CA, only a key: florist certs --add-node NAME --out DIR, or on the box --node-key-only NAME)"
+            + (f"; {note}" if note else "")
         )
     paths = make_ca_and_server(out, hosts)
     keys = key_folder(out / "keys") if num_nodes else out / "keys"

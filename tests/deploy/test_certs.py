@@ -141,3 +141,29 @@ def test_a_ca_key_left_by_an_older_florist_is_left_alone_and_named(tmp_path, cap
     assert main(["certs", "--out", str(tmp_path), "--hosts", "superlink", "--force"]) == 0
     assert "ca.key, kept by an older florist, is no longer needed" in capsys.readouterr().out
     assert (tmp_path / "ca.key").read_bytes() == b"old CA key"
+
+
+def test_add_node_adds_a_box_beside_the_others_from_the_kept_ca(tmp_path, capsys):
+    certs = tmp_path / "certs"
+    assert main(["certs", "--out", str(certs), "--hosts", "superlink", "--num-nodes", "3"]) == 0
+    kept = {path: path.read_bytes() for path in [certs / "ca.crt", certs / "server.pem", certs / "keys" / "node-0"]}
+    capsys.readouterr()
+    assert main(["certs", "--add-node", "box4", "--out", str(certs)]) == 0
+    out = capsys.readouterr().out
+    assert f"{certs / 'keys' / 'box4'} (its private key" in out and str(certs / "ca.crt") in out
+    assert f"florist nodes register --certs {certs}" in out and "--auth-key box4" in out
+    assert {path: path.read_bytes() for path in kept} == kept and not (certs / "ca.key").exists()
+    key = serialization.load_ssh_private_key((certs / "keys" / "box4").read_bytes(), password=None)
+    assert key.public_key() == serialization.load_ssh_public_key((certs / "keys" / "box4.pub").read_bytes())
+    assert mode(certs / "keys" / "box4") == 0o600
+    private = (certs / "keys" / "box4").read_bytes()
+    assert main(["certs", "--add-node", "box4", "--out", str(certs)]) == 2 and "box4 exists" in error_line(capsys)
+    assert (certs / "keys" / "box4").read_bytes() == private  # a box's identity is never replaced
+    assert main(["certs", "--add-node", "box5", "--out", str(certs), "--force"]) == 2
+    assert "--add-node makes one key pair" in error_line(capsys)
+
+
+def test_add_node_needs_the_folder_with_the_ca(tmp_path, capsys):
+    assert main(["certs", "--add-node", "box4", "--out", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'ca.crt'} does not exist" in error_line(capsys)
+    assert list(tmp_path.iterdir()) == []

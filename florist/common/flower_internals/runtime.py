@@ -13,7 +13,8 @@
 - Flower puts an app's folder first on `sys.path` when it loads the app, so that any top-level
   module of the bundle shadows an installed one: `keep_app_folders_off_sys_path` stops that in a
   process that runs only preloaded code;
-- `online_node_ids` asks the Control API what `flwr supernode list` asks, without the CLI;
+- `node_infos` (and `online_node_ids`) ask the Control API what `flwr supernode list` asks,
+  without the CLI, keeping the public keys and names its output leaves out (`florist nodes`);
 - `publishable_files` and `fab_bytes` find the files `flwr run` bundles without walking the
   folders .gitignore excludes.
 
@@ -197,9 +198,11 @@ def keep_app_folders_off_sys_path() -> bool:
     return True
 
 
-def online_node_ids(address: str, root_certificates: str | None) -> list[int]:
-    """The SuperNodes the SuperLink at `address` (its Control API) lists as online: what
-    `flwr supernode list` asks, without starting the CLI (2-3 CPU-seconds per call)."""
+def node_infos(address: str, root_certificates: str | None) -> list[Any]:
+    """Every SuperNode the SuperLink at `address` (its Control API) knows, as Flower's NodeInfo
+    (node_id, status, name, public_key, last_deactivated_at, ...): what `flwr supernode list`
+    asks, without starting the CLI (2-3 CPU-seconds per call), and with the public keys and
+    names its output leaves out. Raises httpx.HTTPError or ValueError when nobody answers."""
     from flwr.proto.control_pb2 import ListNodesRequest
     from flwr.supercore.control import ControlHttpClient
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
@@ -211,9 +214,14 @@ def online_node_ids(address: str, root_certificates: str | None) -> list[int]:
         interceptors=[RuntimeVersionHttpInterceptor(component_name="flwr CLI")],
     )
     try:
-        return sorted(n.node_id for n in client.ListNodes(ListNodesRequest()).nodes_info if n.status == "online")
+        return list(client.ListNodes(ListNodesRequest()).nodes_info)
     finally:
         client.close()
+
+
+def online_node_ids(address: str, root_certificates: str | None) -> list[int]:
+    """The SuperNodes the SuperLink at `address` lists as online."""
+    return sorted(n.node_id for n in node_infos(address, root_certificates) if n.status == "online")
 
 
 def publishable_files(root: Path) -> dict[str, Path]:
