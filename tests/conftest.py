@@ -37,6 +37,8 @@ LONGEST = [
     "tests/deploy/test_superlink_crash.py",
     "tests/deploy/test_secure.py",
     "tests/deploy/test_superlink_memory.py",
+    "tests/deploy/test_predict_deployed.py",
+    "tests/deploy/test_nodes.py",
 ]
 
 

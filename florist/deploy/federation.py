@@ -228,7 +228,7 @@ class LocalFederation(ServerAppRunners):
         marker = public_key.with_suffix(".registered")
         if self.persistent and marker.exists():
             return
-        result = self.flwr("supernode", "register", str(public_key), CONNECTION)
+        result = self.flwr("supernode", "register", str(public_key), CONNECTION, "--name", public_key.stem)
         if result.returncode != 0:
             raise RuntimeError(f"registering {public_key} failed:\n{result.stdout}{result.stderr}")
         marker.write_text(result.stdout)

@@ -34,9 +34,10 @@ DIAGNOSES = [
         "not issued for the address {superlink} (check the --hosts given to `florist certs`)",
     ),
     (
-        ("[code: 2004]",),
-        "this node's public key is not registered with the SuperLink. On the SuperLink's "
-        "machine run: flwr supernode register {pub} <connection>",
+        ("[code: 2004]",),  # the SuperLink says which in its own log only
+        "the SuperLink refused to activate this node: its public key is not registered there (on the SuperLink's "
+        "machine run: flwr supernode register {pub} <connection>), or a node with this key is still online there "
+        "(another box with the same key, or this one stopped less than a minute ago: retry in a minute)",
     ),
     (
         ("[code: 2001]",),
