@@ -119,6 +119,9 @@ class RunConfig(Settings):
     mask_classes: bool = setting(False)
     # each node keeps the model it scored with, per run, in its state folder (client/personal.py)
     keep_models: bool = setting(True)
+    # ... under this folder (as <root>/<node key>/models/<run id>/) instead: simulate and compare put them in
+    # the results folder (<results-dir>/nodes); a node that does not trust its server keeps its own choice
+    models_root: str = setting("", node=True)
     # serve phase: personalize nodes that connect after training
     serve_seconds: float = setting(0.0, server=True)
     serve_count: int = setting(0, server=True)

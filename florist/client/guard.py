@@ -178,10 +178,13 @@ def names_a_folder(dataset: str) -> bool:
 def own_paths(values: Mapping[str, Any], node_config: Mapping[str, Any], who: str) -> dict[str, Any]:
     """The server's settings `values` with the node's own `dataset` and `public-dir` in place
     of the server's; Refused when the server names a folder that the node config does not set."""
-    own = {key: node_config[key] for key in ("dataset", "public-dir") if key in node_config}
+    own = {key: node_config[key] for key in ("dataset", "public-dir", "models-root") if key in node_config}
     values = dict(values) | own
     if trusts_server(node_config):
         return values
+    if "models-root" not in own and values.get("models-root"):  # where it writes is the node's to say
+        log.info("%s: the server's models-root is ignored; this node keeps its models in its state folder", who)
+        values["models-root"] = ""
     if "dataset" not in own and names_a_folder(str(values.get("dataset", ""))):
         raise Refused(_folder(who, "dataset", "dataset=..."))
     if "public-dir" not in own and values.get("public-dir"):

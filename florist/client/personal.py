@@ -114,7 +114,8 @@ def keep(
         "run_config": node.cfg.to_mapping(),
         "node_config": node.node_config,
     } | details
-    folder = node.state.folder / MODELS / str(node.run_id)
+    root = Path(node.cfg.models_root).expanduser() / node.key if node.cfg.models_root else node.state.folder
+    folder = root / MODELS / str(node.run_id)
     (folder / MANIFEST).unlink(missing_ok=True)  # the folder is not whole again until the new manifest lands
     atomic_write(folder / WEIGHTS, lambda f: np.savez(f, **{k: v.cpu().numpy() for k, v in model.state_dict().items()}))
     if extras:

@@ -88,6 +88,7 @@ def run_configs(out: Path, strategies: list[str], seeds: list[int], values: Mapp
             {"tracking-dir": str(out)}
             | dict(values)
             | {"strategy": s, "seed": seed, "results-dir": str(run_folder(out, s, seed))}
+            | ({} if "models-root" in values else {"models-root": str((run_folder(out, s, seed) / "nodes").absolute())})
         )
         for s in strategies
         for seed in seeds

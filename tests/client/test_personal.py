@@ -70,3 +70,29 @@ def test_a_folder_without_its_manifest_is_not_a_model(make_node, tmp_path):
     (kept.folder / personal.MANIFEST).write_text("{not json")
     with pytest.raises(ValueError, match="manifest.json: unreadable"):
         personal.Kept.read(kept.folder)
+
+
+def test_models_root_places_them_but_only_a_node_that_trusts_its_server_takes_the_servers(monkeypatch):
+    from florist.client import guard
+
+    monkeypatch.delenv(guard.TRUSTED_SERVER_ENV, raising=False)
+    sent = {"models-root": "/srv/theirs"}
+    assert guard.own_paths(sent, {}, "node a")["models-root"] == ""  # a box keeps them in its state folder
+    assert guard.own_paths(sent, {"models-root": "/mine"}, "node a")["models-root"] == "/mine"
+    assert guard.own_paths(sent, {guard.TRUSTED_SERVER: True}, "node a")["models-root"] == "/srv/theirs"
+
+
+def test_simulate_keeps_every_clients_model_beside_its_results(tmp_path, capsys):
+    from florist.cli import main
+
+    out = tmp_path / "run"
+    args = ["simulate", "--runtime", "in-process", "--num-clients", "3", "--rounds", "1", "--results-dir", str(out)]
+    assert main([*args, "--unseen-fraction", "0.34"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    for client in results["clients"]:
+        kept = personal.find(out / "nodes", client["client"])
+        assert kept.manifest["run_id"] == results["run_id"] and kept.manifest["accuracy"] == client["accuracy"]
+    capsys.readouterr()
+    assert main(["predict", "--state-dir", str(out / "nodes"), "--node-key", "partition-2", "--split", "test"]) == 0
+    [client] = [c for c in results["clients"] if c["client"] == "partition-2"]
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"accuracy: {client['accuracy']:.4f} (")
