@@ -118,7 +118,7 @@ class RunConfig(Settings):
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = setting(False)
     # each node keeps the model it scored with, per run, in its state folder (client/personal.py)
-    keep_models: bool = setting(True)
+    keep_models: bool = setting(True, node=True)
     # ... under this folder (as <root>/<node key>/models/<run id>/) instead: simulate and compare put them in
     # the results folder (<results-dir>/nodes); a node that does not trust its server keeps its own choice
     models_root: str = setting("", node=True)

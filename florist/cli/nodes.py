@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         if not folders:
             raise ValueError("florist nodes register: pass --certs DIR, the folder of the keys to register")
         for line in register_keys(folders, conn):
-            print(line)
+            print(line, flush=True)
         return 0
     print_table([HEADER, *node_table(registered_nodes(conn), public_keys(folders))])
     return 0

@@ -37,7 +37,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         "--split",
         choices=SPLITS,
         help="the node's own split, rebuilt as the run saw it (its data folder or partition, from the model's "
-        "manifest)",
+        "manifest); test is what the run scored (kNN-Per's train and val are in its store: each sample finds itself)",
     )
     predict.add_argument(
         "--out",
@@ -54,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
 
     out = runner.check_out(args.out) if args.out else None  # a wrong suffix before any work
     kept = personal.locate(args.state_dir, args.node_key, args.run_id, args.model)
-    samples = runner.own_split(kept, args.split) if args.split else runner.read(args.data, kept.num_classes)
+    if args.split:
+        samples = runner.own_split(kept, args.split)
+    else:  # decoded as the run decoded the node's images
+        samples = runner.read(args.data, kept.num_classes, runner.image_options(kept))
     prediction = runner.predict(kept, samples)
     written = runner.write(prediction, out) if out else None  # a failure is one line: nothing is printed before it
     print(model_line(runner.describe(kept)), file=sys.stderr)

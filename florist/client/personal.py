@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from florist.common.storage import atomic_write
 if TYPE_CHECKING:
     from florist.client.node import Node
 
+log = logging.getLogger("flwr").getChild(__name__)
 MODELS = "models"
 MANIFEST, WEIGHTS, EXTRAS = "manifest.json", "model.npz", "extras.npz"
 FORMAT = 1
@@ -116,12 +118,22 @@ def keep(
     } | details
     root = Path(node.cfg.models_root).expanduser() / node.key if node.cfg.models_root else node.state.folder
     folder = root / MODELS / str(node.run_id)
-    (folder / MANIFEST).unlink(missing_ok=True)  # the folder is not whole again until the new manifest lands
-    atomic_write(folder / WEIGHTS, lambda f: np.savez(f, **{k: v.cpu().numpy() for k, v in model.state_dict().items()}))
-    if extras:
-        atomic_write(folder / EXTRAS, lambda f: np.savez(f, **extras))
-    else:
-        (folder / EXTRAS).unlink(missing_ok=True)
+    try:  # a copy for later: failing to write it must not fail the evaluation it comes from
+        (folder / MANIFEST).unlink(missing_ok=True)  # the folder is not whole again until the new manifest lands
+        weights = {k: v.cpu().numpy() for k, v in model.state_dict().items()}
+        atomic_write(folder / WEIGHTS, lambda f: np.savez(f, **weights))
+        if extras:
+            atomic_write(folder / EXTRAS, lambda f: np.savez(f, **extras))
+        else:
+            (folder / EXTRAS).unlink(missing_ok=True)
+        return write_manifest(folder, manifest)
+    except OSError as err:
+        log.warning("node %s: its model of run %s is not kept (%s)", node.key, node.run_id, err)
+        return None
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
+    """`manifest.json`, replaced whole (its last write: it marks the folder whole)."""
     return atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2, default=str).encode()))
 
 

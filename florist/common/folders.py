@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from florist.common.data import ClientData
+from florist.common.settings import coerce
 
 log = logging.getLogger(__name__)
 SHOWN_BAD = 3  # bad files named in the line that counts the skipped ones
@@ -42,7 +43,7 @@ class ImageOptions:
         """A node's own options (its `--node-config` image-size and skip-bad-images): what a box
         checks its folder with before it joins."""
         size = parse_image_size(str(node_config.get("image-size", "")))
-        return cls(size, bool(node_config.get("skip-bad-images", False)))
+        return cls(size, coerce("skip-bad-images", node_config.get("skip-bad-images", False), bool))
 
     def key(self) -> dict:
         """What a decoded entry depends on (`common/datacache.py`): a changed setting decodes again."""

@@ -106,7 +106,13 @@ def _opener(value: dict, row: str) -> tuple[str, Callable]:
 
     from PIL import Image
 
-    path, data = value.get("path"), value.get("bytes")
+    path, data = (value or {}).get("path"), (value or {}).get("bytes")
+    if path is None and data is None:  # an empty cell: a bad "file" like any other, named by its row
+
+        def missing():
+            raise ValueError("no image in this row")
+
+        return row, missing
     if data is None:
         return str(path), lambda: Image.open(path)
     return (f"{row} ({path})" if path else row), lambda: Image.open(io.BytesIO(data))

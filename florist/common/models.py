@@ -176,7 +176,7 @@ def check_inputs(name: str, in_shape: tuple[int, ...]) -> None:
         return
     size = INPUTS[name].resized(in_shape)
     others = [other for other, inputs in INPUTS.items() if other != name and inputs.accepts(in_shape)]
-    fixes = [f"image-size={size[0]},{size[1]}"] if size else []
+    fixes = [f"image-size={size[0]},{size[1]} (image folders)"] if size else []
     if others:
         fixes.append(f"model={others[0]}" if len(others) == 1 else f"one of model={', '.join(others)}")
     fix = f"use {' or '.join(fixes)}" if fixes else "no built-in model takes it"

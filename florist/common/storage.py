@@ -10,10 +10,17 @@ from pathlib import Path
 from typing import IO
 
 
-def atomic_write(path: Path, writer: Callable[[IO[bytes]], object]) -> Path:
+def atomic_write(path: Path, writer: Callable[[IO[bytes]], object], shared: bool = False) -> Path:
+    """`writer`'s bytes as `path`, whole or not at all. The file is private (0600, as the
+    temporary file it was) unless `shared`: then it has any new file's mode (0666 less the umask),
+    for what a user writes to hand on (an export, predictions)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
         writer(tmp)
+        if shared:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(tmp.fileno(), 0o666 & ~umask)
     os.replace(tmp.name, path)
     return path
 

@@ -148,11 +148,12 @@ def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
     if not name or name.startswith(".") or Path(name).name != name:
         raise ValueError(f"node key name {name!r}: expected a plain file name, e.g. node-3 or box1")
     private_path = key_folder(out) / name
-    if os.path.lexists(private_path):
-        raise FileExistsError(
-            f"{private_path} exists: it is a node's identity (its .pub may be registered with the SuperLink), "
-            "so it is never replaced; choose another name, or delete it first"
-        )
+    for path in (private_path, out / f"{name}.pub"):  # the .pub stays when the private key went to its box
+        if os.path.lexists(path):
+            raise FileExistsError(
+                f"{path} exists: it is a node's identity (its .pub may be registered with the SuperLink), "
+                "so it is never replaced; choose another name, or delete it first"
+            )
     key = ec.generate_private_key(ec.SECP384R1())
     private = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()

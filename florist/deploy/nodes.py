@@ -15,7 +15,7 @@ import os
 import re
 import subprocess
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from cryptography.exceptions import UnsupportedAlgorithm
@@ -97,25 +97,33 @@ def public_keys(folders: Iterable[Path]) -> dict[str, Path]:
     return found
 
 
-def register_keys(folders: Sequence[Path], conn: Connection) -> list[str]:
+def register_keys(folders: Sequence[Path], conn: Connection) -> Iterator[str]:
     """`flwr supernode register KEY.pub CONNECTION --name NAME` for every public key in `folders`,
-    one line each; a key the SuperLink already has is fine (it keeps its node id)."""
+    one line each as it is done (a failure then says which came before); a key the SuperLink
+    already has is fine (it keeps its node id)."""
     keys = public_keys(folders)
     if not keys:
         raise FileNotFoundError(f"no *.pub in {', '.join(map(str, folders))} (nor in their keys/)")
-    lines = []
     for path in keys.values():
-        command = [flower_bin("flwr"), "supernode", "register", str(path), conn.name, "--name", path.stem]
-        done = subprocess.run(command, env=flower_env(), capture_output=True, text=True, timeout=CONTROL_TIMEOUT_S)
+        done = _flwr(["supernode", "register", str(path), conn.name, "--name", path.stem])
         said = done.stdout + done.stderr
         if done.returncode == 0 and (node := re.search(r"SuperNode (\d+) registered", said)):
-            lines.append(f"{path.stem}: registered, node id {node.group(1)}")
+            yield f"{path.stem}: registered, node id {node.group(1)}"
         elif "already in use" in said:
-            lines.append(f"{path.stem}: already registered")
+            yield f"{path.stem}: already registered"
         else:
             last = [line.strip() for line in said.splitlines() if line.strip()][-1:] or [f"exit {done.returncode}"]
             raise RuntimeError(f"registering {path} with {conn.name!r} ({conn.address}) failed: {last[0]}")
-    return lines
+
+
+def _flwr(args: list[str]) -> subprocess.CompletedProcess:
+    """`flwr ARGS`, its output captured; a SuperLink that does not answer in time is one line."""
+    try:
+        return subprocess.run(
+            [flower_bin("flwr"), *args], env=flower_env(), capture_output=True, text=True, timeout=CONTROL_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"`flwr {' '.join(args[:2])}` got no answer within {CONTROL_TIMEOUT_S:.0f} s") from None
 
 
 def _when(iso: str | None) -> str:
@@ -156,8 +164,7 @@ def registered_nodes(conn: Connection) -> list[Registered]:
 
 
 def _registered_nodes_cli(conn: Connection) -> list[Registered]:
-    command = [flower_bin("flwr"), "supernode", "list", conn.name, "--format", "json"]
-    done = subprocess.run(command, env=flower_env(), capture_output=True, text=True, timeout=CONTROL_TIMEOUT_S)
+    done = _flwr(["supernode", "list", conn.name, "--format", "json"])
     try:
         listed = json.loads(done.stdout)["nodes"]
     except (ValueError, KeyError):
@@ -173,7 +180,8 @@ def _registered_nodes_cli(conn: Connection) -> list[Registered]:
 
 
 def node_table(nodes: Sequence[Registered], keys: dict[str, Path]) -> list[list[str]]:
-    """One row per registered node, by name, then one per key in `keys` that no node has: name,
+    """One row per registered node, by name, then one per key in `keys` that no node has (when the
+    nodes' keys are known: not from Flower's CLI): name,
     node id, fingerprint, status, last seen. A node's name is its key file's, else the name it was
     registered under, else "?"."""
     named = sorted(
@@ -182,4 +190,6 @@ def node_table(nodes: Sequence[Registered], keys: dict[str, Path]) -> list[list[
     )
     rows = [[name, str(n.node_id), n.fingerprint or "?", n.status, n.last_seen] for name, n in named]
     listed = {n.fingerprint for n in nodes}
+    if nodes and not any(listed):  # Flower's CLI gave no keys: which of them is registered is unknown
+        return rows
     return rows + [[path.stem, "-", key, "not registered", "never"] for key, path in keys.items() if key not in listed]

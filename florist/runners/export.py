@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -98,12 +97,6 @@ class Export:
     seconds: float
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """torch 2.14 warns that TorchScript is deprecated (for torch.export); its files still load
@@ -160,10 +153,9 @@ def export(kept: personal.Kept, out: Path) -> Export:
     try:
         out.mkdir(parents=True, exist_ok=True)
         with _quiet():
-            module_path = atomic_write(out / MODULE, lambda f: torch.jit.save(module, f))
-        manifest_path = atomic_write(out / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
-        for path in (module_path, manifest_path):
-            path.chmod(0o666 & ~_umask())  # as any new file: the temporary file atomic_write renames is private
+            module_path = atomic_write(out / MODULE, lambda f: torch.jit.save(module, f), shared=True)
+        text = json.dumps(manifest, indent=2).encode()
+        manifest_path = atomic_write(out / MANIFEST, lambda f: f.write(text), shared=True)
     except OSError as err:
         raise OSError(f"{out}: cannot write the export there ({err.strerror or err})") from None
     return Export(module_path, manifest_path, time.perf_counter() - start)

@@ -91,39 +91,48 @@ def own_split(kept: Kept, split: str) -> Samples:
     return Samples(x, y, source, note)
 
 
-def read(path: str | Path, num_classes: int) -> Samples:
+def image_options(kept: Kept) -> folders.ImageOptions:
+    """How the kept model's run decoded its node's images (its image-size, skip-bad-images, the
+    node's own overrides): samples to predict are decoded the same way."""
+    from florist.config import RunConfig
+
+    m = kept.manifest
+    return folders.ImageOptions.of(RunConfig.from_mapping(m["run_config"]).for_node(m["node_config"]))
+
+
+def read(path: str | Path, num_classes: int, images: folders.ImageOptions | None = None) -> Samples:
     """Samples from `path`: an .npz (array x, optional y), one image, or a data folder as `florist
     join --data-dir` reads it (its test split: test.npz or test/), else a folder of images (an
-    ImageFolder tree, labelled, or loose images)."""
+    ImageFolder tree, labelled, or loose images); images decoded with `images` (`image_options`)."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
+    images = images or folders.ImageOptions()
     where = Path(path).expanduser()
     if where.is_dir():
         if (where / "test.npz").exists() or (where / "train.npz").exists():
             where = where / "test.npz"
         elif (where / "test").is_dir() or (where / "train").is_dir():
-            return Samples(*folders.read_image_folder(where / "test", num_classes), f"{where / 'test'}")
+            return Samples(*folders.read_image_folder(where / "test", num_classes, images), f"{where / 'test'}")
         else:
-            return Samples(*folders.read_image_folder(where, num_classes), str(where))
+            return Samples(*folders.read_image_folder(where, num_classes, images), str(where))
     elif not where.exists():
         raise FileNotFoundError(f"{where} does not exist; expected an .npz file, an image or a data folder")
     if where.suffix.lower() == ".npz":
         return Samples(*folders.read_npz(where, num_classes), str(where))
     if where.suffix.lower() in IMG_EXTENSIONS:
-        return Samples(_read_image(where, num_classes), None, str(where))
+        return Samples(_read_image(where, num_classes, images.size), None, str(where))
     raise ValueError(f"{where}: not an .npz file, an image ({', '.join(IMG_EXTENSIONS)}) or a folder")
 
 
-def _read_image(file: Path, num_classes: int) -> np.ndarray:
-    """One image as a batch of one, as `florist join` reads a folder's images."""
-    from PIL import Image, UnidentifiedImageError
+def _read_image(file: Path, num_classes: int, size: tuple[int, int] | None) -> np.ndarray:
+    """One image as a batch of one, as `florist join` reads a folder's images (resized to `size`)."""
+    from PIL import Image
 
-    try:
-        with Image.open(file) as image:
-            x = folders.image_array(image)
-    except (UnidentifiedImageError, OSError) as err:
-        raise ValueError(f"{file}: not a readable image ({err})") from None
-    return folders.check_arrays(str(file), x[None], None, num_classes)[0]
+    decoder = folders.ImageDecoder(str(file), folders.ImageOptions(size, skip_bad=True))
+    decoder.add(0, str(file), lambda: Image.open(file))
+    if decoder.skipped:
+        raise ValueError(f"{file}: not a readable image")
+    return folders.check_arrays(str(file), decoder.stack()[0], None, num_classes)[0]
 
 
 def predict(kept: Kept, samples: Samples) -> Prediction:
@@ -191,6 +200,6 @@ def write(prediction: Prediction, out: Path) -> Path:
     else:
         text = "\n".join(csv_lines(prediction))
     try:
-        return atomic_write(out, lambda f: f.write((text + "\n").encode()))
+        return atomic_write(out, lambda f: f.write((text + "\n").encode()), shared=True)
     except OSError as err:
         raise OSError(f"--out {out}: cannot write it ({err.strerror or err})") from None

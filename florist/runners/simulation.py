@@ -224,7 +224,7 @@ def run(launch: Launch, events: Events) -> dict[str, Any]:
     checked = configure(launch, events, devices_here=not address)  # a Ray cluster's nodes have devices of their own
     resources = client_resources(launch.cpus_per_client, launch.gpus_per_client, cluster=bool(address))
     cfg = checked.cfg
-    if "models-root" not in launch.values and not launch.resume:  # the clients' models beside the results
+    if "models-root" not in launch.values and not launch.resume and not address:  # the models beside the results
         cfg = cfg.replace(models_root=str(Path(cfg.results_dir).expanduser().absolute() / "nodes"))
     events.started(1, cfg.num_server_rounds)
     decode_data(cfg, checked.num_nodes, events)

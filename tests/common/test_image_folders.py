@@ -127,7 +127,11 @@ def test_simulate_takes_num_classes_from_the_class_folders_and_counts_the_skippe
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["config"]["num-classes"] == 3  # not given: one class per folder
     assert sum(c.get("skipped_images", 0) for c in results["clients"]) == 1  # the truncated file (48×48: resized)
+    # predicting on the same folder decodes it as the run did: resized, its truncated file left out
     capsys.readouterr()
+    predicted = ["predict", "--state-dir", str(tmp_path / "out" / "nodes"), "--node-key", "partition-0"]
+    assert main([*predicted, "--data", str(images)]) == 0
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"of {3 * PER_CLASS} samples)")  # 19 files - 1
     assert main([*args, "--run-config", f"{settings} num-classes=2"]) == 2  # given, and too few: one line
     assert re.fullmatch(r"florist: error: num-classes 2, but dataset .* names 3 classes .*\n", capsys.readouterr().err)
 

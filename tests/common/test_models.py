@@ -57,14 +57,14 @@ FITTING = {
     "mobilenet_v2": [(3, 32, 32), (3, 64, 64), (3, 32, 96)],
 }
 REFUSED = [
-    ("cnn", (3, 64, 64), "use image-size=32,32 or model=mobilenet_v2"),
-    ("cnn", (1, 4, 4), "use image-size=8,8 or model=mlp"),
-    ("cnn-wide", (3, 33, 32), "use image-size=32,32 or model=mobilenet_v2"),
-    ("lenet", (1, 8, 8), "use image-size=28,28 or one of model=cnn, cnn-wide, mlp"),
-    ("mlp", (3, 64, 64), "use image-size=32,32 or model=mobilenet_v2"),
+    ("cnn", (3, 64, 64), "use image-size=32,32 (image folders) or model=mobilenet_v2"),
+    ("cnn", (1, 4, 4), "use image-size=8,8 (image folders) or model=mlp"),
+    ("cnn-wide", (3, 33, 32), "use image-size=32,32 (image folders) or model=mobilenet_v2"),
+    ("lenet", (1, 8, 8), "use image-size=28,28 (image folders) or one of model=cnn, cnn-wide, mlp"),
+    ("mlp", (3, 64, 64), "use image-size=32,32 (image folders) or model=mobilenet_v2"),
     ("mlp", (5000,), "no built-in model takes it"),
     ("mobilenet_v2", (1, 28, 28), "use one of model=cnn, cnn-wide, lenet, mlp"),
-    ("mobilenet_v2", (3, 16, 64), "use image-size=32,64 or model=mlp"),
+    ("mobilenet_v2", (3, 16, 64), "use image-size=32,64 (image folders) or model=mlp"),
 ]
 
 

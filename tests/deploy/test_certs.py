@@ -159,6 +159,10 @@ def test_add_node_adds_a_box_beside_the_others_from_the_kept_ca(tmp_path, capsys
     private = (certs / "keys" / "box4").read_bytes()
     assert main(["certs", "--add-node", "box4", "--out", str(certs)]) == 2 and "box4 exists" in error_line(capsys)
     assert (certs / "keys" / "box4").read_bytes() == private  # a box's identity is never replaced
+    public = (certs / "keys" / "box4.pub").read_bytes()
+    (certs / "keys" / "box4").unlink()  # copied to its box and deleted here, as the command advises
+    assert main(["certs", "--add-node", "box4", "--out", str(certs)]) == 2 and "box4.pub exists" in error_line(capsys)
+    assert (certs / "keys" / "box4.pub").read_bytes() == public  # what the SuperLink registered stays
     assert main(["certs", "--add-node", "box5", "--out", str(certs), "--force"]) == 2
     assert "--add-node makes one key pair" in error_line(capsys)
 

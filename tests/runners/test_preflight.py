@@ -37,7 +37,7 @@ def test_a_model_that_does_not_fit_the_images_is_refused_naming_what_fits(tmp_pa
     assert code == 2 and "Traceback" not in "\n".join(err)
     assert err[-1] == (
         "florist: error: model 'cnn' takes C×H×W, H and W from 8 to 32; got 3×64×64: "
-        "use image-size=32,32 or model=mobilenet_v2"
+        "use image-size=32,32 (image folders) or model=mobilenet_v2"
     )
     assert not (tmp_path / "r" / "results.json").exists()
 

@@ -16,7 +16,6 @@ logits with probabilities, which is not a distribution; florist does not)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -340,7 +339,7 @@ def _kept_target(kept: personal.Kept) -> _Target:
         )
         record = {"count": len(y), "data": train_fingerprint(x, y), "before": before, "after": len(store)}
         manifest = kept.manifest | {"added": [*kept.manifest.get("added", []), record | {"saved": time.time()}]}
-        atomic_write(kept.folder / personal.MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2).encode()))
+        personal.write_manifest(kept.folder, manifest)
 
     return _Target("kept", store, kept.network(), kept.input_shape, kept.num_classes, save, kept)
 

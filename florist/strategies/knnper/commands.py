@@ -37,6 +37,10 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     add.add_argument("--node-key", required=True, help="the node's key (node config node-key, e.g. partition-3)")
     add.add_argument(
+        "--models-root",
+        help="where the node keeps its models, if not in --state-dir (a simulate or compare run's RESULTS_DIR/nodes)",
+    )
+    add.add_argument(
         "--run-id",
         type=int,
         help="the run whose kept model to grow (default: the latest kNN-Per model the node keeps)",
@@ -50,7 +54,7 @@ def datastore_add(args: argparse.Namespace) -> int:
     from florist.strategies.knnper.spec import KNNPER
 
     state = NodeState(args.state_dir, args.node_key, KNNPER.name)
-    kept = kept_knnper(args.state_dir, args.node_key, args.run_id)
+    kept = kept_knnper(args.models_root or args.state_dir, args.node_key, args.run_id)
     grown = {g.name: g for g in add_samples(state, args.data_dir, kept)}
     said = []
     if "datastore" in grown:
