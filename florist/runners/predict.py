@@ -25,12 +25,14 @@ from florist.common.storage import atomic_write
 FORMATS = (".csv", ".json")
 
 
-def probabilities(kept: Kept, x: np.ndarray) -> np.ndarray:
-    """Class probabilities (N×C) of the kept model for samples `x` (N×input shape), on the CPU."""
+def probabilities(kept: Kept, x: np.ndarray, source: str = "samples") -> np.ndarray:
+    """Class probabilities (N×C) of the kept model for samples `x` (N×input shape), on the CPU;
+    samples of another shape are refused in one line naming `source`."""
     if tuple(x.shape[1:]) != kept.input_shape:
+        m = kept.manifest
         raise ValueError(
-            f"samples of shape {tuple(x.shape[1:])}, but the model of node {kept.manifest['node_key']} "
-            f"(run {kept.manifest['run_id']}) expects {kept.input_shape}"
+            f"{source}: samples of shape {tuple(x.shape[1:])}, but the model of node "
+            f"{m['node_key']} (run {m['run_id']}, {m['model']}) expects {kept.input_shape}"
         )
     model = kept.network()
     predictor = PREDICTORS.get(kept.manifest["strategy"])
@@ -136,14 +138,8 @@ def _read_image(file: Path, num_classes: int, size: tuple[int, int] | None) -> n
 
 
 def predict(kept: Kept, samples: Samples) -> Prediction:
-    """The kept model's prediction for `samples`, checked first against the model's input shape."""
-    if tuple(samples.x.shape[1:]) != kept.input_shape:
-        m = kept.manifest
-        raise ValueError(
-            f"{samples.source}: samples of shape {tuple(samples.x.shape[1:])}, but the model of node "
-            f"{m['node_key']} (run {m['run_id']}, {m['model']}) expects {kept.input_shape}"
-        )
-    return Prediction(kept, samples, probabilities(kept, samples.x))
+    """The kept model's prediction for `samples`."""
+    return Prediction(kept, samples, probabilities(kept, samples.x, samples.source))
 
 
 def check_out(out: str | Path) -> Path:
