@@ -6,7 +6,7 @@ extra, an array of another shape or dtype, NaN, Inf or huge values, undecodable 
 broken packing layout or one whose sizes add up but whose shapes numpy cannot take (over 64
 dimensions, a dimension beyond 2**63), metrics of the wrong type, a reply to another message,
 an error reply whose reason is megabytes long, multi-line, escape-laden). Each goes
-through the real `Exchanger.exchange` and `ServerStrategy.ask` (or `discover`) beside another
+through the real `Exchanger.round_trip` and `ServerStrategy.ask` (or `discover`) beside another
 node's good reply. Nothing may raise; a bad reply must be left out and recorded in
 `exchanger.failures` with its node's name and a reason (one printable line of at most
 `protocol.REASON_CHARS`, never the exchanger's catch-all), and a harmless change must change

@@ -6,7 +6,7 @@ ServerApp to the SuperLink, to the SuperNode, to the ClientApp and back again: a
 tensors costs eight requests at every hop, and on a small machine those requests, not the
 bytes, are what an exchange waits for. Packed, a model costs one. Packing is exact (the values
 are concatenated, never converted) and invisible to the algorithms: florist's server packs what
-it sends and unpacks the replies (`Exchanger.exchange`); florist's ClientApp unpacks what it
+it sends and unpacks the replies (`Exchanger.round_trip`); florist's ClientApp unpacks what it
 receives and packs its replies to florist's own message types, and to Flower's standard ones
 only when the request came packed, so Flower's own strategies, which send and expect one
 Array per tensor, get what they always got.

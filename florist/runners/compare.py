@@ -150,13 +150,13 @@ def _plan_one(cfg: RunConfig) -> Planned:
 
 
 def compare(
-    runs: list[Planned], num_clients: int, runner: Runner, on_run: Callable[[Planned], None]
+    runs: list[Planned], num_nodes: int, runner: Runner, on_run: Callable[[Planned], None]
 ) -> list[dict[str, Any]]:
     """Run (or keep) every planned run; `on_run(run)` before each. Returns their results."""
     all_results = []
     for run in runs:
         on_run(run)
-        all_results.append(run.results if run.results is not None else runner(run.cfg, num_clients))
+        all_results.append(run.results if run.results is not None else runner(run.cfg, num_nodes))
     return all_results
 
 

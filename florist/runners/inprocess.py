@@ -86,9 +86,9 @@ class InProcessGrid:
 
 
 def run_in_process(
-    cfg: RunConfig, num_clients: int, client_app: ClientApp | None = None, on_round=None, cpus_per_client: float = 1.0
+    cfg: RunConfig, num_nodes: int, client_app: ClientApp | None = None, on_round=None, cpus_per_client: float = 1.0
 ) -> dict[str, Any]:
-    """Run `cfg` on `num_clients` embedded-digits partitions in this process; return the parsed
+    """Run `cfg` on `num_nodes` embedded-digits partitions in this process; return the parsed
     results.json (the same file `florist simulate` writes). One client runs at a time, its
     torch on `cpus_per_client` threads (unless `torch-threads` says otherwise), as a
     simulated client with those CPUs would."""
@@ -96,7 +96,7 @@ def run_in_process(
     from florist.apps.server import run
 
     # The user's own clients, on this machine: they trust its server (client/guard.py).
-    nodes = [{"partition-id": i, "num-partitions": num_clients, "trusted-server": True} for i in range(num_clients)]
+    nodes = [{"partition-id": i, "num-partitions": num_nodes, "trusted-server": True} for i in range(num_nodes)]
     grid = InProcessGrid(client_app or default_client_app, nodes, cpus_per_client=cpus_per_client)
     with server_identity(grid.run_id):
         run(grid, cfg, on_round, grid.run_id)  # type: ignore[arg-type]  (the Grid calls florist makes)

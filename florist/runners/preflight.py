@@ -65,9 +65,9 @@ def check_labels(cfg: RunConfig, layout: scenarios.Layout) -> None:
         )
 
 
-def check_run(cfg: RunConfig, num_clients: int) -> list[str]:
+def check_run(cfg: RunConfig, num_nodes: int) -> list[str]:
     """`preflight`'s warnings, its device left to be checked where the nodes run."""
-    return preflight(cfg, num_clients, devices_here=False).warnings
+    return preflight(cfg, num_nodes, devices_here=False).warnings
 
 
 def run_warnings(cfg: RunConfig) -> list[str]:

@@ -96,13 +96,13 @@ def gpu_count() -> int:
 
 def simulate(
     cfg: RunConfig,
-    num_clients: int,
+    num_nodes: int,
     on_round=None,
     client_app=None,
     resources: dict[str, Any] | None = None,
     address: str | None = None,
 ) -> dict[str, Any]:
-    """Run `cfg` on `num_clients` simulated SuperNodes, each given `resources` (by default
+    """Run `cfg` on `num_nodes` simulated SuperNodes, each given `resources` (by default
     `client_resources()`); return the parsed results.json. A client's torch uses as many
     threads as it has CPUs, unless `torch-threads` says otherwise. Without an `address` Ray is
     this machine's and listens on loopback only; with one, the clients run on that cluster
@@ -115,8 +115,8 @@ def simulate(
     from florist.apps.server import make_server_app
     from florist.client.guard import TRUSTED_SERVER_ENV, trusted_server_in_environment
 
-    if num_clients < cfg.min_nodes:
-        raise ValueError(f"num-clients ({num_clients}) must be at least min-nodes ({cfg.min_nodes})")
+    if num_nodes < cfg.min_nodes:
+        raise ValueError(f"num-clients ({num_nodes}) must be at least min-nodes ({cfg.min_nodes})")
     resources = resources or client_resources(cluster=bool(address))
     with _without_deprecation_warning(), trusted_server_in_environment():  # the user's own clients (client/guard.py)
         if address:  # the cluster's workers have their raylet's environment, not this one: they get the variable
@@ -124,7 +124,7 @@ def simulate(
         run_simulation(
             server_app=make_server_app(cfg.to_mapping(), on_round),
             client_app=client_app or default_client_app,
-            num_supernodes=num_clients,
+            num_supernodes=num_nodes,
             backend_config={
                 "client_resources": resources,
                 "init_args": init_args(gpu_count() if resources["num_gpus"] and not address else 0, address),
@@ -157,7 +157,7 @@ def local_ray() -> None:
 
 def simulate_in_child(
     cfg: RunConfig,
-    num_clients: int,
+    num_nodes: int,
     on_round: Callable[[dict[str, Any]], None] | None = None,
     resources: dict[str, Any] | None = None,
     address: str | None = None,
@@ -178,7 +178,7 @@ def simulate_in_child(
     if not cfg.resume_from:  # a resumed run goes on from what is there
         results_file.unlink(missing_ok=True)
     resources = resources or client_resources(cluster=bool(address))
-    settings = [json.dumps(cfg.to_mapping()), str(num_clients), json.dumps(resources), address or ""]
+    settings = [json.dumps(cfg.to_mapping()), str(num_nodes), json.dumps(resources), address or ""]
     command = [sys.executable, "-m", __name__, *settings]
     with storage.open_log(log_path) as log_file:
         child = subprocess.Popen(

@@ -82,7 +82,7 @@ class Exchanger:
             return 2 * protocol.array_nbytes(request) + REPLY_SLACK
         return 2 * sum(protocol.expected_nbytes(arrays) for arrays in expect.values()) + REPLY_SLACK
 
-    def exchange(
+    def round_trip(
         self,
         requests: Mapping[int, RecordDict],
         message_type: str,

@@ -46,7 +46,7 @@ def discover(
     `bind-node-keys`) is read only: the caller binds the nodes it keeps (`bind`), once it has
     also checked their input shapes, so a node left out for its shape binds nothing."""
     request = protocol.content(config=message_config(cfg, INFO, 0, exchanger.run_id))
-    replies = exchanger.exchange({n: request for n in node_ids}, INFO.message_type, 0)
+    replies = exchanger.round_trip({n: request for n in node_ids}, INFO.message_type, 0)
     claims: dict[str, list[NodeInfo]] = {}  # one lookup per reply: a federation of thousands stays linear
     for node_id, reply in replies.items():
         try:

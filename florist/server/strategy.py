@@ -117,7 +117,7 @@ class ServerStrategy:
         good: dict[int, Reply] = {}
         message_type = exchange.message_type
         expect = {k: v for k, v in ((protocol.ARRAYS, reference), (protocol.SIDE, side)) if v is not None}
-        for node, content in self.exchanger.exchange(requests, message_type, server_round, expect).items():
+        for node, content in self.exchanger.round_trip(requests, message_type, server_round, expect).items():
             name = self.exchanger.name(node)
             try:
                 metrics = protocol.metrics_of(content, required, name)

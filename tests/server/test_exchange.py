@@ -40,7 +40,7 @@ def test_a_node_that_never_replies_is_left_out_even_when_a_poll_outlasts_the_dea
     grid = SlowGridWithASilentNode(client_app, [{"partition-id": i, "num-partitions": 2} for i in range(2)], run_id=5)
     exchanger = Exchanger(grid, 0.5, grid.run_id)
     with server_identity(grid.run_id):
-        good = exchanger.exchange({100: RecordDict(), SILENT: RecordDict()}, "query.info", 1)
+        good = exchanger.round_trip({100: RecordDict(), SILENT: RecordDict()}, "query.info", 1)
     assert list(good) == [100]
     [failure] = exchanger.failures
     assert failure["node_id"] == SILENT and failure["reason"].startswith("no reply within")
@@ -64,7 +64,7 @@ def test_a_reply_in_before_the_deadline_counts_even_when_a_poll_outlasts_it():
     grid = GridWithALateReply(client_app, [{"partition-id": 0, "num-partitions": 1}], run_id=5)
     exchanger = Exchanger(grid, 0.5, grid.run_id)
     with server_identity(grid.run_id):
-        good = exchanger.exchange({100: RecordDict()}, "query.info", 1)
+        good = exchanger.round_trip({100: RecordDict()}, "query.info", 1)
     assert list(good) == [100] and not exchanger.failures
 
 
@@ -83,7 +83,7 @@ def test_a_reply_cut_off_mid_upload_is_named_as_such():
     grid = GridWithAHalfUploadedReply(client_app, [{"partition-id": 0, "num-partitions": 1}], run_id=5)
     exchanger = Exchanger(grid, 1.0, grid.run_id)
     with server_identity(grid.run_id):
-        assert exchanger.exchange({100: RecordDict()}, "query.info", 1) == {}
+        assert exchanger.round_trip({100: RecordDict()}, "query.info", 1) == {}
     [failure] = exchanger.failures
     assert failure["reason"] == "its reply was not completely uploaded within 1 s"
 
@@ -138,7 +138,7 @@ class SuperLinkGrid(EmptyReplies, http_grid.HttpGrid):
 def _exchange(grid, timeout):
     exchanger = Exchanger(grid, timeout, grid.run_id)
     with server_identity(grid.run_id):
-        good = exchanger.exchange({100: RecordDict(), CUT: RecordDict()}, "query.info", 1)
+        good = exchanger.round_trip({100: RecordDict(), CUT: RecordDict()}, "query.info", 1)
     return good, {f["node_id"]: f["reason"] for f in exchanger.failures}
 
 
@@ -188,7 +188,7 @@ def test_an_in_process_exchange_never_consults_the_guard_on_flower_internals(mon
     grid = EmptyReplies(client_app, NODES, run_id=5)
     exchanger = Exchanger(grid, 1.0, grid.run_id)
     with server_identity(grid.run_id):
-        assert list(exchanger.exchange({100: RecordDict(), 101: RecordDict()}, "query.info", 1)) == [100, 101]
+        assert list(exchanger.round_trip({100: RecordDict(), 101: RecordDict()}, "query.info", 1)) == [100, 101]
     assert not exchanger.failures
 
 

@@ -127,12 +127,12 @@ def test_max_reply_mb_refuses_a_reply_the_automatic_cap_would_take(tmp_path):
     exchanger, _ = _exchanger(max_reply_mb=0.00001)  # 10 bytes: below any info reply
     with server_identity(5):
         request = protocol.content(config={"run-id": 5})
-        assert exchanger.exchange({100: request}, "query.info", 0) == {}
+        assert exchanger.round_trip({100: request}, "query.info", 0) == {}
     [failure] = exchanger.failures
     assert re.fullmatch(r"its reply of \d+\.\d MB is over its cap of 0\.0 MB \(max-reply-mb\)", failure["reason"])
     exchanger, _ = _exchanger()
     with server_identity(5):
-        assert list(exchanger.exchange({100: protocol.content(config={"run-id": 5})}, "query.info", 0)) == [100]
+        assert list(exchanger.round_trip({100: protocol.content(config={"run-id": 5})}, "query.info", 0)) == [100]
 
 
 def test_run_config_refuses_a_negative_cap():
@@ -213,7 +213,7 @@ def test_on_the_fast_path_a_2_gb_reply_is_pulled_no_further_than_its_cap():
     grid = FastPathGrid(client_app, [{"partition-id": i, "num-partitions": 2} for i in range(2)], run_id=5)
     exchanger = Exchanger(grid, 30.0, grid.run_id, max_reply_mb=50.0)
     with server_identity(grid.run_id):
-        good = exchanger.exchange({100: RecordDict(), BULKY: RecordDict()}, "query.info", 1)
+        good = exchanger.round_trip({100: RecordDict(), BULKY: RecordDict()}, "query.info", 1)
     assert list(good) == [100]
     [failure] = exchanger.failures
     assert failure["node_id"] == BULKY
