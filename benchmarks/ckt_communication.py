@@ -24,8 +24,8 @@ from florist.client.node import Node, Request
 from florist.client.state import NodeState
 from florist.common import data as data_lib
 from florist.common import protocol
+from florist.common.protocol import message_config
 from florist.config import RunConfig
-from florist.server.strategy import message_config
 from florist.strategies.fedavg.server import exchange_bytes
 from florist.strategies.fedavg.spec import TRAIN
 from florist.strategies.perfedckt import client as ckt_client

@@ -1,13 +1,14 @@
-"""What travels between server and clients: message types, record keys, and the checks on
-what arrives. Record layout follows Flower's convention so that Flower's own strategies can
-drive florist clients: model under `arrays`, settings under `config`, numbers under `metrics`
-(with `num-examples`)."""
+"""What travels between server and clients: message types, record keys, a request's config
+record (`message_config`), and the checks on what arrives. Record layout follows Flower's
+convention so that Flower's own strategies can drive florist clients: model under `arrays`,
+settings under `config`, numbers under `metrics` (with `num-examples`)."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -15,6 +16,10 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
 from florist.common.packing import NPY_HEADER_MAX
+
+if TYPE_CHECKING:
+    from florist.common.spec import Exchange
+    from florist.config import RunConfig
 
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 SIDE = "side"  # arrays sent beside the model (FedAttn: representation, bias gradient)
@@ -215,6 +220,13 @@ def handler_seconds(reply: RecordDict, part: str = "handler") -> float:
     node's data), as the node reported it (0 when it did not)."""
     value = reply.config_records.get(TIMING, {}).get(f"{part}-seconds")
     return float(value) if isinstance(value, (int, float)) and np.isfinite(value) and value >= 0 else 0.0
+
+
+def message_config(cfg: RunConfig, exchange: Exchange, server_round: int, run_id: int, **values: Any) -> dict[str, Any]:
+    """A request's `config` record: the run's settings that travel (the common ones and the
+    strategy's section), the round and run id, and the exchange's own settings, by its dataclass."""
+    own = exchange.settings(**values).to_mapping()
+    return cfg.to_mapping(travelling=True) | {"server-round": server_round, "run-id": run_id} | own
 
 
 def content(

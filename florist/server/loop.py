@@ -21,7 +21,7 @@ from florist.server.checkpoint import Checkpoint
 from florist.server.exchange import Exchanger
 from florist.server.report import number, plural, summary_text
 from florist.server.results import Results
-from florist.server.strategy import NodeInfo, ServerStrategy, message_config
+from florist.server.strategy import NodeInfo, ServerStrategy
 from florist.server.tracking import Tracking
 
 # A child of Flower's logger, so messages reach `flwr run --stream` and the SuperLink log.
@@ -45,7 +45,7 @@ def discover(
     when it is to train and holds no training example. `bound` (key -> Flower node id, with
     `bind-node-keys`) is read only: the caller binds the nodes it keeps (`bind`), once it has
     also checked their input shapes, so a node left out for its shape binds nothing."""
-    request = protocol.content(config=message_config(cfg, INFO, 0, exchanger.run_id))
+    request = protocol.content(config=protocol.message_config(cfg, INFO, 0, exchanger.run_id))
     replies = exchanger.round_trip({n: request for n in node_ids}, INFO.message_type, 0)
     claims: dict[str, list[NodeInfo]] = {}  # one lookup per reply: a federation of thousands stays linear
     for node_id, reply in replies.items():

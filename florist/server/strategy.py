@@ -98,7 +98,7 @@ class ServerStrategy:
     ) -> RecordDict:
         """A request of `exchange`: the records, the settings that travel, and the exchange's
         own settings `values` (checked against its declared `request` dataclass)."""
-        config = message_config(self.cfg, exchange, server_round, self.exchanger.run_id, **values)
+        config = protocol.message_config(self.cfg, exchange, server_round, self.exchanger.run_id, **values)
         return protocol.content(arrays, config, side=side)
 
     def ask(
@@ -174,13 +174,6 @@ class ServerStrategy:
         """Figures of the last training round to keep in its results row beside the standard
         ones (e.g. what FedAvg would have sent instead)."""
         return {}
-
-
-def message_config(cfg: RunConfig, exchange: Exchange, server_round: int, run_id: int, **values: Any) -> dict[str, Any]:
-    """A request's `config` record: the run's settings that travel (the common ones and the
-    strategy's section), the round and run id, and the exchange's own settings, by its dataclass."""
-    own = exchange.settings(**values).to_mapping()
-    return cfg.to_mapping(travelling=True) | {"server-round": server_round, "run-id": run_id} | own
 
 
 def metrics_of(replies: Mapping[int, Reply]) -> dict[int, dict[str, float]]:

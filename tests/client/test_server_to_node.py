@@ -16,11 +16,11 @@ from florist.client import guard
 from florist.common import data as data_lib
 from florist.common import devices, protocol
 from florist.common.models import seeded_model
+from florist.common.protocol import message_config
 from florist.common.spec import INFO
 from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
 from florist.runners.simulation import simulate
-from florist.server.strategy import message_config
 from florist.strategies.fedavg.spec import TRAIN
 from florist.strategies.perfedckt.spec import EVALUATE_CKT, TRAIN_CKT
 

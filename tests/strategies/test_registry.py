@@ -16,10 +16,11 @@ from florist.apps.server import server_half
 from florist.client.node import parse
 from florist.common import protocol
 from florist.common.models import seeded_model
+from florist.common.protocol import message_config
 from florist.common.spec import INFO
 from florist.config import RunConfig
 from florist.runners.inprocess import server_identity
-from florist.server.strategy import ServerStrategy, message_config
+from florist.server.strategy import ServerStrategy
 from florist.strategies.knnper.spec import EVALUATE_KNNPER
 
 ALGORITHMS = Path(florist.strategies.__file__).parent

@@ -15,12 +15,12 @@ import torch
 from flwr.app import ArrayRecord, RecordDict
 
 from florist.common import data as data_lib
-from florist.common import folders
+from florist.common import folders, protocol
 from florist.common.metrics import summarize
 from florist.common.models import build_model
 from florist.config import RunConfig
 from florist.server.report import pct
-from florist.server.strategy import TESTED, TRAINED, NodeInfo, ServerStrategy, mean_loss, message_config, metrics_of
+from florist.server.strategy import TESTED, TRAINED, NodeInfo, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.fedavg.server import exchange_bytes
 from florist.strategies.fedavg.spec import TRAIN
 from florist.strategies.perfedckt import public as public_lib
@@ -78,7 +78,7 @@ class PerFedCKT(ServerStrategy):
         self.centroids: np.ndarray | None = None  # c × |P| × C, none before the first round
         self.trained: set[str] = set()  # keys of the nodes that own a model of this run
         self.participations = 0  # training replies so far
-        self.fedavg_exchange = exchange_bytes(self.new_model(), message_config(cfg, TRAIN, 0, 0))
+        self.fedavg_exchange = exchange_bytes(self.new_model(), protocol.message_config(cfg, TRAIN, 0, 0))
         self.extras: dict[str, Any] = {}
 
     def sample(self, nodes: list[NodeInfo], server_round: int) -> list[NodeInfo]:
