@@ -226,26 +226,28 @@ def node_data(node_config: dict, cfg: RunConfig) -> data_lib.ClientData:
 def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.ClientData]:
     """(node key, seen, data) from the node config."""
     if "data-dir" in node_config:
-        options = folders.ImageOptions.of(cfg)
-        client = _cached_folder(str(node_config["data-dir"]), cfg.num_classes, cfg.seed, cfg.val_fraction, options)
+        client = _cached_folder(str(node_config["data-dir"]), cfg)
         return node_key(node_config), not bool(node_config.get("unseen", False)), client
     pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
     client = scenarios.client_data(pid, num, cfg)
     return node_key(node_config), pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed), client
 
 
-def _cached_folder(
-    data_dir: str, num_classes: int, seed: int, val_fraction: float, images: folders.ImageOptions
-) -> data_lib.ClientData:
-    """The node's folder, decoded once per machine (`common/datacache.py`) with the run's
-    `images` options: keyed by its file listing and those options, so a changed file or
-    setting is decoded again."""
+def _cached_folder(data_dir: str, cfg: RunConfig) -> data_lib.ClientData:
+    """The node's folder, decoded once per machine (`common/datacache.py`) as the run says
+    (its classes, seed, split fractions and image options): keyed by its file listing and
+    those, so a changed file or setting is decoded again."""
     root = Path(data_dir).expanduser()
+    images = folders.ImageOptions.of(cfg)
     key = {
         "data-dir": str(root.absolute()),
         "files": datacache.folder_fingerprint(root),
-        "num-classes": num_classes,
-        "seed": seed,
-        "val-fraction": val_fraction,
+        "num-classes": cfg.num_classes,
+        "seed": cfg.seed,
+        "val-fraction": cfg.val_fraction,
+        "test-fraction": cfg.test_fraction,
     } | images.key()
-    return datacache.cached(key, lambda: folders.folder_client(data_dir, num_classes, seed, val_fraction, images))
+    return datacache.cached(
+        key,
+        lambda: folders.folder_client(data_dir, cfg.num_classes, cfg.seed, cfg.val_fraction, images, cfg.test_fraction),
+    )

@@ -331,6 +331,16 @@ def split_indices(
     return order[n_test + n_val :], order[n_test : n_test + n_val], order[:n_test]
 
 
+def val_split(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded train / validation split of `n` samples whose test set comes from elsewhere (a
+    node's test.npz or test/, a dataset folder's test/); each part gets at least one."""
+    if n < 2:
+        raise ValueError(f"need at least 2 training samples to split into train/val, got {n}")
+    order = np.random.default_rng(seed).permutation(n)
+    n_val = min(max(1, int(round(val_fraction * n))), n - 1)
+    return order[n_val:], order[:n_val]
+
+
 def embedded_client(
     partition_id: int,
     num_partitions: int,

@@ -29,7 +29,7 @@ from florist.common.data import ClientData
 from florist.common.storage import atomic_write, cache_dir
 
 log = logging.getLogger(__name__)
-VERSION = 1  # of the layout; part of every key
+VERSION = 2  # of the entries and of how data is decoded into them (2: one image shape per dataset); in every key
 ARRAYS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
 
 
@@ -80,6 +80,22 @@ def cached(key: dict[str, Any], build: Callable[[], ClientData]) -> ClientData:
 
 
 _MEMORY: dict[Path, ClientData] = {}
+
+
+def remembered(key: dict[str, Any], build: Callable[[], dict]) -> dict:
+    """A small JSON result built from `key` (a dataset's image sizes, `folders.survey`), kept
+    beside the decoded entries so that it is built once per machine, not once per partition."""
+    path = entry(key).with_suffix(".json")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not there yet, or damaged: build it again
+        pass
+    value = build()
+    try:
+        atomic_write(path, lambda f: f.write(json.dumps(value).encode()))
+    except OSError as err:
+        log.warning("cannot keep %s (%s); it will be built again next time", path, err)
+    return value
 
 
 def load(folder: Path) -> ClientData | None:

@@ -1,28 +1,36 @@
-"""A node's own data: a folder with train.npz and test.npz (arrays x, and y when labelled) or
-ImageFolder trees train/ and test/, and a user's public set P (public.npz or images). Every
-problem is reported naming the file and what was expected; the arrays come out as
-`data.ClientData` holds them (uint8 images kept as they are, other numbers float32).
+"""A node's own data, and a user's public set P (public.npz or images). A node's folder
+(`data-dir`) is one of the layouts `LAYOUTS` names: train.npz and test.npz (arrays x, and y when
+labelled), ImageFolder trees train/ and (optionally) test/, or class folders directly in it,
+the same image folder `simulate` and `compare` read (`common/hub.py`). Every problem is
+reported naming the file and what was expected; the arrays come out as `data.ClientData`
+holds them (uint8 images kept as they are, other numbers float32).
 
 Images, here and in a Hugging Face or local dataset (`common/hub.py`), are decoded by one
 `ImageDecoder`: resized to `image-size` when set, and a file that cannot be read or has another
-size than the rest stops the run naming it, or with `skip-bad-images` is left out and counted."""
+size than the dataset's (`survey`: the most common one over all its files, read once from
+their headers) stops the run naming it, or with `skip-bad-images` is left out and counted."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
 
-from florist.common.data import ClientData
+from florist.common.data import ClientData, split_indices, val_split
 from florist.common.settings import coerce
 
 log = logging.getLogger(__name__)
 SHOWN_BAD = 3  # bad files named in the line that counts the skipped ones
 IMAGE_SIZE_FORM = "H,W (whole pixels >= 1, e.g. 64,64) or empty (images as they are)"
+TEST_FRACTION = 0.2  # a node's test share when its folder has no test set and it is given none (the run's default)
+LAYOUTS = (
+    "train.npz and test.npz (arrays x, and y when labelled), ImageFolder trees train/ and optionally test/ "
+    "(train/<class>/*.png), or class folders directly in it (<class>/*.png)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +69,54 @@ def parse_image_size(text: str) -> tuple[int, int] | None:
     return sizes[0], sizes[1]
 
 
+def _unreadable() -> tuple[type[BaseException], ...]:
+    """What PIL raises for a file that is no image it can read (truncated, another type, too large)."""
+    from PIL import Image
+
+    return OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError
+
+
+def survey(openers: Iterable[Callable]) -> dict:
+    """How many images of each size ("HxW") a dataset holds and whether any is in colour, read
+    from the headers of the images `openers` open (PIL reads no pixels until asked: 25 µs a
+    file here). JSON as it is, so that a dataset's survey can be kept (`datacache.remembered`).
+    A file it cannot read is passed over: the decoder names it."""
+    sizes: collections.Counter = collections.Counter()
+    colour = False
+    for open_image in openers:
+        try:
+            with open_image() as image:
+                sizes[f"{image.height}x{image.width}"] += 1
+                colour = colour or image.mode != "L"  # as `image_array`: all but grayscale become RGB
+        except _unreadable():
+            continue
+    return {"sizes": dict(sizes), "colour": colour}
+
+
+def decoded_shape(found: dict, options: ImageOptions) -> tuple[int, int, int] | None:
+    """The C×H×W every image of a surveyed dataset is decoded to: `options.size` or the most
+    common size (`most_common_size`), in colour if any image is; None when no image was read."""
+    counts = {tuple(int(v) for v in size.split("x")): n for size, n in found["sizes"].items()}
+    if not counts:
+        return None
+    return (3 if found["colour"] else 1, *(options.size or most_common_size(counts)))
+
+
+def most_common_size(counts: dict[tuple[int, int], int]) -> tuple[int, int]:
+    """The (H, W) most images have; a tie goes to the larger size (the larger H, then W), so the
+    choice does not depend on the order the files are listed or partitioned in."""
+    return max(counts, key=lambda size: (counts[size], size))
+
+
 class ImageDecoder:
     """Images decoded one by one (`add`) to uint8 C×H×W, resized to `options.size`, then stacked
-    (`stack`) into one array. A file that cannot be read, or whose size differs from most of the
-    others', is named with its path and what was expected, or with `options.skip_bad` left out
-    and counted in `skipped`. A set mixing grayscale and colour is read as colour."""
+    (`stack`) into one array of `shape` (C×H×W, the dataset's: `decoded_shape`; None: this
+    set's own most common size, in colour if any image is). A file that cannot be read, or of
+    another size, is named with its path and what was expected, or with `options.skip_bad`
+    left out and counted in `skipped`. Grayscale among colour is read as colour."""
 
-    def __init__(self, where: str, options: ImageOptions):
-        self.where, self.options = where, options
+    def __init__(self, where: str, options: ImageOptions, shape: tuple[int, int, int] | None = None):
+        self.where, self.options, self.shape = where, options, shape
         self.images: list[np.ndarray] = []
         self.names: list[str] = []
         self.indices: list[int] = []
@@ -76,12 +124,10 @@ class ImageDecoder:
 
     def add(self, index: int, name: str, open_image: Callable) -> None:
         """Decode sample `index`, the image `open_image()` opens (`name`: its path)."""
-        from PIL import Image
-
         try:
             with open_image() as image:
                 array = image_array(image)
-        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as err:
+        except _unreadable() as err:
             return self._bad(name, f"cannot be read as an image ({err})", "replace or remove the file")
         if self.options.size and array.shape[1:] != self.options.size:
             import torch
@@ -94,16 +140,18 @@ class ImageDecoder:
 
     def stack(self) -> tuple[np.ndarray, np.ndarray]:
         """(N×C×H×W uint8 of the images kept, the `index` each was added with)."""
-        colour = any(a.shape[0] == 3 for a in self.images)
+        colour = self.shape[0] == 3 if self.shape else any(a.shape[0] == 3 for a in self.images)
         images = [np.repeat(a, 3, axis=0) if colour and a.shape[0] == 1 else a for a in self.images]
-        sizes = collections.Counter(a.shape for a in images)
-        expected = sizes.most_common(1)[0][0] if sizes else None
+        expected = self.shape
+        if expected is None and images:
+            sizes = collections.Counter(a.shape[1:] for a in images)
+            expected = (3 if colour else 1, *most_common_size(sizes))
         keep = []
         for i, array in enumerate(images):
             if array.shape == expected:
                 keep.append(i)
             else:
-                why = f"is {_size(array.shape)} but the other images are {_size(expected)}"
+                why = f"is {_size(array.shape)} but most images are {_size(expected)}"
                 self._bad(self.names[i], why, f"set image-size={expected[1]},{expected[2]} to resize every image")
         if self.skipped:
             shown = ", ".join(self.skipped[:SHOWN_BAD]) + (", ..." if len(self.skipped) > SHOWN_BAD else "")
@@ -123,51 +171,95 @@ def _size(shape: tuple[int, ...]) -> str:
 
 
 def folder_client(
-    data_dir: str | Path, num_classes: int, seed: int, val_fraction: float, images: ImageOptions = ImageOptions()
+    data_dir: str | Path,
+    num_classes: int,
+    seed: int,
+    val_fraction: float,
+    images: ImageOptions = ImageOptions(),
+    test_fraction: float = TEST_FRACTION,
 ) -> ClientData:
-    """A node's own data: `train.npz`/`test.npz` or ImageFolder trees `train/` and `test/`
-    (decoded with `images`).
+    """A node's own data in one of the `LAYOUTS` (images decoded with `images`, to one shape
+    for train and test: `survey`).
 
-    The validation split is carved out of the training set with `seed`. Every problem is
+    With a test set (test.npz, test/), the validation split is carved out of the training set
+    (`data.val_split`); without one (class folders directly in the folder, or train/ alone),
+    validation and test both come out of it by `val_fraction` and `test_fraction`, as a
+    simulated client's do (`data.split_indices`). Seeded with `seed`. Every problem is
     reported with the file it was found in and what was expected.
     """
     root = Path(data_dir).expanduser()
     if not root.is_dir():
-        raise FileNotFoundError(
-            f"data-dir {str(root)!r} does not exist or is not a folder; expected train.npz and "
-            "test.npz (arrays x and y) or ImageFolder trees train/ and test/"
-        )
-    skipped = 0
+        raise FileNotFoundError(f"data-dir {str(root)!r} does not exist or is not a folder; expected {LAYOUTS}")
     if (root / "train.npz").exists():
         x_train, y_train = read_npz(root / "train.npz", num_classes)
         x_test, y_test = read_npz(root / "test.npz", num_classes)
-    elif (root / "train").is_dir():
-        x_train, y_train, skipped_train = image_folder(root / "train", num_classes, images)
-        x_test, y_test, skipped_test = image_folder(root / "test", num_classes, images)
-        skipped = skipped_train + skipped_test
-    else:
-        raise FileNotFoundError(
-            f"data-dir {str(root)!r} holds neither train.npz nor a train/ folder; expected "
-            "train.npz and test.npz (arrays x, and y when labelled) or ImageFolder trees train/ and test/"
-        )
+        return _carve(root / "train.npz", x_train, y_train, x_test, y_test, num_classes, seed, val_fraction)
+    trees = [root / "train", root / "test"] if (root / "test").is_dir() else [root / "train"]
+    if not trees[0].is_dir():
+        if not any(_image_or_folder(f) for f in root.iterdir()) or (root / "test").is_dir():
+            what = "test/ but no train/" if (root / "test").is_dir() else "neither train.npz nor a train/ folder"
+            raise FileNotFoundError(f"data-dir {str(root)!r} holds {what} (nor class folders); expected {LAYOUTS}")
+        trees = [root]
+    listed = [image_files(tree) for tree in trees]
+    shape = decoded_shape(survey(_opener(f) for files, _ in listed for f in files), images)
+    ids = labels(*(classes for _, classes in listed))
+    decoded = [decode_files(t, f, y, num_classes, images, shape) for t, (f, _), y in zip(trees, listed, ids)]
+    skipped = sum(d[2] for d in decoded)
+    if len(decoded) == 2:
+        (x_train, y_train, _), (x_test, y_test, _) = decoded
+        return _carve(trees[0], x_train, y_train, x_test, y_test, num_classes, seed, val_fraction, skipped)
+    x, y, _ = decoded[0]
+    if len(x) < 3:
+        raise ValueError(f"{trees[0]}: need at least 3 images (train, validation and test), got {len(x)}")
+    train, val, test = split_indices(len(x), val_fraction, test_fraction, seed)
+    return ClientData(*_take(x, y, train), *_take(x, y, val), *_take(x, y, test), num_classes, skipped_images=skipped)
+
+
+def _carve(
+    where: Path,
+    x_train: np.ndarray,
+    y_train: np.ndarray | None,
+    x_test: np.ndarray,
+    y_test: np.ndarray | None,
+    num_classes: int,
+    seed: int,
+    val_fraction: float,
+    skipped: int = 0,
+) -> ClientData:
+    """A node's data whose test set is its own: validation carved out of the training set."""
     if x_test.shape[1:] != x_train.shape[1:]:
-        raise ValueError(f"{root}: test samples have shape {x_test.shape[1:]} but train samples {x_train.shape[1:]}")
+        raise ValueError(
+            f"{where.parent}: test samples have shape {x_test.shape[1:]} but train samples {x_train.shape[1:]}"
+        )
     if (y_train is None) != (y_test is None):
-        raise ValueError(f"{root}: train and test must both be labelled or both unlabeled")
+        raise ValueError(f"{where.parent}: train and test must both be labelled or both unlabeled")
     if len(x_train) < 2:
-        raise ValueError(f"{root / 'train.npz'}: need at least 2 training samples, got {len(x_train)}")
-    rng = np.random.default_rng(seed)
-    order = rng.permutation(len(x_train))
-    n_val = min(max(1, int(round(val_fraction * len(x_train)))), len(x_train) - 1)
-    val, train = order[:n_val], order[n_val:]
-
-    def take(y: np.ndarray | None, idx: np.ndarray) -> np.ndarray | None:
-        return None if y is None else y[idx]
-
-    x_val, y_val = x_train[val], take(y_train, val)
+        raise ValueError(f"{where}: need at least 2 training samples, got {len(x_train)}")
+    train, val = val_split(len(x_train), val_fraction, seed)
     return ClientData(
-        x_train[train], take(y_train, train), x_val, y_val, x_test, y_test, num_classes, skipped_images=skipped
+        *_take(x_train, y_train, train),
+        *_take(x_train, y_train, val),
+        x_test,
+        y_test,
+        num_classes,
+        skipped_images=skipped,
     )
+
+
+def _take(x: np.ndarray, y: np.ndarray | None, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    return x[idx], None if y is None else y[idx]
+
+
+def _image_or_folder(path: Path) -> bool:
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    return path.is_dir() or (path.is_file() and path.suffix.lower() in IMG_EXTENSIONS)
+
+
+def _opener(file: str) -> Callable:
+    from PIL import Image
+
+    return lambda: Image.open(file)
 
 
 def folder_public(public_dir: str | Path, num_classes: int) -> np.ndarray:
@@ -207,30 +299,56 @@ def read_image_folder(
 def image_folder(
     path: Path, num_classes: int, options: ImageOptions = ImageOptions()
 ) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """`read_image_folder`'s (x, y), and how many bad files it left out (`skip-bad-images`)."""
-    from PIL import Image
+    """`read_image_folder`'s (x, y), and how many bad files it left out (`skip-bad-images`);
+    decoded to its own most common size (`survey`)."""
+    files, classes = image_files(path)
+    shape = decoded_shape(survey(_opener(f) for f in files), options)
+    return decode_files(path, files, labels(classes)[0], num_classes, options, shape)
+
+
+def image_files(path: Path) -> tuple[list[str], list[str] | None]:
+    """(image files, the class folder of each) of an ImageFolder tree (`path/<class>/*.png`),
+    or of images directly in `path` (unlabeled: None)."""
     from torchvision.datasets import ImageFolder
-    from torchvision.datasets.folder import IMG_EXTENSIONS
 
     if not path.is_dir():
         raise FileNotFoundError(
             f"{path} is missing; expected an ImageFolder tree (one folder per class) or a folder of unlabeled images"
         )
-    loose = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMG_EXTENSIONS)
+    loose = sorted(f for f in path.iterdir() if f.is_file() and _image_or_folder(f))
     if loose and not any(f.is_dir() for f in path.iterdir()):
-        files, y = [str(f) for f in loose], None
-    else:
-        try:
-            folder = ImageFolder(str(path))
-        except (FileNotFoundError, RuntimeError) as err:  # its text, a listing of the folder, stays the cause
-            raise ValueError(
-                f"{path} is not a valid ImageFolder tree (one sub-folder of images per class) nor a folder of "
-                "images (a sub-folder without images, or files of no image type)"
-            ) from err
-        files, y = [f for f, _ in folder.samples], np.asarray(folder.targets)
-    decoder = ImageDecoder(str(path), options)
+        return [str(f) for f in loose], None
+    try:
+        folder = ImageFolder(str(path))
+    except (FileNotFoundError, RuntimeError) as err:  # its text, a listing of the folder, stays the cause
+        raise ValueError(
+            f"{path} is not a valid ImageFolder tree (one sub-folder of images per class) nor a folder of "
+            "images (a sub-folder without images, or files of no image type)"
+        ) from err
+    return [f for f, _ in folder.samples], [folder.classes[t] for t in folder.targets]
+
+
+def labels(*classes: list[str] | None) -> list[np.ndarray | None]:
+    """Each tree's class folders as label ids, numbered over all the trees' class names sorted
+    (as torchvision numbers one tree's, and Hugging Face's imagefolder its splits'): a class
+    that test/ lacks does not shift the ids of the others."""
+    names = sorted({name for tree in classes if tree is not None for name in tree})
+    ids = {name: i for i, name in enumerate(names)}
+    return [None if tree is None else np.asarray([ids[n] for n in tree], dtype=np.int64) for tree in classes]
+
+
+def decode_files(
+    path: Path,
+    files: list[str],
+    y: np.ndarray | None,
+    num_classes: int,
+    options: ImageOptions,
+    shape: tuple[int, int, int] | None,
+) -> tuple[np.ndarray, np.ndarray | None, int]:
+    """(x, y, bad files left out) of `image_files`' listing of `path`, decoded to `shape`."""
+    decoder = ImageDecoder(str(path), options, shape)
     for index, file in enumerate(files):
-        decoder.add(index, file, lambda file=file: Image.open(file))
+        decoder.add(index, file, _opener(file))
     x, kept = decoder.stack()
     return *check_arrays(str(path), x, None if y is None else y[kept], num_classes), len(decoder.skipped)
 

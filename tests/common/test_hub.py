@@ -66,14 +66,13 @@ def test_dataset_mistakes_are_named(folder):
 
 
 def _decoded(monkeypatch, cfg, partition_id=0, num=WRITERS):
-    """(client data, PIL images opened to get it) in a process that remembers nothing yet, as
-    a fresh deployment process would be."""
-    import PIL.Image
+    """(client data, images decoded to get it) in a process that remembers nothing yet, as
+    a fresh deployment process would be. Decoded: what the decoder adds, not the headers
+    read once per dataset to settle its image size."""
+    from florist.common import datacache, folders, hub
 
-    from florist.common import datacache, hub
-
-    opened, real_open = [], PIL.Image.open
-    monkeypatch.setattr(PIL.Image, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k))
+    opened, real_add = [], folders.ImageDecoder.add
+    monkeypatch.setattr(folders.ImageDecoder, "add", lambda *a: opened.append(1) or real_add(*a))
     monkeypatch.setattr(datacache, "_MEMORY", {})
     hub.federated.cache_clear()
     client = scenarios.client_data(partition_id, num, cfg)

@@ -355,8 +355,11 @@ def _folder_samples(
         raise ValueError(
             f"{data_dir}: samples have shape {new.input_shape}, the datastore's model expects {input_shape}"
         )
-    # The folder's train split whole: the loader carves a validation split out of it.
-    return np.concatenate([new.x_train, new.x_val]), np.concatenate([new.y_train, new.y_val])
+    # Every labelled sample but a test set of the folder's own (test.npz, test/): the loader
+    # carves validation (and, from a folder of class folders or train/ alone, test) out of them.
+    own_test = (Path(data_dir) / "test.npz").exists() or (Path(data_dir) / "test").is_dir()
+    parts = [(new.x_train, new.y_train), (new.x_val, new.y_val)] + ([] if own_test else [(new.x_test, new.y_test)])
+    return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
 
 
 def add_samples(state: NodeState, data_dir: str, kept: personal.Kept | None = None, seed: int = 0) -> list[Grown]:
