@@ -69,14 +69,15 @@ def test_added_shifted_samples_lift_the_kept_models_accuracy_without_touching_it
 @pytest.fixture
 def kept_runs(make_node):
     """Node partition-4 keeps a kNN-Per model (run 1, store capped at 50 by fifo), then a
-    FedAvg one (run 2, later); its state holds no datastore."""
+    FedAvg one (run 2, later), each at its run's final evaluation (round 2 of a 1-round run);
+    its state holds no datastore."""
     values = {"strategy": "knnper", "knn-policy": "fifo", "knn-capacity": 50, "num-server-rounds": 1}
-    node = make_node(values, run_id=1)
+    node = make_node(values, run_id=1, server_round=2)
     model = node.new_model()
     store = knnper.Datastore(training.embed(model, node.data.x_train[:1]).shape[1], "flat", 50, "fifo")
     store.add(training.embed(model, node.data.x_train), node.data.y_train)
     knnper.keep(node, model, knnper.personalize(node, model, store))
-    other = make_node({"strategy": "fedavg", "num-server-rounds": 1}, run_id=2)
+    other = make_node({"strategy": "fedavg", "num-server-rounds": 1}, run_id=2, server_round=2)
     personal.keep(other, other.new_model(), None)
     return node
 
