@@ -72,17 +72,6 @@ def input_shape(cfg, num_partitions: int) -> tuple[int, ...]:
     return (SYNTHETIC_FEATURES,) if kind == "synthetic" else data_lib.EMBEDDED_SHAPES[cfg.dataset]
 
 
-def class_count(cfg, num_partitions: int) -> int | None:
-    """The classes a Hugging Face dataset or folder names (a folder of images: its class
-    sub-folders); None for the embedded and synthetic data, whose num-classes is fixed, and for
-    a dataset whose labels are plain integers."""
-    if parse_dataset(cfg.dataset)[0] != "hub":
-        return None
-    from florist.common.hub import class_count
-
-    return class_count(cfg, num_partitions)
-
-
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How a run's data lies over its `num_partitions` clients, worked out once before the run

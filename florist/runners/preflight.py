@@ -165,7 +165,11 @@ def with_classes(cfg: RunConfig, given: bool, num_nodes: int) -> RunConfig:
     """`cfg` with `num-classes` from the dataset's class names (an image folder: its class
     sub-folders) when the user did not give one; one given that is too small is refused in one
     line. Before the data is decoded: its cache is keyed by num-classes."""
-    found = scenarios.class_count(cfg, num_nodes)
+    if scenarios.parse_dataset(cfg.dataset)[0] != "hub":  # the embedded and synthetic data's classes are fixed
+        return cfg
+    from florist.common.hub import class_count
+
+    found = class_count(cfg, num_nodes)
     if found is None or found == cfg.num_classes:
         return cfg
     if not given:

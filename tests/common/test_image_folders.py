@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from florist.client import node as node_lib
-from florist.common import folders, scenarios
+from florist.common import folders, hub, scenarios
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 
@@ -78,7 +78,7 @@ def test_with_skip_and_resize_a_run_completes_with_three_classes(images, tmp_pat
     cfg = _cfg(
         images, **SKIP_AND_RESIZE, **{"num-server-rounds": 1, "results-dir": str(tmp_path), "model": "mobilenet_v2"}
     )
-    assert scenarios.class_count(cfg, 2) == 3  # what num-classes is when not given
+    assert hub.class_count(cfg, 2) == 3  # what num-classes is when not given
     with caplog.at_level(logging.WARNING, "florist.common.folders"):
         clients = [scenarios.client_data(i, 2, cfg) for i in range(2)]
     assert sum(len(c.x_train) + len(c.x_val) + len(c.x_test) for c in clients) == 3 * PER_CLASS  # 19 files, 1 skipped
