@@ -19,6 +19,14 @@ from florist.config import RunConfig
 from florist.runners import compare, presets
 
 NAMES = presets.names()
+# Clients trained per round in each paper's setting.
+PER_ROUND = {
+    "knnper-cifar10": 200,  # every client, every round
+    "pefll-cifar10": 5,  # 5 of the 90 that train
+    "odpfl-cifar10": 9,  # 0.1 of the 90 training clients
+    "perfedckt-cifar10": 10,  # 10 % of 100
+    "fedattn-emnist": 10,  # 10 writers
+}
 
 
 def _configs(preset: presets.Preset) -> list[RunConfig]:
@@ -36,7 +44,7 @@ def test_every_preset_parses_into_valid_run_configs_and_names_the_papers_figures
     assert set(preset.strategies) <= set(STRATEGIES) and preset.seeds and preset.num_clients >= 2
     configs = _configs(preset)
     assert set(preset.paper_values) <= set(preset.strategies)
-    assert preset.paper_values or "the paper's figures are not in this preset" in preset.reproduces
+    assert preset.paper_values  # every preset carries its paper's figures
     assert preset.paper and preset.reproduces
     if scale == "small":  # embedded data: nothing to download
         assert {c.dataset for c in configs} <= {"digits", "mnist5k"}
@@ -44,6 +52,8 @@ def test_every_preset_parses_into_valid_run_configs_and_names_the_papers_figures
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_full_preset_builds_its_models_server_halves_and_partitioner(name, tmp_path):
+    """Each full preset builds its models, server halves and partitioner, and trains as many
+    clients per round as its paper does."""
     preset = presets.load(name, "full")
     shape = preset.input_shape
     if "public-dir" in preset.run_config:  # a folder the user makes (the paper's P): here, random images
@@ -55,7 +65,8 @@ def test_every_full_preset_builds_its_models_server_halves_and_partitioner(name,
             net = models.build_model(model, shape, cfg.num_classes)
             assert net(torch.zeros(2, *shape)).shape == (2, cfg.num_classes)
         num_seen = preset.num_clients - round(cfg.unseen_fraction * preset.num_clients)
-        server_half(cfg.strategy)(cfg, None, shape, num_seen)
+        server = server_half(cfg.strategy)(cfg, None, shape, num_seen)
+        assert server.sample_size(num_seen) == PER_ROUND[name], cfg.strategy  # the paper's participation
         kind, column = data.parse_partition(cfg.partition)
         if kind == "natural":
             assert column  # one client per value of this column of the dataset
