@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from florist.common import client_mods, devices, scenarios
+from florist.common import client_mods, devices, privacy, scenarios
 from florist.common.data import PARTITIONS, parse_partition
 from florist.common.folders import parse_image_size
 from florist.common.settings import NoSettings, Settings, setting
@@ -109,6 +109,16 @@ class RunConfig(Settings):
     # sample-weighted mean) | median | trimmed:BETA | krum:F | multikrum:F
     aggregation: str = setting("mean", server=True)
     clip_norm: float = setting(0.0, server=True)  # clip each update's L2 distance to the global model (0: off)
+    # differential privacy of the model updates (florist/common/privacy.py, docs/privacy.md): none | central
+    # (the server clips and noises the sum) | local (each node clips and noises its own update)
+    dp: str = setting("none")
+    dp_clip: float = setting(1.0)  # C: each node's update (trained minus sent model) clipped to this L2 norm
+    # ε: with dp-noise-multiplier 0, the σ that spends it over num-server-rounds; else a cap the run stops at.
+    # OD-PFL's descriptor noise reads the same two keys (its section declares them too)
+    dp_epsilon: float = setting(math.inf)
+    dp_delta: float = setting(1e-5)
+    dp_noise_multiplier: float = setting(0.0)  # σ (0: calibrated from dp-epsilon)
+    dp_noise_seed: int = setting(0)  # 0: noise from the OS's entropy; else seeded (measurements only: docs/privacy.md)
     # the largest reply taken from a node, in MB (0: twice what its exchange expects plus 64 MB; server/exchange.py)
     max_reply_mb: float = setting(0.0, server=True)
     max_node_examples: int = setting(0, server=True)  # cap on a node's weight, beside its discovery num-train (0: none)
@@ -211,6 +221,7 @@ class RunConfig(Settings):
                 "max-reply-mb must be a finite number >= 0 (0: twice what each exchange expects plus 64 MB)",
             ),
             (self.max_node_examples >= 0, "max-node-examples must be >= 0 (0: no cap beyond num-train)"),
+            *self.privacy_checks(),
             (self.num_classes >= 2, "num-classes must be >= 2"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
             (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),
@@ -218,6 +229,36 @@ class RunConfig(Settings):
                 not self.trackers.strip() or _parses(parse_trackers, self.trackers),
                 f"trackers must be comma-separated names of {', '.join(TRACKERS)}, got {self.trackers!r}",
             ),
+        ]
+
+    def privacy_checks(self) -> list[tuple[bool, str]]:
+        """`dp` and its keys: a budget (ε or σ) when on, nothing of it when off, and no rule that
+        needs each node's update (those change the sensitivity the noise is sized for)."""
+        on = self.dp != "none"
+        return [
+            (self.dp in privacy.MODES, f"dp must be one of {', '.join(privacy.MODES)}, got {self.dp!r}"),
+            (self.dp_clip > 0 and math.isfinite(self.dp_clip), "dp-clip must be a finite number > 0"),
+            (self.dp_epsilon > 0, "dp-epsilon must be > 0 (inf: none)"),
+            (0 < self.dp_delta < 1, "dp-delta must be in (0, 1)"),
+            (
+                self.dp_noise_multiplier >= 0 and math.isfinite(self.dp_noise_multiplier),
+                "dp-noise-multiplier must be a finite number >= 0 (0: calibrated from dp-epsilon)",
+            ),
+            (self.dp_noise_seed >= 0, "dp-noise-seed must be >= 0 (0: noise from the OS's entropy)"),
+            (
+                not on or math.isfinite(self.dp_epsilon) or self.dp_noise_multiplier > 0,
+                f'dp = "{self.dp}" needs dp-epsilon (the budget) or dp-noise-multiplier (σ, ε reported)',
+            ),
+            (
+                on or (self.dp_noise_multiplier == 0 and self.dp_clip == 1.0 and self.dp_noise_seed == 0),
+                'dp-clip, dp-noise-multiplier and dp-noise-seed act only with dp = "central" or "local"',
+            ),
+            (
+                not on or self.aggregation == "mean",
+                f'dp = "{self.dp}" needs aggregation = "mean": {self.aggregation} needs each node\'s update, '
+                "and its sensitivity is not the one the noise is sized for",
+            ),
+            (not on or self.clip_norm == 0, "clip-norm and dp clip both: dp-clip alone bounds each update under dp"),
         ]
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from flwr.serverapp import Grid
@@ -138,7 +138,7 @@ def run(
     keys = [n.key for n in nodes]
     with Tracking.start(cfg) as tracking:  # what the run's trackers get: rounds once checkpointed
         tracking.log_rounds(results.rounds, exchanger.failures)  # a resumed run's, where a tracker missed some
-        for server_round in range(done + 1, cfg.num_server_rounds + 1):
+        for server_round in rounds_to_train(strategy, results, done + 1):
             row = train_round(strategy, results, seen, server_round)
             state = Checkpoint(
                 server_round,
@@ -207,6 +207,18 @@ def start_nodes(
     if not seen:
         raise RuntimeError("no seen node to train with: every node is held out as unseen")
     return nodes
+
+
+def rounds_to_train(strategy: ServerStrategy, results: Results, first: int) -> Iterator[int]:
+    """The rounds from `first` to num-server-rounds, until the strategy stops training before one
+    (a privacy budget it would exceed): said in one warning and in results.json's `stopped`; the
+    run then evaluates and ends as usual."""
+    for server_round in range(first, strategy.cfg.num_server_rounds + 1):
+        if stop := strategy.stop_before(server_round):
+            log.warning("%s", stop)
+            results.stopped = stop
+            return
+        yield server_round
 
 
 def train_round(strategy: ServerStrategy, results: Results, seen: list[NodeInfo], server_round: int) -> dict[str, Any]:
@@ -311,9 +323,10 @@ def _mean_accuracy(metrics: Mapping[int, Mapping[str, float]], key: str = "accur
 
 def _log_round(row: dict[str, Any]) -> None:
     log.info(
-        "round %d done in %.1f s: train loss %s, seen accuracy %s",
+        "round %d done in %.1f s: train loss %s, seen accuracy %s%s",
         row["round"],
         row["seconds"],
         number(row["train_loss"], ".4f"),
         number(row["accuracy"], ".1%"),
+        f", ε spent {row['dp_epsilon']:.3g}" if "dp_epsilon" in row else "",
     )

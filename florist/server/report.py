@@ -93,6 +93,7 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
         *("| " + " | ".join(row) + " |" for row in summary_rows(results)),
         "",
         *best_round(results),
+        *privacy_lines(results),
         f"Training time {sum(r['seconds'] for r in rounds):.1f} s; bytes up "
         f"{sum(r['bytes_up'] for r in rounds):,}, down {sum(r['bytes_down'] for r in rounds):,}.",
     ]
@@ -124,6 +125,20 @@ def best_round(results: dict[str, Any]) -> list[str]:
         "shows the final evaluation.",
         "",
     ]
+
+
+def privacy_lines(results: dict[str, Any]) -> list[str]:
+    """Under `dp`: the mechanism, σ, C and the ε spent after the last round (docs/privacy.md),
+    and why training stopped early when a budget stopped it."""
+    rows = [r for r in results["rounds"] if r.get("dp_epsilon") is not None]
+    if not rows:
+        return []
+    cfg, last = results["config"], rows[-1]
+    line = (
+        f"Differential privacy `{cfg['dp']}`: σ = {last['dp_noise_multiplier']:.4g}, C = {cfg['dp-clip']:g}; "
+        f"ε = {last['dp_epsilon']:.3g} spent (δ = {cfg['dp-delta']:g}) after {plural(last['round'], 'round')}."
+    )
+    return [line, "", *([f"Training stopped early: {results['stopped']}.", ""] if results.get("stopped") else [])]
 
 
 def by_cluster(results: dict[str, Any]) -> list[str]:

@@ -67,8 +67,16 @@ class ServerStrategy:
         """`num_seen`: how many nodes train (some algorithms size their networks by it)."""
         self.cfg, self.exchanger, self.input_shape, self.num_seen = cfg, exchanger, input_shape, num_seen
         self.settings: Any = cfg.settings
+        if cfg.dp != "none" and cfg.strategy not in self.dp_covers:
+            raise ValueError(
+                f'dp = "{cfg.dp}": strategy {cfg.strategy!r} has no differential privacy yet (docs/privacy.md)'
+            )
         # Where the server half's own networks train (`server-device`); what it sends and saves stays on the CPU.
         self.device = devices.resolve(cfg.server_device, "server-device")
+
+    # The strategies (by name) whose every message this server half's `dp` covers; any other
+    # refuses `dp` before the run (the preflight builds the server half).
+    dp_covers: tuple[str, ...] = ()
 
     @staticmethod
     def report(results: dict[str, Any], folder: Path) -> list[str]:
@@ -169,6 +177,11 @@ class ServerStrategy:
         """Go on from a `state()` saved by an earlier process of the same run."""
         for name in self.checkpointed:
             getattr(self, name).load_state_dict(state[name])
+
+    def stop_before(self, server_round: int) -> str:
+        """Why the run must train no more from round `server_round` on ("" to go on): e.g. a
+        privacy budget that round would exceed. The run then evaluates and ends as usual."""
+        return ""
 
     def round_extras(self) -> dict[str, Any]:
         """Figures of the last training round to keep in its results row beside the standard

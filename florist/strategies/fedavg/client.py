@@ -1,4 +1,5 @@
-"""FedAvg's and FedAvg+'s client half: train the received model; test it, under FedAvg+ after
+"""FedAvg's and FedAvg+'s client half: train the received model (under `dp = "local"`, clip and
+noise the update before it leaves: florist/common/privacy.py); test it, under FedAvg+ after
 fine-tuning a copy on the train split."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import copy
 from flwr.app import RecordDict
 
 from florist.client.node import Node, Request
-from florist.common import protocol, training
+from florist.common import privacy, protocol, training
 from florist.strategies.fedavg.spec import FinetuneSettings
 
 
@@ -22,8 +23,19 @@ def train(node: Node, request: Request) -> RecordDict:
     if request.from_flower and d.labelled:  # unlabelled: `fit` says so
         metrics["train_loss"] = training.evaluate(model, d.x_train, d.y_train, node.device)[0]
     penalty = training.proximal(model, mu) if mu > 0 else None
+    start = {key: t.clone() for key, t in model.state_dict().items()} if node.cfg.dp == "local" else None
     metrics["train-loss"] = node.fit(model, node.cfg.local_epochs, penalty=penalty)
+    if start is not None:
+        model.load_state_dict(local_dp(node, start, model.state_dict()))
     return protocol.content(protocol.to_record(model), metrics=metrics)
+
+
+def local_dp(node: Node, start: dict, trained: dict) -> dict:
+    """`trained` as the node sends it under `dp = "local"`: its update clipped to dp-clip and
+    noised with the σ that spends dp-epsilon over num-server-rounds rounds of this node's
+    (q = 1: its own data, every round it takes part in), or dp-noise-multiplier."""
+    rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))
+    return privacy.local_update(start, trained, privacy.Plan.of(node.cfg), rng)
 
 
 def evaluate(node: Node, request: Request) -> RecordDict:

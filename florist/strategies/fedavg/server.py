@@ -1,15 +1,18 @@
 """FedAvg's server half: the sample-weighted mean of the trained models (FedAvg+ differs only
 on the client, which fine-tunes before testing), or the robust rule the run config names
-(`aggregation`, `clip-norm`, `max-node-examples`: florist/server/aggregation.py)."""
+(`aggregation`, `clip-norm`, `max-node-examples`: florist/server/aggregation.py), or, under
+`dp = "central"`, DP-FedAvg's clipped and noised mean (florist/common/privacy.py)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
-from florist.common import packing, protocol
+from florist.common import packing, privacy, protocol
 from florist.common.models import Net
 from florist.common.spec import Exchange
+from florist.config import RunConfig
 from florist.server.aggregation import Aggregator
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.fedavg.spec import EVALUATE, TRAIN
@@ -28,12 +31,17 @@ class FedAvg(ServerStrategy):
 
     evaluation: Exchange = EVALUATE  # kNN-Per personalizes at evaluation with its own exchange
     checkpointed = ("model",)
+    # Their every message is FedAvg's training exchange (kNN-Per: its global model; its datastore
+    # never leaves the node) or an evaluation, which sends the model down only.
+    dp_covers = ("fedavg", "fedavg-ft", "knnper")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.model = self.new_model()
         self.aggregator = Aggregator.of(self.cfg)
         self.extras: dict[str, Any] = {}
+        self.privacy = plan(self.cfg, self.sample_size(self.num_seen) / max(1, self.num_seen))
+        self.private_rounds = 0  # rounds aggregated under `dp`: what the accountant composes
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         request = self.request(TRAIN, server_round, protocol.to_record(self.model))
@@ -46,19 +54,62 @@ class FedAvg(ServerStrategy):
         weight capped by what it reported at discovery); return their weighted mean loss."""
         weights = [self.aggregator.weight(r.metrics["num-examples"], n.num_train) for n, r in done]
         self.extras = {}
-        if done:
+        if self.privacy.active:
+            self.private_rounds += 1
+            self.extras = self.aggregate_private([r.arrays for _, r in done])
+        elif done:
             outcome = self.aggregator([r.arrays for _, r in done], weights, self.model.state_dict())
             self.model.load_state_dict(outcome.state)
             if not self.aggregator.plain:
                 self.extras = outcome.row([n.key for n, _ in done])
         return mean_loss(r.metrics | {"num-examples": w} for (_, r), w in zip(done, weights))
 
+    def aggregate_private(self, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The global model from the `states` under `dp`, and the round's privacy figures:
+        `central`, DP-FedAvg's noised mean over the m nodes a round samples (the noise drawn
+        by (dp-noise-seed, round) when that seed is set); `local`, the plain mean of updates
+        the nodes noised themselves, each weighing 1 as in `central`."""
+        if self.privacy.mode == "local":
+            if states:
+                self.model.load_state_dict(self.aggregator(states, [1.0] * len(states), self.model.state_dict()).state)
+            return self.privacy.row(self.private_rounds)
+        rng = privacy.noise_generator(self.cfg.dp_noise_seed, self.private_rounds)
+        sampled = self.sample_size(self.num_seen)
+        state, clipped = privacy.central_mean(states, self.model.state_dict(), sampled, self.privacy, rng)
+        self.model.load_state_dict(state)
+        return self.privacy.row(self.private_rounds, clipped)
+
+    def stop_before(self, server_round: int) -> str:
+        """Under `dp` with σ given and `dp-epsilon` as a cap: stop before the round that would
+        spend more."""
+        return self.privacy.stop_before(self.private_rounds + 1)
+
+    def state(self) -> dict[str, Any]:
+        return super().state() | ({"private_rounds": self.private_rounds} if self.privacy.active else {})
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.private_rounds = int(state.get("private_rounds", 0))
+
     def round_extras(self) -> dict[str, Any]:
         """Under a robust rule: the rule that ran, why it is not the one the run names (or what
-        it did not count; "" when nothing), and the nodes it left out or clipped."""
+        it did not count; "" when nothing), and the nodes it left out or clipped. Under `dp`:
+        ε spent so far, σ, and (central) how many updates were clipped."""
         return self.extras
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
         """Send the global model with `evaluation`; clients personalize it their way."""
         request = self.request(self.evaluation, server_round, protocol.to_record(self.model))
         return metrics_of(self.broadcast(self.evaluation, nodes, server_round, request, TESTED))
+
+
+def plan(cfg: RunConfig, q: float) -> privacy.Plan:
+    """The run's `dp` as a `privacy.Plan`, `q` the share of the seen nodes a round samples. A
+    finite `dp-epsilon` without `dp` is refused: FedAvg would noise nothing (only OD-PFL reads
+    dp-epsilon on its own)."""
+    if cfg.dp == "none" and math.isfinite(cfg.dp_epsilon):
+        raise ValueError(
+            f'dp-epsilon = {cfg.dp_epsilon:g} but dp = "none": {cfg.strategy} would noise nothing; '
+            'set dp = "central" or "local" (docs/privacy.md)'
+        )
+    return privacy.Plan.of(cfg, q)

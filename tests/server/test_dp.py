@@ -1,0 +1,141 @@
+"""`dp` on FedAvg's family (docs/privacy.md): off, aggregation is what it always was, bit for bit;
+central, the server's noised mean has the std it claims; local, a node's update leaves it
+clipped and noised; a run stops before the round that would overspend a capped budget; a real
+run reports ε per round; every combination dp does not cover is one line, exit 2, before the run."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from florist.cli import main
+from florist.common import privacy, protocol
+from florist.config import RunConfig
+from florist.runners.inprocess import run_in_process
+from florist.server.aggregation import weighted_average
+from florist.server.strategy import NodeInfo, Reply
+from florist.strategies.fedavg import client as fedavg_client
+from florist.strategies.fedavg.server import FedAvg
+
+SHAPE = (1, 8, 8)
+
+
+def server(num_seen: int = 4, **values) -> FedAvg:
+    return FedAvg(RunConfig.from_mapping({"strategy": "fedavg"} | values), None, SHAPE, num_seen)
+
+
+def replies(model: torch.nn.Module, count: int, scale: float = 0.1) -> list[tuple[NodeInfo, Reply]]:
+    """`count` nodes' trained models: the global one moved by seeded noise of std `scale`."""
+    generator = torch.Generator().manual_seed(0)
+    done = []
+    for i in range(count):
+        state = {
+            k: t + scale * torch.randn(t.shape, generator=generator) if t.is_floating_point() else t + i
+            for k, t in model.state_dict().items()
+        }
+        done.append(
+            (NodeInfo(i, f"n{i}", True, 10 + i, 5, SHAPE), Reply({"num-examples": 10 + i, "train-loss": 1.0}, state))
+        )
+    return done
+
+
+def test_dp_none_aggregates_bit_for_bit_as_before():
+    fedavg = server()
+    done = replies(fedavg.model, 3)
+    expected = weighted_average([r.arrays for _, r in done], [10, 11, 12])
+    fedavg.aggregate(done)
+    got = fedavg.model.state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert fedavg.round_extras() == {} and fedavg.state().keys() == {"model"}
+    assert fedavg.stop_before(10**6) == ""
+
+
+def test_central_dp_adds_noise_of_std_sigma_c_over_the_sampled_count_to_the_mean():
+    """Replies equal to the model sent: the new model minus the old is the noise alone, σ·C/m
+    with m = 3 of 4 nodes sampled (fraction-train 0.75), whatever the 2 that replied."""
+    values = {"dp": "central", "dp-noise-multiplier": 2.0, "dp-clip": 0.5, "fraction-train": 0.75, "dp-noise-seed": 7}
+    fedavg = server(**values)
+    start = {k: t.clone() for k, t in fedavg.model.state_dict().items()}
+    fedavg.aggregate([(n, Reply(r.metrics, start)) for n, r in replies(fedavg.model, 2)])
+    delta = privacy.update(fedavg.model.state_dict(), start)
+    flat = torch.cat([torch.from_numpy(d).reshape(-1) for d in delta.values()])
+    assert flat.numel() > 50_000 and flat.std().item() == pytest.approx(2.0 * 0.5 / 3, rel=0.03)
+    row = fedavg.round_extras()
+    assert row["dp_clipped"] == 0 and row["dp_noise_multiplier"] == 2.0
+    assert row["dp_epsilon"] == pytest.approx(privacy.epsilon(2.0, 0.75, 1, 1e-5))
+    assert fedavg.state()["private_rounds"] == 1
+
+
+def test_a_local_dp_node_sends_its_update_clipped_and_noised(make_node):
+    values = {"dp": "local", "dp-noise-multiplier": 1.5, "dp-clip": 0.2, "dp-noise-seed": 3}
+    node = make_node(values)
+    model = node.new_model()
+    config = RunConfig.from_mapping(values).to_mapping(travelling=True)
+    request = fedavg_client.Request(None, protocol.content(protocol.to_record(model), config))
+    sent = protocol.arrays_of(fedavg_client.train(node, request), model.state_dict(), "test")
+    delta = privacy.update(sent, model.state_dict())
+    flat = torch.cat([torch.from_numpy(d).reshape(-1) for d in delta.values()])
+    # the clipped update (norm 0.2) is lost in the noise: std σ·C per coordinate
+    assert flat.std().item() == pytest.approx(1.5 * 0.2, rel=0.03)
+
+
+def test_a_capped_budget_stops_training_before_the_round_that_would_exceed_it(tmp_path, caplog):
+    """σ = 1 given with a cap between ε after one round and after two: one round trains, the run
+    is still evaluated and complete, and says why it stopped."""
+    cap = (privacy.epsilon(1.0, 1.0, 1, 1e-5) + privacy.epsilon(1.0, 1.0, 2, 1e-5)) / 2
+    values = {
+        "dp": "central",
+        "dp-noise-multiplier": 1.0,
+        "dp-epsilon": cap,
+        "dp-clip": 0.05,
+        "num-server-rounds": 3,
+        "min-nodes": 4,
+        "dp-noise-seed": 1,
+        "results-dir": str(tmp_path / "run"),
+    }
+    results = run_in_process(RunConfig.from_mapping(values), 4)
+    assert results["complete"] and [r["round"] for r in results["rounds"]] == [1]
+    assert results["rounds"][0]["dp_epsilon"] <= cap
+    assert results["stopped"].startswith("dp: round 2 would spend ε = ")
+    assert results["stopped"] in caplog.text
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert f"Training stopped early: {results['stopped']}." in report and "Differential privacy `central`" in report
+
+
+def test_a_central_dp_simulation_reports_epsilon_per_round_within_its_budget(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["simulate", "--runtime", "in-process", "--strategy", "fedavg", "--num-clients", "4", "--rounds", "2"]
+    args += ["--run-config", 'dp="central" dp-epsilon=3 dp-clip=1.0', "--results-dir", str(out)]
+    assert main(args) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    spent = [r["dp_epsilon"] for r in results["rounds"]]
+    assert results["complete"] and len(spent) == 2 and spent[0] < spent[1] <= 3
+    assert spent[1] == pytest.approx(3, rel=1e-3)  # σ calibrated to spend the budget over the run
+
+
+REFUSED = {
+    "uncovered strategy": (["--strategy", "pefll", "--run-config", 'dp="central" dp-epsilon=3'], "no differential"),
+    "robust rule": (['dp="local" dp-epsilon=3 aggregation="median"'], 'needs aggregation = "mean"'),
+    "no budget": (['dp="central"'], "needs dp-epsilon (the budget) or dp-noise-multiplier"),
+    "budget without dp": (["dp-epsilon=3"], 'but dp = "none": fedavg would noise nothing'),
+    "unknown mode": (['dp="global"'], "dp must be one of none, central, local"),
+    "clip without dp": (["dp-clip=0.5"], 'act only with dp = "central" or "local"'),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=list(REFUSED))
+def test_what_dp_does_not_cover_is_one_line_and_exit_2_before_the_run(case, tmp_path, capsys):
+    args, expected = REFUSED[case]
+    if args[0] != "--strategy":
+        args = ["--run-config", *args]
+    began = time.monotonic()
+    code = main(["simulate", "--runtime", "in-process", *args, "--results-dir", str(tmp_path / "r")])
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - began < 5, err
+    lines = err.strip().splitlines()
+    assert len(lines) <= 2 and "Traceback" not in err and expected in lines[0], err
+    assert not math.isnan(time.monotonic())
