@@ -4,6 +4,7 @@ client, the federation's) and what those ask of a run (`launch`, `federation`)."
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import Any
 
@@ -153,6 +154,8 @@ def chosen_runtime(args: argparse.Namespace) -> str:
         return args.runtime
     if args.ray_address or (args.ray_address is None and os.environ.get(ADDRESS_ENV)):
         return "simulation"
+    if importlib.util.find_spec("ray") is None:  # an install without the simulation extra (a box's)
+        return "in-process"
     if (os.cpu_count() or 1) >= MANY_CORES or (args.gpus_per_client or 0) > 0:
         return "simulation"
     if args.gpus_per_client is None:  # by default clients share a GPU where there is one

@@ -29,6 +29,7 @@ from florist.runners.simulation import decode_data, run_simulated
 from florist.server.checkpoint import FILE as CHECKPOINT
 from florist.server.checkpoint import Checkpoint
 from florist.server.report import pyplot, save
+from florist.server.results import jsonable
 
 Runner = Callable[[RunConfig, int], dict[str, Any]]
 GROUPS = ("seen", "unseen")
@@ -41,6 +42,7 @@ def run_comparison(
     """Every strategy of `strategies` with every seed of `seeds` on the launch's scenario, all
     checked before the first starts, one after the other (`compare`); then the table in `out`
     (`write`), the folder it returns."""
+    simulation.require_ray(launch.runtime)
     address = raycluster.address_of(launch.ray_address, launch.runtime)
     num_nodes = launch.num_nodes or launch.default_nodes
     resources = simulation.client_resources(launch.cpus_per_client, launch.gpus_per_client, cluster=bool(address))
@@ -96,15 +98,16 @@ def run_configs(out: Path, strategies: list[str], seeds: list[int], values: Mapp
 
 
 def finished(cfg: RunConfig) -> dict[str, Any] | None:
-    """The results of `cfg`'s run when its folder holds them complete, with this config (a run
-    that was resumed to its end counts: its `resume-from` is where, not what, it computed)."""
+    """The results of `cfg`'s run when its folder holds them complete, with this config as
+    results.json writes it (inf as null: dp-epsilon when not given), a run that was
+    resumed to its end too (its `resume-from` is where, not what, it computed)."""
     path = Path(cfg.results_dir) / "results.json"
     try:
         results = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
     config = results.get("config")
-    same = isinstance(config, dict) and config | {"resume-from": cfg.resume_from} == cfg.to_mapping()
+    same = isinstance(config, dict) and config | {"resume-from": cfg.resume_from} == jsonable(cfg.to_mapping())
     return results if results.get("complete") and same else None
 
 

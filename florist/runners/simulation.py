@@ -6,7 +6,9 @@ in-process runtime, for `simulate` and `compare` alike."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -216,20 +218,43 @@ def simulate_in_child(
     return json.loads(results_file.read_text())
 
 
+def require_ray(runtime: str) -> None:
+    """Ray is an extra (a box that joins a federation needs none of it): without it, the
+    simulation runtime stops before any work, in one line that names both ways on."""
+    if runtime != "in-process" and importlib.util.find_spec("ray") is None:
+        raise RuntimeError(
+            "the simulation runtime needs Ray, which is not installed: pip install 'florist[simulation]' "
+            "(in florist's clone: pip install '.[simulation]'), or run with --runtime in-process"
+        )
+
+
 def run(launch: Launch, events: Events) -> dict[str, Any]:
     """`florist simulate`: one run on simulated nodes, in the launch's runtime, from the command
     line's `Launch` to its results: the run config and the preflight (`configure`), the data
     decoded, the run."""
+    require_ray(launch.runtime)
     address = raycluster.address_of(launch.ray_address, launch.runtime)
-    checked = configure(launch, events, devices_here=not address)  # a Ray cluster's nodes have devices of their own
+    checked = configure(
+        beside_results(launch, address), events, devices_here=not address
+    )  # a Ray cluster's nodes have devices of their own
     resources = client_resources(launch.cpus_per_client, launch.gpus_per_client, cluster=bool(address))
     cfg = checked.cfg
-    if "models-root" not in launch.values and not launch.resume and not address:  # the models beside the results
-        cfg = cfg.replace(models_root=str(Path(cfg.results_dir).expanduser().absolute() / "nodes"))
     events.started(1, cfg.num_server_rounds)
     decode_data(cfg, checked.num_nodes, events)
     events.run(cfg.strategy, cfg.seed, reused=False)
     return run_simulated(launch.runtime, cfg, checked.num_nodes, events.round, resources, address)
+
+
+def beside_results(launch: Launch, address: str | None) -> Launch:
+    """The launch with its nodes' models kept beside its results (`models-root` =
+    RESULTS_DIR/nodes), as compare's runs keep theirs, unless it names a models-root: not on a
+    Ray cluster, whose machines keep them in their own state folders, nor when it resumes a run
+    (whose config says where)."""
+    if "models-root" in launch.values or launch.resume or address:
+        return launch
+    results = launch.values.get("results-dir", RunConfig.__dataclass_fields__["results_dir"].default)
+    nodes = Path(results).expanduser().absolute() / "nodes"
+    return dataclasses.replace(launch, values={**launch.values, "models-root": str(nodes)})
 
 
 def decode_data(cfg: RunConfig, num_nodes: int, events: Events) -> None:
@@ -248,6 +273,7 @@ def run_simulated(
     runtime: str, cfg: RunConfig, num_nodes: int, on_round, resources: dict[str, Any], address: str | None = None
 ) -> dict[str, Any]:
     """One run in `runtime` (with `address`, on that Ray cluster); returns its results."""
+    require_ray(runtime)
     if runtime == "in-process":
         logging.getLogger("flwr").setLevel(logging.WARNING)  # the progress display says how far it got
         return inprocess.run_in_process(cfg, num_nodes, on_round=on_round, cpus_per_client=resources["num_cpus"])

@@ -31,6 +31,7 @@ class Results:
         self.rounds: list[dict[str, Any]] = []
         self.clients: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
+        self.stopped = ""  # why training ended before num-server-rounds (a privacy budget), "" when it did not
 
     def add_round(
         self,
@@ -88,7 +89,7 @@ class Results:
             "summary": self.summary(),
             "round_accuracy": round_accuracy(self.rounds),
             "failures": self.failures,
-        }
+        } | ({"stopped": self.stopped} if self.stopped else {})
 
     def checkpoint(self, checkpoint: Checkpoint) -> None:
         """Save the checkpoint, then results.json (called after every round): a crash between
@@ -144,16 +145,16 @@ def check_results_dir(path: str) -> Path:
     return folder
 
 
+def jsonable(value: Any) -> Any:
+    """`value` as results.json holds it: NaN and ±inf as null (JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: jsonable(x) for k, x in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(x) for x in value]
+    return value
+
+
 def _dumps(value: Any) -> bytes:
-    """JSON with NaN written as null (JSON has no NaN)."""
-
-    def clean(v: Any) -> Any:
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        return v
-
-    return json.dumps(clean(value), indent=2).encode()
+    return json.dumps(jsonable(value), indent=2).encode()
