@@ -1,0 +1,396 @@
+"""Secure aggregation (SecAgg+: Bonawitz et al. 2017, Bell et al. 2020) as plain functions: the
+math of the protocol's four stages for a node (`node_*`) and for the server (`server_*`), every
+state passed in and out, nothing sent from here.
+
+Why not Flower's `SecAggPlusWorkflow`: it drives Flower's legacy strategies only. florist runs the
+stages (setup, share keys, collect masked vectors, unmask) as exchanges of its own round, so that
+they work wherever a round does. The cryptography is all Flower's SecAgg+ primitives (Shamir
+shares, ECDH key agreement, Fernet encryption, the seeded masks, quantization): none is new here.
+A node sends y = [q(w), clipped, q(w/W · x)] + self mask ± a pairwise mask per other node, mod
+2^32; the server learns Σ w·x / Σ w. Every node is every other's neighbour (a full graph, SecAgg's
+original form; SecAgg+'s sparse graph is not built yet). docs/secure-aggregation.md has the
+stages as a table, what the server learns and the dropout rule; `simulate` runs them in order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from cryptography.fernet import InvalidToken
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
+from flwr.common.secure_aggregation.quantization import dequantize, quantize
+from flwr.common.secure_aggregation.secaggplus_utils import (
+    pseudo_rand_gen,
+    share_keys_plaintext_concat,
+    share_keys_plaintext_separate,
+)
+from flwr.supercore.primitives import asymmetric
+
+MODULUS = 2**32  # the field every masked value lives in (Flower's default modulus): a uint32 each
+HEADER = 2  # a masked vector's first values: the quantized weight, the clipped count
+STAGES = ("setup", "share keys", "collect masked vectors", "unmask")
+KeyPair = tuple[bytes, bytes]  # (mask key, encryption key) public halves; or (seed, mask key) shares
+
+
+class BelowThreshold(ValueError):
+    """Too few nodes remain to rebuild the secrets: the round stops (the run resumes like any other)."""
+
+    def __init__(self, stage: str, remaining: int, threshold: int):
+        super().__init__(
+            f"secure aggregation stopped at '{stage}': {remaining} node(s) remain, the threshold is {threshold}"
+        )
+        self.stage, self.remaining, self.threshold = stage, remaining, threshold
+
+
+@dataclass(frozen=True)
+class SecAggSetup:
+    """What the server sends at setup, the same to every node of the round (defaults: Flower's)."""
+
+    threshold: int  # t: shares that rebuild a node's secret; more than half the round's nodes
+    clip: float = 8.0  # values of w/W·x outside [-clip, clip] are clipped, and counted
+    bits: int = 22  # 2**bits quantization steps over [-clip, clip]
+    max_weight: float = 1000.0  # W: each node's weight lies in (0, W]
+
+    @classmethod
+    def for_nodes(cls, num_nodes: int, threshold: int | None = None, **kw: float) -> SecAggSetup:
+        """The setup for a round of `num_nodes` (threshold: a majority unless given), checked."""
+        setup = cls(num_nodes // 2 + 1 if threshold is None else threshold, **kw)
+        setup.check(num_nodes)
+        return setup
+
+    def check(self, num_nodes: int) -> None:
+        """Refuse, in one line, a threshold that would let the server unmask a node, and a quantization
+        whose sum over the round's nodes would wrap around the field."""
+        t = self.threshold
+        if num_nodes < 2:
+            raise ValueError(f"secure aggregation needs at least 2 nodes, the round has {num_nodes}")
+        if not num_nodes // 2 < t <= num_nodes:
+            raise ValueError(
+                f"secure-aggregation threshold {t} must be more than half of the {num_nodes} nodes and at most"
+                f" all of them (at half or under, a server could get both secrets of a node): use {num_nodes // 2 + 1}"
+            )
+        if not (np.isfinite(self.clip) and self.clip > 0 and self.max_weight > 0 and self.bits >= 1):
+            raise ValueError(f"secure aggregation needs clip > 0, max-weight > 0 and bits >= 1, got {self}")
+        if num_nodes * 2**self.bits >= MODULUS:
+            most = MODULUS.bit_length() - 1 - num_nodes.bit_length()
+            raise ValueError(f"{self.bits} bits over {num_nodes} nodes overflow the 2^32 field: use at most {most}")
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node's secrets and progress between the stages: the node keeps it, nothing of it is sent."""
+
+    node_id: int
+    setup: SecAggSetup
+    stage: str  # the last stage this node answered
+    mask_key: bytes  # private key (PEM) of the pairwise masks: Shamir-shared, rebuilt if the node drops
+    crypt_key: bytes  # private key (PEM) that encrypts the shares this node sends
+    own_keys: KeyPair  # the public halves of both, as this node sent them
+    public_keys: dict[int, KeyPair] = field(default_factory=dict)  # every node's, this one's too
+    seed: bytes = b""  # the self-mask seed: Shamir-shared, rebuilt if the node survives
+    shares: dict[int, KeyPair] = field(default_factory=dict)  # owner -> (seed share, mask-key share) held
+    peers: tuple[int, ...] = ()  # the nodes this node masked with
+
+    def to_record(self) -> dict[str, object]:
+        """Flat values a ConfigRecord holds (a node's context state: every message may run in a fresh process)."""
+        flat = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        flat |= dataclasses.asdict(flat.pop("setup"))
+        for name in ("public_keys", "shares"):
+            pairs = flat.pop(name)
+            flat |= {f"{name}.ids": list(pairs), f"{name}.0": [a for a, _ in pairs.values()]}
+            flat[f"{name}.1"] = [b for _, b in pairs.values()]
+        return flat | {"own_keys": list(self.own_keys), "peers": list(self.peers)}
+
+    @classmethod
+    def from_record(cls, flat: dict) -> NodeState:
+        """The state `to_record` wrote."""
+        pairs = {n: dict(zip(flat[f"{n}.ids"], zip(flat[f"{n}.0"], flat[f"{n}.1"]))) for n in ("public_keys", "shares")}
+        setup = SecAggSetup(**{f.name: flat[f.name] for f in dataclasses.fields(SecAggSetup)})
+        scalars = {k: flat[k] for k in ("node_id", "stage", "mask_key", "crypt_key", "seed")}
+        return cls(setup=setup, own_keys=tuple(flat["own_keys"]), peers=tuple(flat["peers"]), **scalars, **pairs)
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What the server keeps between the stages: public keys, who is left, the sum of the masked vectors."""
+
+    setup: SecAggSetup
+    public_keys: dict[int, KeyPair]  # the nodes that answered setup
+    sharers: tuple[int, ...] = ()  # the nodes that shared their keys: every survivor masked with each
+    survivors: tuple[int, ...] = ()  # the nodes whose masked vector came
+    masked_sum: np.ndarray | None = None  # their sum mod 2^32 (int64)
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """What the server learns: the weighted mean, the weight sum, the clipped count, who took part."""
+
+    mean: np.ndarray  # sum of w·x over the survivors / sum of w (float64), within the quantization bound
+    weight_sum: float  # sum of the survivors' weights, each rounded to W/2^bits
+    clipped: int  # values clipped over all survivors (each node counts at most 2^bits)
+    survivors: tuple[int, ...]
+    dropped: tuple[int, ...]  # shared keys, sent no masked vector: their masks were removed
+
+
+# ---- node side ----------------------------------------------------------------------------------
+
+
+def node_setup(node_id: int, setup: SecAggSetup) -> tuple[NodeState, KeyPair]:
+    """Stage 1: two fresh key pairs, one agreeing the pairwise masks, one encrypting the shares."""
+    (mask_sk, mask_pk), (crypt_sk, crypt_pk) = asymmetric.generate_key_pairs(), asymmetric.generate_key_pairs()
+    own = (asymmetric.public_key_to_bytes(mask_pk), asymmetric.public_key_to_bytes(crypt_pk))
+    keys = asymmetric.private_key_to_bytes(mask_sk), asymmetric.private_key_to_bytes(crypt_sk)
+    return NodeState(node_id, setup, STAGES[0], *keys, own_keys=own), own
+
+
+def node_share_keys(state: NodeState, public_keys: dict[int, KeyPair]) -> tuple[NodeState, dict[int, bytes]]:
+    """Stage 2: Shamir-share the mask key and a fresh self-mask seed, t of n, and encrypt each node's
+    pair of shares for it (a key agreed from the encryption keys): recipient -> ciphertext."""
+    _expect(state, STAGES[1])
+    t, me = state.setup.threshold, state.node_id
+    if public_keys.get(me) != state.own_keys:
+        raise ValueError(f"secure aggregation: node {me} was sent public keys that are not its own: refusing")
+    every = [key for pair in public_keys.values() for key in pair]
+    if len(set(every)) != len(every):
+        raise ValueError(f"secure aggregation: node {me} was sent the same public key twice: refusing")
+    _enough(STAGES[1], len(public_keys), t)
+    state.setup.check(len(public_keys))  # a node, too, refuses a threshold that is no majority of those it shares with
+    seed, ids = os.urandom(32), sorted(public_keys)
+    pairs = dict(zip(ids, zip(create_shares(seed, t, len(ids)), create_shares(state.mask_key, t, len(ids)))))
+    agreed = _agreed(state.crypt_key, {peer: public_keys[peer][1] for peer in ids if peer != me})
+    sent = {peer: encrypt(key, share_keys_plaintext_concat(me, peer, *pairs[peer])) for peer, key in agreed.items()}
+    shares = {me: pairs[me]}
+    return dataclasses.replace(state, stage=STAGES[1], public_keys=dict(public_keys), seed=seed, shares=shares), sent
+
+
+def node_mask(
+    state: NodeState, ciphertexts: dict[int, bytes], update: np.ndarray, weight: float
+) -> tuple[NodeState, np.ndarray, int]:
+    """Stage 3: keep the shares the others sent (sender -> ciphertext), then quantize
+    [weight, clipped, weight/W · update] and add the self mask and, per sender, a pairwise mask
+    (+ towards a smaller id, − towards a larger: they cancel in the sum). Returns the new state,
+    the masked vector (uint32) and how many values were clipped."""
+    _expect(state, STAGES[2])
+    if strangers := sorted(set(ciphertexts) - set(state.public_keys) | set(ciphertexts) & {state.node_id}):
+        raise ValueError(f"secure aggregation: node {state.node_id} got shares from unknown node(s) {strangers}")
+    keys = _agreed(state.crypt_key, {src: state.public_keys[src][1] for src in ciphertexts})
+    shares = state.shares | {src: _open(state.node_id, src, keys[src], text) for src, text in ciphertexts.items()}
+    _enough(STAGES[2], len(shares), state.setup.threshold)
+    vector, clipped = _quantize(state.setup, update, weight)
+    vector += _mask(state.seed, vector.size)
+    for peer, seed in sorted(_agreed(state.mask_key, {p: state.public_keys[p][0] for p in ciphertexts}).items()):
+        pairwise = _mask(seed, vector.size)
+        vector += pairwise if state.node_id > peer else -pairwise
+    masked = np.mod(vector, MODULUS).astype(np.uint32)
+    return dataclasses.replace(state, stage=STAGES[2], shares=shares, peers=tuple(sorted(ciphertexts))), masked, clipped
+
+
+def node_unmask(state: NodeState, survivors: list[int], dropped: list[int]) -> tuple[NodeState, dict[int, bytes]]:
+    """Stage 4: the seed share of each survivor and the mask-key share of each dropped node (owner ->
+    share), once: never both shares of one node, which would let the server unmask it."""
+    _expect(state, STAGES[3])
+    me, t, alive, gone = state.node_id, state.setup.threshold, set(survivors), set(dropped)
+    if alive & gone:
+        raise ValueError(f"secure aggregation: node {me} was asked for both shares of {sorted(alive & gone)}: refusing")
+    if me not in alive or alive | gone != {me, *state.peers}:
+        raise ValueError(
+            f"secure aggregation: node {me} masked with {sorted(state.peers)}; asked about survivors"
+            f" {sorted(alive)} and dropped {sorted(gone)}: refusing"
+        )
+    _enough(STAGES[3], len(alive), t)
+    reply = {n: state.shares[n][0] for n in alive} | {n: state.shares[n][1] for n in gone}
+    return dataclasses.replace(state, stage=STAGES[3]), reply
+
+
+def _expect(state: NodeState, stage: str) -> None:
+    """Each stage follows the one before, once."""
+    before = STAGES[STAGES.index(stage) - 1]
+    if state.stage != before:
+        raise ValueError(f"secure aggregation: node {state.node_id} asked for '{stage}' after '{state.stage}'")
+
+
+def _open(me: int, src: int, key: bytes, ciphertext: bytes) -> KeyPair:
+    """The (seed share, mask-key share) `src` encrypted for node `me`, checked to be from and for whom it says."""
+    try:
+        plain = decrypt(key, ciphertext)
+    except InvalidToken:
+        raise ValueError(f"secure aggregation: node {me} cannot decrypt the shares of node {src}") from None
+    real_src, dst, seed_share, key_share = share_keys_plaintext_separate(plain)
+    if (real_src, dst) != (src, me):
+        raise ValueError(f"secure aggregation: node {me} got shares from {real_src} for {dst} as {src}'s")
+    return seed_share, key_share
+
+
+def _quantize(setup: SecAggSetup, update: np.ndarray, weight: float) -> tuple[np.ndarray, int]:
+    """[q(w), clipped, q(w/W · x)] as int64 in [0, 2^bits], and the clipped count. The weight is rounded
+    to a multiple of W/2^bits first and the update scaled by the rounded one, so that the weighted sum
+    and the weight sum the server divides agree exactly."""
+    x = np.asarray(update, dtype=np.float64)
+    if x.ndim != 1:
+        raise ValueError(f"secure aggregation takes a flat vector; the update has shape {x.shape}")
+    if bad := int(np.count_nonzero(~np.isfinite(x))):
+        raise ValueError(f"secure aggregation: the update has {bad} non-finite value(s)")
+    if not 0 < weight <= setup.max_weight:
+        raise ValueError(f"secure aggregation: weight {weight} is outside (0, max-weight {setup.max_weight}]")
+    levels = 2**setup.bits
+    q_weight = round(weight / setup.max_weight * levels)
+    if q_weight == 0:
+        raise ValueError(f"secure aggregation: weight {weight} rounds to 0 at {setup.bits} bits of {setup.max_weight}")
+    scaled = x * (q_weight / levels)
+    clipped = int(np.count_nonzero(np.abs(scaled) > setup.clip))
+    values = quantize([scaled], setup.clip, levels)[0]
+    return np.concatenate([[q_weight, min(clipped, levels)], values]).astype(np.int64), clipped
+
+
+def _mask(seed: bytes, size: int) -> np.ndarray:
+    """Flower's seeded mask: `size` values in [0, 2^32) (int64)."""
+    return pseudo_rand_gen(seed, MODULUS, [(size,)])[0]
+
+
+def _agreed(private_key: bytes, public_keys: dict[int, bytes]) -> dict[int, bytes]:
+    """The key one node agrees with each other (ECDH, then HKDF), the same from either side: a pairwise
+    mask's seed from the mask keys, the key that encrypts shares from the encryption keys."""
+    own = asymmetric.bytes_to_private_key(private_key)
+    return {peer: generate_shared_key(own, asymmetric.bytes_to_public_key(key)) for peer, key in public_keys.items()}
+
+
+# ---- server side --------------------------------------------------------------------------------
+
+
+def server_keys(setup: SecAggSetup, replies: dict[int, KeyPair]) -> tuple[ServerState, dict[int, KeyPair]]:
+    """Stage 2 out: every node that answered setup gets every public key (a full graph)."""
+    _enough(STAGES[0], len(replies), setup.threshold)
+    return ServerState(setup, dict(replies)), dict(replies)
+
+
+def server_route_shares(
+    state: ServerState, replies: dict[int, dict[int, bytes]]
+) -> tuple[ServerState, dict[int, dict[int, bytes]]]:
+    """Stage 3 out: each node that shared gets, from every other that did, the ciphertext addressed to
+    it (recipient -> sender -> ciphertext); the server cannot read them."""
+    _known(replies, state.public_keys, STAGES[1])
+    sharers = tuple(sorted(replies))
+    _enough(STAGES[1], len(sharers), state.setup.threshold)
+    for src in sharers:
+        if set(replies[src]) != set(state.public_keys) - {src}:
+            raise ValueError(
+                f"secure aggregation: node {src} sent shares for {sorted(replies[src])}, not for all others"
+            )
+    routed = {dst: {src: replies[src][dst] for src in sharers if src != dst} for dst in sharers}
+    return dataclasses.replace(state, sharers=sharers), routed
+
+
+def server_collect_masked(
+    state: ServerState, vectors: dict[int, np.ndarray]
+) -> tuple[ServerState, tuple[list[int], list[int]]]:
+    """Stage 4 out: the sum of the masked vectors, and the request every survivor gets: (survivors, dropped)."""
+    _known(vectors, state.sharers, STAGES[2])
+    survivors = tuple(sorted(vectors))
+    _enough(STAGES[2], len(survivors), state.setup.threshold)
+    total = np.zeros(len(vectors[survivors[0]]), dtype=np.int64)
+    for nid in survivors:
+        v = np.asarray(vectors[nid])
+        if v.shape != total.shape or v.shape[0] <= HEADER or v.dtype != np.uint32:
+            raise ValueError(
+                f"secure aggregation: node {nid} sent a {v.dtype} vector of shape {v.shape}, not {total.shape} uint32"
+            )
+        total += v
+    dropped = [n for n in state.sharers if n not in vectors]
+    state = dataclasses.replace(state, survivors=survivors, masked_sum=np.mod(total, MODULUS))
+    return state, (list(survivors), dropped)
+
+
+def server_aggregate(state: ServerState, replies: dict[int, dict[int, bytes]]) -> Aggregate:
+    """Stage 4 in: rebuild each survivor's self-mask seed and each dropped node's mask key from the
+    shares (owner -> share, per answering survivor), remove the masks, and divide the weighted sum by
+    the weight sum: Σ w·x / Σ w."""
+    _known(replies, state.survivors, STAGES[3])
+    t = state.setup.threshold
+    _enough(STAGES[3], len(replies), t)
+    total = state.masked_sum.copy()
+    dropped = tuple(n for n in state.sharers if n not in state.survivors)
+    for owner in state.sharers:
+        secret = _rebuild(owner, [reply[owner] for reply in replies.values() if owner in reply], t)
+        if owner in dropped:
+            _remove_pairwise(total, owner, secret, state)
+        else:
+            total -= _mask(secret, total.size)
+    total = np.mod(total, MODULUS)
+    levels, clip = 2**state.setup.bits, state.setup.clip
+    q_weight, clipped = int(total[0]), int(total[1])
+    sums = dequantize([total[HEADER:]], clip, levels)[0] - (len(state.survivors) - 1) * clip
+    weight_sum = q_weight / levels * state.setup.max_weight
+    return Aggregate(sums * (levels / q_weight), weight_sum, clipped, state.survivors, dropped)
+
+
+def _rebuild(owner: int, shares: list[bytes], t: int) -> bytes:
+    """Node `owner`'s secret from t of its shares (Shamir: more add nothing but time, quadratic in their number)."""
+    _enough(f"{STAGES[3]}: shares of node {owner}", len(shares), t)
+    try:
+        return combine_shares(shares[:t])
+    except ValueError:
+        raise ValueError(f"secure aggregation: the shares of node {owner} do not rebuild its secret") from None
+
+
+def _remove_pairwise(total: np.ndarray, dropped: int, mask_key: bytes, state: ServerState) -> None:
+    """Undo, in place, the pairwise mask each survivor added towards a dropped node (the server rebuilt its key)."""
+    try:
+        seeds = _agreed(mask_key, {survivor: state.public_keys[survivor][0] for survivor in state.survivors})
+    except ValueError:
+        raise ValueError(f"secure aggregation: the shares of node {dropped} do not rebuild its key") from None
+    for survivor, seed in seeds.items():
+        pairwise = _mask(seed, total.size)
+        total += -pairwise if survivor > dropped else pairwise
+
+
+def _known(replies: dict, expected: object, stage: str) -> None:
+    """Replies only from the nodes this stage asked."""
+    if unknown := sorted(set(replies) - set(expected)):
+        raise ValueError(f"secure aggregation: replies at '{stage}' from nodes {unknown} that were not asked")
+
+
+def _enough(stage: str, remaining: int, threshold: int) -> None:
+    """Shamir rebuilds a secret from t shares, not fewer."""
+    if remaining < threshold:
+        raise BelowThreshold(stage, remaining, threshold)
+
+
+# ---- the four stages in one process -------------------------------------------------------------
+
+Spy = Callable[[str, int, int, object], None]  # (stage, sender, recipient, payload); node 0 is the server
+
+
+def simulate(
+    updates: dict[int, np.ndarray],
+    weights: dict[int, float],
+    setup: SecAggSetup,
+    *,
+    leave: dict[str, set[int]] | None = None,
+    spy: Spy | None = None,
+) -> Aggregate:
+    """The four stages in order with every node in this process: the reference the exchanges follow.
+    `leave` names, per stage, nodes that stop answering from that stage on; `spy` sees every payload."""
+    leave, spy, gone, states = leave or {}, spy or (lambda *_: None), set(), {}
+
+    def stage(name: str, requests: dict[int, object], answer: Callable) -> dict[int, object]:
+        gone.update(leave.get(name, ()))
+        replies = {}
+        for nid in sorted(set(requests) - gone):
+            spy(name, 0, nid, requests[nid])
+            states[nid], replies[nid] = answer(nid, requests[nid])
+            spy(name, nid, 0, replies[nid])
+        return replies
+
+    keys = stage(STAGES[0], dict.fromkeys(updates, setup), node_setup)
+    server, keys = server_keys(setup, keys)
+    sent = stage(STAGES[1], dict.fromkeys(keys, keys), lambda n, got: node_share_keys(states[n], got))
+    server, routed = server_route_shares(server, sent)
+    masked = stage(STAGES[2], routed, lambda n, got: node_mask(states[n], got, updates[n], weights[n])[:2])
+    server, request = server_collect_masked(server, masked)
+    shares = stage(STAGES[3], dict.fromkeys(masked, request), lambda n, got: node_unmask(states[n], *got))
+    return server_aggregate(server, shares)
