@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import RecordDict
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from florist.client.node import Node, Request
 from florist.common import data as data_lib
 from florist.common import folders, protocol
+from florist.common.settings import NoSettings
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.strategies.pefll import client as client_half
@@ -170,3 +172,30 @@ def test_a_noising_node_normalises_even_when_the_server_says_not_to_and_noises_b
     encoder.normalize = False
     with torch.no_grad():
         assert not torch.allclose(sent, encoder.describe(torch.from_numpy(node.data.x_train)), atol=1e-2)
+
+
+def _optimizer_steps(node: Node) -> int:
+    """The optimizer steps one message 2 takes on `node`, counted as torch takes them."""
+    taken = []
+    hook = register_optimizer_step_post_hook(lambda *_: taken.append(1))
+    try:
+        client_half.train(node, Request(NoSettings(), protocol.content(protocol.to_record(node.new_model()))))
+    finally:
+        hook.remove()
+    return len(taken)
+
+
+@pytest.mark.parametrize("epochs", [0, 1, 3])
+def test_odpfl_local_epochs_trains_e_passes_of_the_train_split_and_zero_keeps_the_steps(make_node, epochs):
+    """Algorithm 1's E local epochs: ⌈n/B⌉·E optimizer steps; 0 keeps `hn-local-steps` (5 here)."""
+    values = {"strategy": "odpfl", "odpfl-local-epochs": epochs, "hn-local-steps": 5, "batch-size": 16}
+    node = make_node(values)
+    n = len(node.data.x_train)
+    assert n % 16 and math.ceil(n / 16) != 5  # a last short batch counts; one epoch is not k steps
+    expected = math.ceil(n / 16) * epochs if epochs else 5
+    assert _optimizer_steps(node) == expected == node.steps_taken
+
+
+def test_odpfl_local_epochs_is_refused_below_zero_by_name():
+    with pytest.raises(ValueError, match="odpfl-local-epochs must be >= 0"):
+        RunConfig.from_mapping({"strategy": "odpfl", "odpfl-local-epochs": -1})

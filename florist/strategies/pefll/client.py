@@ -3,7 +3,8 @@
 1. `describe`: the descriptor v under the received encoder η_v: PeFLL's mean φ(x, y) over a
    seeded batch of the train split (the whole split when predicting), or OD-PFL's set encoding
    of the whole train split's x, never its labels;
-2. `train`: k SGD steps from θ = h(v) on L(θ) + λ_θ‖θ‖²; reply Δθ;
+2. `train`: k SGD steps (OD-PFL with `odpfl-local-epochs`: E epochs) from θ = h(v) on
+   L(θ) + λ_θ‖θ‖²; reply Δθ;
 3. `backprop`: Δη_v = (∂v/∂η_v)ᵀ Δv, on the same samples as in 1.
 
 η_v is remembered for the run between messages 1 and 3, so it travels down once per round.
@@ -93,11 +94,13 @@ def describe(node: Node, request: Request) -> RecordDict:
 
 
 def train(node: Node, request: Request) -> RecordDict:
-    """Message 2: k local SGD steps from θ on L(θ) + λ_θ‖θ‖² (weight decay 2λ_θ); reply Δθ."""
+    """Message 2: local SGD from θ on L(θ) + λ_θ‖θ‖² (weight decay 2λ_θ), k steps or OD-PFL's
+    E epochs (`schedule`); reply Δθ."""
     model = node.received_model(request)
     start = {k: v.clone() for k, v in model.state_dict().items()}
     settings = node.cfg.settings
-    loss = node.fit(model, 1, steps=settings.local_steps, weight_decay=2 * settings.l2_model)
+    epochs, steps = settings.schedule
+    loss = node.fit(model, epochs, steps=steps, weight_decay=2 * settings.l2_model)
     delta = {k: v - start[k] for k, v in model.state_dict().items()}
     return protocol.content(ArrayRecord(delta), metrics={"num-examples": len(node.data.x_train), "train-loss": loss})
 

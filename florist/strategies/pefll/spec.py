@@ -4,7 +4,7 @@ pairs; OD-PFL: unlabeled samples only), a hypernetwork h maps the descriptor v t
 model θ. A training round is three exchanges (Algorithm 2):
 
 1. `query.describe`: the encoder η_v down, the descriptor v up;
-2. `train.generated`: θ = h(v) down, Δθ after k local SGD steps up;
+2. `train.generated`: θ = h(v) down, Δθ after k local SGD steps (OD-PFL: or E epochs) up;
 3. `train.encoder`: Δv = (∂θ/∂v)ᵀΔθ down, Δη_v = (∂v/∂η_v)ᵀΔv up.
 
 A client that never trained gets its model from one descriptor and one forward pass of h
@@ -56,6 +56,11 @@ class HyperNetSettings(Settings):
             (self.encode_batch >= 1, "odpfl-encode-batch must be >= 1"),
         ]
 
+    @property
+    def schedule(self) -> tuple[int, int | None]:
+        """(epochs, steps) of a client's message 2, as `Node.fit` takes them: k steps (Algorithm 2)."""
+        return 1, self.local_steps
+
 
 @dataclasses.dataclass(frozen=True)
 class OnDemandSettings(HyperNetSettings):
@@ -65,6 +70,7 @@ class OnDemandSettings(HyperNetSettings):
     dp_delta: float = setting(1e-5, key="dp-delta", node=True)  # δ
     normalize: str = setting("always", key="odpfl-normalize", server=True)  # φ on the unit sphere: always | dp
     psi: str = setting("identity", key="odpfl-psi")  # ψ after the mean: identity | mlp (the paper's DS)
+    local_epochs: int = setting(0, key="odpfl-local-epochs")  # E passes a round, Algorithm 1 (0: hn-local-steps)
 
     def checks(self):
         return super().checks() + [
@@ -72,7 +78,14 @@ class OnDemandSettings(HyperNetSettings):
             (0 < self.dp_delta < 1, "dp-delta must be in (0, 1)"),
             (self.normalize in ("always", "dp"), "odpfl-normalize must be always or dp"),
             (self.psi in ("identity", "mlp"), "odpfl-psi must be identity or mlp"),
+            (self.local_epochs >= 0, "odpfl-local-epochs must be >= 0 (0: hn-local-steps steps)"),
         ]
+
+    @property
+    def schedule(self) -> tuple[int, int | None]:
+        """Algorithm 1's E passes over the train split when `odpfl-local-epochs` is set, else
+        PeFLL's k steps (florist's default, so that a run without the key is unchanged)."""
+        return (self.local_epochs, None) if self.local_epochs else super().schedule
 
     @property
     def normalized(self) -> bool:
