@@ -10,7 +10,7 @@ from typing import Any
 
 from florist.cli.signals import interrupt_on_signals
 from florist.runners.launch import Events
-from florist.server.report import FIGURES, SUMMARY_COLUMNS, summary_rows, summary_title
+from florist.server.report import FIGURES, SUMMARY_COLUMNS, privacy_lines, summary_rows, summary_title
 
 
 class Display(Events):
@@ -93,6 +93,9 @@ def print_summary(results: dict[str, Any], console, wall: float) -> None:
             f"{escape(reason)}",
             highlight=False,
         )
+    for line in privacy_lines(results):  # under `dp`: the ε spent, and a budget's stop
+        if line:
+            console.print(escape(line.replace("`", "")), highlight=False)
     console.print(
         f"wall time {wall:.1f} s · results in {results['config']['results-dir']}/ (results.json, report.md, plots)"
     )

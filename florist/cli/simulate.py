@@ -59,5 +59,6 @@ class RoundBars(Bars):
         self.progress.update(
             self.bar,
             completed=row["round"],
-            status=f"loss {number(row['train_loss'], '.3f')}  seen acc {number(row['accuracy'], '.1%')}",
+            status=f"loss {number(row['train_loss'], '.3f')}  seen acc {number(row['accuracy'], '.1%')}"
+            + (f"  ε {row['dp_epsilon']:.3g}" if "dp_epsilon" in row else ""),  # spent so far, under `dp`
         )

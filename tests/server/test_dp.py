@@ -115,6 +115,8 @@ def test_a_central_dp_simulation_reports_epsilon_per_round_within_its_budget(tmp
     spent = [r["dp_epsilon"] for r in results["rounds"]]
     assert results["complete"] and len(spent) == 2 and spent[0] < spent[1] <= 3
     assert spent[1] == pytest.approx(3, rel=1e-3)  # σ calibrated to spend the budget over the run
+    printed = " ".join(capsys.readouterr().err.split())  # the console's, wrapped to its width
+    assert f"ε = {spent[1]:.3g} spent (δ = 1e-05) after 2 rounds" in printed  # under the table
 
 
 REFUSED = {
