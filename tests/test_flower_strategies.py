@@ -268,3 +268,14 @@ def test_the_readme_serverapp_runs_fedprox_against_florist_clients():
     with server_identity(grid.run_id):
         namespace["app"](grid, context)
     assert len(grid.trained) == NODES and all(t.config["proximal-mu"] > 0 for t in grid.trained)
+
+
+def test_a_node_driven_by_flowers_fedavg_keeps_the_model_of_the_last_rounds_evaluation(tmp_path):
+    """Flower's strategies evaluate in rounds 1..num_rounds (florist's server once more after):
+    the last round's is the final evaluation, whose model a node keeps."""
+    from florist.client import personal
+
+    grid = RecordingGrid({"trusted-server": True}, {"num-server-rounds": ROUNDS, "models-root": str(tmp_path)})
+    run(fedavg(), grid)
+    kept = personal.find(tmp_path, "partition-0")
+    assert kept.manifest["round"] == ROUNDS

@@ -154,9 +154,11 @@ def chosen_runtime(args: argparse.Namespace) -> str:
         return args.runtime
     if args.ray_address or (args.ray_address is None and os.environ.get(ADDRESS_ENV)):
         return "simulation"
+    if (args.gpus_per_client or 0) > 0:  # a simulation's flag (without Ray: its runner says what to install)
+        return "simulation"
     if importlib.util.find_spec("ray") is None:  # an install without the simulation extra (a box's)
         return "in-process"
-    if (os.cpu_count() or 1) >= MANY_CORES or (args.gpus_per_client or 0) > 0:
+    if (os.cpu_count() or 1) >= MANY_CORES:
         return "simulation"
     if args.gpus_per_client is None:  # by default clients share a GPU where there is one
         from florist.runners.simulation import gpu_count

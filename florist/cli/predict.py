@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.split:
         samples = runner.own_split(kept, args.split)
     else:  # decoded as the run decoded the node's images
-        samples = runner.read(args.data, kept.num_classes, runner.image_options(kept))
+        samples = runner.read(args.data, kept.num_classes, runner.run_config(kept))
     prediction = runner.predict(kept, samples)
     written = runner.write(prediction, out) if out else None  # a failure is one line: nothing is printed before it
     print(model_line(runner.describe(kept)), file=sys.stderr)

@@ -61,6 +61,14 @@ class Node:
     state: NodeState
     node_config: dict
     steps_taken: int = 0  # local optimizer steps this message has taken so far (`fit`)
+    flower_driven: bool = False  # one of Flower's own strategies sent the message
+
+    @property
+    def final_evaluation(self) -> bool:
+        """Whether this evaluation is the run's last (or the serve phase's after it): florist's
+        server evaluates once more after the last round (num-server-rounds + 1), Flower's own
+        strategies in the last round itself."""
+        return self.server_round > self.cfg.num_server_rounds - self.flower_driven
 
     def new_model(self, name: str = "") -> Net:
         """The run's model (or `name`), initialised exactly as the server initialises it."""
@@ -160,7 +168,8 @@ def parse(
     config = dict(msg.content.config_records.get(protocol.CONFIG, {}))
     source = f"the server's {msg.metadata.message_type!r} message"
     key = node_key(node_config)
-    if "strategy" in config:  # florist's server: exactly the declared keys
+    florist = "strategy" in config  # else one of Flower's strategies sent it
+    if florist:  # florist's server: exactly the declared keys
         spec = _spec(strategies, str(config["strategy"]))
         expected = {
             "server-round",
@@ -185,7 +194,7 @@ def parse(
     cfg = cfg.for_node(node_config)
     key, seen, client = _identity(node_config, cfg)
     state = NodeState(node_config.get("state-dir"), key, cfg.strategy, context.state)
-    node = Node(key, seen, run_id, server_round, cfg, client, state, node_config)
+    node = Node(key, seen, run_id, server_round, cfg, client, state, node_config, flower_driven=not florist)
     return node, Request(request, msg.content)
 
 

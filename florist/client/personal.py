@@ -91,11 +91,11 @@ def keep(
     """Keep `model` as the model `node` earned in this run (replacing the one an earlier
     evaluation of the run kept), with `probs`, its test-split probabilities, for the accuracy it
     scored; `extras` and `details` (JSON) are what the strategy predicts with besides. Kept by
-    the final evaluation and the serve phase's (round num-server-rounds + 1), not at every
+    the final evaluation and the serve phase's (`Node.final_evaluation`), not at every
     `eval-every`: a thousand clients do not write (and fingerprint their data) every round, nor
     twice at the end when `eval-every` divides the rounds. Nothing is kept with
     `keep-models = false`."""
-    if not node.cfg.keep_models or node.server_round <= node.cfg.num_server_rounds:
+    if not node.cfg.keep_models or not node.final_evaluation:
         return None
     d = node.data
     accuracy = None if probs is None or d.y_test is None else float((probs.argmax(1) == d.y_test).mean())

@@ -21,6 +21,7 @@ from florist.client.personal import Kept
 from florist.common import data as data_lib
 from florist.common import folders, training
 from florist.common.storage import atomic_write
+from florist.config import RunConfig
 
 FORMATS = (".csv", ".json")
 
@@ -77,7 +78,6 @@ def own_split(kept: Kept, split: str) -> Samples:
     """Split `split` of the node's own data, rebuilt from the manifest exactly as its handlers saw
     it (`client/node.py`'s `node_data`); a note when it no longer is the data the run scored."""
     from florist.client.node import node_data
-    from florist.config import RunConfig
 
     manifest = kept.manifest
     d = node_data(manifest["node_config"], RunConfig.from_mapping(manifest["run_config"]))
@@ -93,28 +93,30 @@ def own_split(kept: Kept, split: str) -> Samples:
     return Samples(x, y, source, note)
 
 
-def image_options(kept: Kept) -> folders.ImageOptions:
-    """How the kept model's run decoded its node's images (its image-size, skip-bad-images, the
-    node's own overrides): samples to predict are decoded the same way."""
-    from florist.config import RunConfig
-
+def run_config(kept: Kept) -> RunConfig:
+    """The kept model's run config as its node saw it (the node's own overrides applied): samples
+    to predict are decoded as the run decoded them (image-size, skip-bad-images), and a data
+    folder is split as the node split it (seed, val- and test-fraction)."""
     m = kept.manifest
-    return folders.ImageOptions.of(RunConfig.from_mapping(m["run_config"]).for_node(m["node_config"]))
+    return RunConfig.from_mapping(m["run_config"]).for_node(m["node_config"])
 
 
-def read(path: str | Path, num_classes: int, images: folders.ImageOptions | None = None) -> Samples:
+def read(path: str | Path, num_classes: int, cfg: RunConfig | None = None) -> Samples:
     """Samples from `path`: an .npz (array x, optional y), one image, or a data folder as `florist
-    join --data-dir` reads it (its test split: test.npz or test/), else a folder of images (an
-    ImageFolder tree, labelled, or loose images); images decoded with `images` (`image_options`)."""
+    join --data-dir` reads it (its test split: test.npz, or as the node splits train/ and test/,
+    by `cfg`), else a folder of images (class folders, labelled, or loose images), all of them;
+    images decoded as `cfg` says (`run_config`)."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
-    images = images or folders.ImageOptions()
+    cfg = cfg or RunConfig()
+    images = folders.ImageOptions.of(cfg)
     where = Path(path).expanduser()
     if where.is_dir():
         if (where / "test.npz").exists() or (where / "train.npz").exists():
             where = where / "test.npz"
         elif (where / "test").is_dir() or (where / "train").is_dir():
-            return Samples(*folders.read_image_folder(where / "test", num_classes, images), f"{where / 'test'}")
+            data = folders.folder_client(where, num_classes, cfg.seed, cfg.val_fraction, images, cfg.test_fraction)
+            return Samples(data.x_test, data.y_test, f"{where}'s test split")
         else:
             return Samples(*folders.read_image_folder(where, num_classes, images), str(where))
     elif not where.exists():

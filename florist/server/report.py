@@ -131,14 +131,15 @@ def privacy_lines(results: dict[str, Any]) -> list[str]:
     """Under `dp`: the mechanism, σ, C and the ε spent after the last round (docs/privacy.md),
     and why training stopped early when a budget stopped it."""
     rows = [r for r in results["rounds"] if r.get("dp_epsilon") is not None]
-    if not rows:
-        return []
+    stopped = [f"Training stopped early: {results['stopped']}.", ""] if results.get("stopped") else []
+    if not rows:  # a budget may stop a run before its first round
+        return stopped
     cfg, last = results["config"], rows[-1]
     line = (
         f"Differential privacy `{cfg['dp']}`: σ = {last['dp_noise_multiplier']:.4g}, C = {cfg['dp-clip']:g}; "
         f"ε = {last['dp_epsilon']:.3g} spent (δ = {cfg['dp-delta']:g}) after {plural(last['round'], 'round')}."
     )
-    return [line, "", *([f"Training stopped early: {results['stopped']}.", ""] if results.get("stopped") else [])]
+    return [line, "", *stopped]
 
 
 def by_cluster(results: dict[str, Any]) -> list[str]:

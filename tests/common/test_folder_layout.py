@@ -131,3 +131,19 @@ def test_every_partition_keeps_the_datasets_most_common_size(tmp_path):
     _write(tmp_path / "node" / "test", {"b": 9}, 255, _mixed)
     node = folders.folder_client(tmp_path / "node", 2, 0, 0.2, folders.ImageOptions(skip_bad=True))
     assert node.input_shape == node.x_test.shape[1:] == (1, 6, 6) and node.skipped_images == 6 + 3
+
+
+def test_predict_scores_a_data_folder_on_the_test_split_its_node_has(photos, tmp_path):
+    import shutil
+
+    from florist.runners.predict import read
+
+    cfg = RunConfig.from_mapping({"seed": 3, "test-fraction": 0.25})
+    shutil.copytree(photos / "train", tmp_path / "only" / "train")
+    for root in (photos, tmp_path / "only"):  # train/ and test/ (test/ lacks class a); train/ alone
+        node = folders.folder_client(
+            root, 3, cfg.seed, cfg.val_fraction, folders.ImageOptions.of(cfg), cfg.test_fraction
+        )
+        samples = read(root, 3, cfg)
+        assert np.array_equal(samples.x, node.x_test) and np.array_equal(samples.y, node.y_test)
+    assert set(read(photos, 3, cfg).y.tolist()) == {1, 2}  # b and c keep their ids though test/ has no a

@@ -141,3 +141,10 @@ def test_what_dp_does_not_cover_is_one_line_and_exit_2_before_the_run(case, tmp_
     lines = err.strip().splitlines()
     assert len(lines) <= 2 and "Traceback" not in err and expected in lines[0], err
     assert not math.isnan(time.monotonic())
+
+
+def test_a_budget_that_stops_a_run_before_its_first_round_is_still_said():
+    from florist.server.report import privacy_lines
+
+    stop = "dp: round 1 would spend ε = 9 > dp-epsilon 1"
+    assert privacy_lines({"rounds": [], "config": {}, "stopped": stop}) == [f"Training stopped early: {stop}.", ""]
