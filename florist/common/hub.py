@@ -211,7 +211,7 @@ def _decode(
     options = folders.ImageOptions.of(cfg)
     test = _test_split(fds, label, cfg.dataset) if "folder" in origin else None
     shape = image_shape(fds, test, image, origin, options)
-    own_test = None if test is None else test.select(_own_test_rows(fds, test, label, partition_id, cfg))
+    own_test = None if test is None else test.select(_own_test_rows(fds, test, label, partition_id, cfg, origin))
     total = len(rows) + (0 if own_test is None else len(own_test))
     x, y = to_arrays(rows, image, label, where, options, lambda done: report(done, total), shape)
     skipped = len(rows) - len(x)  # bad image files left out (`skip-bad-images`)
@@ -247,29 +247,36 @@ def _test_split(fds, label: str, dataset: str):
     return test
 
 
-def _own_test_rows(fds, test, label: str, partition_id: int, cfg) -> np.ndarray:
-    """The rows of `test` client `partition_id` is tested on (`deal`), the same in every process."""
-    trained = [
-        np.asarray(fds.load_partition(i, "train")[label], dtype=np.int64)
-        for i in range(fds.partitioners["train"].num_partitions)
-    ]
-    test_labels = np.asarray(test[label], dtype=np.int64)
-    classes = 1 + max([int(test_labels.max(initial=0)), *(int(t.max(initial=0)) for t in trained)])
-    held = np.stack([np.bincount(t, minlength=classes) for t in trained])
-    parts = deal(test_labels, held, cfg.seed)
-    mine = parts[partition_id]
+def _own_test_rows(fds, test, label: str, partition_id: int, cfg, origin: dict) -> np.ndarray:
+    """The rows of `test` client `partition_id` is tested on (`deal`), the same in every process;
+    dealt once per machine (`datacache.remembered`), not once per client (each would read every
+    partition's labels)."""
+    num_partitions = fds.partitioners["train"].num_partitions
+
+    def dealt() -> dict:
+        trained = [np.asarray(fds.load_partition(i, "train")[label], dtype=np.int64) for i in range(num_partitions)]
+        test_labels = np.asarray(test[label], dtype=np.int64)
+        classes = 1 + max([int(test_labels.max(initial=0)), *(int(t.max(initial=0)) for t in trained)])
+        held = np.stack([np.bincount(t, minlength=classes) for t in trained])
+        parts = deal(test_labels, held, cfg.seed)
+        return {"parts": [p.tolist() for p in parts], "classes": [np.flatnonzero(h).tolist() for h in held]}
+
+    key = origin | {"deal": label, "partition": cfg.partition, "num-partitions": num_partitions, "seed": cfg.seed}
+    found = datacache.remembered(key, dealt)
+    mine = np.asarray(found["parts"][partition_id], dtype=np.int64)
     if partition_id == 0:  # said once per run
+        used = sum(len(p) for p in found["parts"])
         log.info(
             "dataset %r: each client is tested on its share of the test split's %d images (%d of classes no client "
             "trains on left out), dealt in its training classes' proportions; test-fraction is not used",
             cfg.dataset,
-            len(test_labels),
-            len(test_labels) - sum(len(p) for p in parts),
+            len(test),
+            len(test) - used,
         )
     if not len(mine):
         raise ValueError(
             f"dataset {cfg.dataset!r}: its test split has no image of client {partition_id}'s classes "
-            f"{np.flatnonzero(held[partition_id]).tolist()}; add test images of them, or remove the test split "
+            f"{found['classes'][partition_id]}; add test images of them, or remove the test split "
             "to test each client on a test-fraction of its own images"
         )
     return mine
@@ -297,12 +304,15 @@ def deal(test_labels: np.ndarray, held: np.ndarray, seed: int) -> list[np.ndarra
 
 
 def image_shape(fds, test, image: str, origin: dict, options: folders.ImageOptions) -> tuple[int, int, int] | None:
-    """The C×H×W every image of the dataset (its train split, and the test split when used) is
-    decoded to (`folders.decoded_shape`), so that every client's images agree whatever its
-    partition holds; surveyed once per machine (`datacache.remembered`). None for a dataset
-    of numbers."""
+    """The C×H×W every image of a local folder (its train split, and the test split when used)
+    is decoded to (`folders.decoded_shape`), so that every client's images agree whatever its
+    partition holds; surveyed once per machine (`datacache.remembered`). None for a dataset of
+    numbers, and for a hub dataset (whose images are of one size, and whose split may be
+    800,000 images a node with one partition would otherwise read): each partition's own."""
     import datasets
 
+    if "folder" not in origin:
+        return None
     train = fds.load_split("train")
     if not isinstance(train.features[image], datasets.Image):
         return None
