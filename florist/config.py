@@ -21,6 +21,7 @@ from florist.common.folders import parse_image_size
 from florist.common.settings import NoSettings, Settings, setting
 
 AUGMENTS = ("none", "flip", "crop-flip")  # florist/common/training.py applies them
+SECURE_MODES = ("none", "secaggplus")
 AGGREGATIONS = "mean | median | trimmed:BETA (0 <= BETA < 0.5) | krum:F | multikrum:F (F >= 0 Byzantine nodes)"
 
 MAX_TORCH_THREADS = 1024  # more is a typo or an attack (a node also cuts it to its cores: client/guard.py)
@@ -119,6 +120,13 @@ class RunConfig(Settings):
     dp_delta: float = setting(1e-5)
     dp_noise_multiplier: float = setting(0.0)  # σ (0: calibrated from dp-epsilon)
     dp_noise_seed: int = setting(0)  # 0: noise from the OS's entropy; else seeded (measurements only: docs/privacy.md)
+    # secure aggregation of the model updates (SecAgg+: docs/secure-aggregation.md): none | secaggplus (the
+    # server learns only the weighted mean); the quantization range, its bits, the largest weight, the threshold
+    secure_aggregation: str = setting("none")
+    secagg_clip: float = setting(1.0, server=True)  # c: each weighted update value clipped to [-c, c], counted
+    secagg_bits: int = setting(22, server=True)  # b: 2^b steps over [-c, c]; a round of n nodes needs n·2^b < 2^32
+    secagg_max_weight: float = setting(0.0, server=True)  # W (0: the largest num-train the nodes reported)
+    secagg_threshold: int = setting(0, server=True)  # t: shares that rebuild a node's secrets (0: a majority)
     # the largest reply taken from a node, in MB (0: twice what its exchange expects plus 64 MB; server/exchange.py)
     max_reply_mb: float = setting(0.0, server=True)
     max_node_examples: int = setting(0, server=True)  # cap on a node's weight, beside its discovery num-train (0: none)
@@ -222,6 +230,7 @@ class RunConfig(Settings):
             ),
             (self.max_node_examples >= 0, "max-node-examples must be >= 0 (0: no cap beyond num-train)"),
             *self.privacy_checks(),
+            *self.secure_checks(),
             (self.num_classes >= 2, "num-classes must be >= 2"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
             (self.round_timeout > 0 and self.node_wait_timeout > 0, "timeouts must be > 0"),
@@ -259,6 +268,35 @@ class RunConfig(Settings):
                 "and its sensitivity is not the one the noise is sized for",
             ),
             (not on or self.clip_norm == 0, "clip-norm and dp clip both: dp-clip alone bounds each update under dp"),
+        ]
+
+    def secure_checks(self) -> list[tuple[bool, str]]:
+        """`secure-aggregation` and its keys: no rule that needs each node's update, and no secagg
+        key without it (which strategies it covers, their server halves say: `protected`)."""
+        on = self.secure_aggregation != "none"
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("secagg_")}
+        return [
+            (
+                self.secure_aggregation in SECURE_MODES,
+                f"secure-aggregation must be one of {', '.join(SECURE_MODES)}, got {self.secure_aggregation!r}",
+            ),
+            (
+                not on or (self.aggregation == "mean" and self.clip_norm == 0),
+                f'secure-aggregation needs aggregation = "mean" and no clip-norm: the server never sees '
+                f"an update to {'clip' if self.clip_norm else self.aggregation.split(':')[0]}",
+            ),
+            (self.secagg_clip > 0 and math.isfinite(self.secagg_clip), "secagg-clip must be a finite number > 0"),
+            (1 <= self.secagg_bits <= 30, "secagg-bits must be in [1, 30] (n nodes need n·2^bits < 2^32)"),
+            (
+                self.secagg_max_weight >= 0 and math.isfinite(self.secagg_max_weight),
+                "secagg-max-weight must be a finite number >= 0 (0: the largest num-train)",
+            ),
+            (self.secagg_threshold >= 0, "secagg-threshold must be >= 0 (0: a majority of the round's nodes)"),
+            (
+                on or all(getattr(self, name) == value for name, value in defaults.items()),
+                "secagg-clip, secagg-bits, secagg-max-weight and secagg-threshold act only with "
+                'secure-aggregation = "secaggplus"',
+            ),
         ]
 
 

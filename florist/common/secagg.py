@@ -4,8 +4,8 @@ state passed in and out, nothing sent from here.
 
 Why not Flower's `SecAggPlusWorkflow`: it drives Flower's legacy strategies only. florist runs the
 stages (setup, share keys, collect masked vectors, unmask) as exchanges of its own round, so that
-they work wherever a round does. The cryptography is all Flower's SecAgg+ primitives (Shamir
-shares, ECDH key agreement, Fernet encryption, the seeded masks, quantization): none is new here.
+they work wherever a round does. The cryptography is Flower's SecAgg+ primitives (Shamir shares,
+ECDH key agreement, Fernet encryption, quantization) and ChaCha20 for the masks: none is new here.
 A node sends y = [q(w), clipped, q(w/W · x)] + self mask ± a pairwise mask per other node, mod
 2^32; the server learns Σ w·x / Σ w. Every node is every other's neighbour (a full graph, SecAgg's
 original form; SecAgg+'s sparse graph is not built yet). docs/secure-aggregation.md has the
@@ -14,6 +14,7 @@ stages as a table, what the server learns and the dropout rule; `simulate` runs 
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import os
 from collections.abc import Callable
@@ -21,14 +22,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from cryptography.fernet import InvalidToken
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
 from flwr.common.secure_aggregation.quantization import dequantize, quantize
-from flwr.common.secure_aggregation.secaggplus_utils import (
-    pseudo_rand_gen,
-    share_keys_plaintext_concat,
-    share_keys_plaintext_separate,
-)
+from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_concat, share_keys_plaintext_separate
 from flwr.supercore.primitives import asymmetric
 
 MODULUS = 2**32  # the field every masked value lives in (Flower's default modulus): a uint32 each
@@ -248,8 +246,12 @@ def _quantize(setup: SecAggSetup, update: np.ndarray, weight: float) -> tuple[np
 
 
 def _mask(seed: bytes, size: int) -> np.ndarray:
-    """Flower's seeded mask: `size` values in [0, 2^32) (int64)."""
-    return pseudo_rand_gen(seed, MODULUS, [(size,)])[0]
+    """`size` values uniform over [0, 2^32) (int64): ChaCha20's keystream keyed by the whole 256-bit seed
+    (a self-mask seed's 32 bytes, or the 32 bytes a pairwise key's base64 holds), read as uint32 words,
+    each exactly uniform on the field. Flower's `pseudo_rand_gen` folds its seed into 32 bits."""
+    key = seed if len(seed) == 32 else base64.urlsafe_b64decode(seed)
+    stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()  # each key masks one vector
+    return np.frombuffer(stream.update(bytes(4 * size)), dtype="<u4").astype(np.int64)
 
 
 def _agreed(private_key: bytes, public_keys: dict[int, bytes]) -> dict[int, bytes]:
@@ -324,6 +326,8 @@ def server_aggregate(state: ServerState, replies: dict[int, dict[int, bytes]]) -
     levels, clip = 2**state.setup.bits, state.setup.clip
     q_weight, clipped = int(total[0]), int(total[1])
     sums = dequantize([total[HEADER:]], clip, levels)[0] - (len(state.survivors) - 1) * clip
+    if q_weight == 0:  # only crafted vectors sum to no weight: every node's weight rounds to at least 1
+        raise ValueError("secure aggregation: the survivors' weights sum to 0")
     weight_sum = q_weight / levels * state.setup.max_weight
     return Aggregate(sums * (levels / q_weight), weight_sum, clipped, state.survivors, dropped)
 

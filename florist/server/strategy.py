@@ -67,16 +67,22 @@ class ServerStrategy:
         """`num_seen`: how many nodes train (some algorithms size their networks by it)."""
         self.cfg, self.exchanger, self.input_shape, self.num_seen = cfg, exchanger, input_shape, num_seen
         self.settings: Any = cfg.settings
-        if cfg.dp != "none" and cfg.strategy not in self.dp_covers:
+        if cfg.dp != "none" and cfg.strategy not in self.protected:
             raise ValueError(
                 f'dp = "{cfg.dp}": strategy {cfg.strategy!r} has no differential privacy yet (docs/privacy.md)'
+            )
+        if cfg.secure_aggregation != "none" and cfg.strategy not in self.protected:
+            raise ValueError(
+                f"secure-aggregation: strategy {cfg.strategy!r} is not covered, its server needs each node's "
+                f"message (covered: fedavg, fedavg-ft, knnper; docs/secure-aggregation.md)"
             )
         # Where the server half's own networks train (`server-device`); what it sends and saves stays on the CPU.
         self.device = devices.resolve(cfg.server_device, "server-device")
 
-    # The strategies (by name) whose every message this server half's `dp` covers; any other
-    # refuses `dp` before the run (the preflight builds the server half).
-    dp_covers: tuple[str, ...] = ()
+    # The strategies (by name) whose every node message this server half's `dp` and
+    # `secure-aggregation` protect; any other refuses both before the run (the preflight builds
+    # the server half).
+    protected: tuple[str, ...] = ()
 
     @staticmethod
     def report(results: dict[str, Any], folder: Path) -> list[str]:

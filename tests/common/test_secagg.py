@@ -3,6 +3,8 @@ quantization bound, what it receives says nothing about any node's update, a nod
 sharing its keys does not stop the round while t remain (and below t the round stops in one line),
 clipped values are counted, and a node refuses what would unmask it."""
 
+import base64
+
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord
@@ -208,3 +210,17 @@ def test_a_node_refuses_to_share_under_a_threshold_that_is_no_majority_of_the_ke
     keys = {n: own for n, (_, own) in enumerate(pairs, 1)}
     with pytest.raises(ValueError, match="threshold 2 must be more than half of the 4 nodes"):
         secagg.node_share_keys(pairs[0][0], keys)
+
+
+def test_masks_are_keyed_by_the_whole_seed_and_uniform_over_the_field():
+    seed = bytes(range(32))
+    other = bytes([seed[0] ^ 1]) + seed[1:]  # one byte differs
+    # Flower's generator folds a seed into the XOR of its 4-byte words: swapping two words kept its masks
+    swapped = seed[4:8] + seed[:4] + seed[8:]
+    mask = secagg._mask(seed, 100_000)
+    assert np.array_equal(mask, secagg._mask(seed, 100_000))
+    for changed in (other, swapped):
+        assert np.count_nonzero(mask == secagg._mask(changed, 100_000)) < 10
+    assert mask.min() >= 0 and mask.max() < 2**32 and mask.dtype == np.int64
+    assert abs(mask.mean() / 2**32 - 0.5) < 0.005 and abs(mask.std() / 2**32 - 12**-0.5) < 0.005
+    assert np.array_equal(secagg._mask(base64.urlsafe_b64encode(seed), 10), mask[:10])  # a pairwise key's form

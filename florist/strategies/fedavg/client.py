@@ -1,15 +1,19 @@
 """FedAvg's and FedAvg+'s client half: train the received model (under `dp = "local"`, clip and
 noise the update before it leaves: florist/common/privacy.py); test it, under FedAvg+ after
-fine-tuning a copy on the train split."""
+fine-tuning a copy on the train split. Under `secure-aggregation`, answer its four stages
+(florist/common/secagg.py's `node_*` functions, the state between them in florist/client/secure.py)."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Mapping
 
 from flwr.app import RecordDict
 
+from florist.client import secure
 from florist.client.node import Node, Request
-from florist.common import privacy, protocol, training
+from florist.common import privacy, protocol, secagg, training
+from florist.common import secagg_records as records
 from florist.strategies.fedavg.spec import FinetuneSettings
 
 
@@ -50,3 +54,39 @@ def evaluate(node: Node, request: Request) -> RecordDict:
     tuned = copy.deepcopy(model)
     node.fit(tuned, finetune.epochs, lr=finetune.lr, salt=1)
     return node.test_reply(tuned, **{"global-accuracy": global_accuracy})
+
+
+def secagg_keys(node: Node, request: Request) -> RecordDict:
+    """Secure aggregation's setup: two fresh key pairs for this round; their public halves go up."""
+    node_id, setup = records.setup_of(request.content, f"node {node.key}: the server's setup")
+    state, own = secagg.node_setup(node_id, setup)
+    secure.keep(node, state)
+    return records.put(protocol.content(metrics={}), **records.keys_values({node_id: own}))
+
+
+def secagg_shares(node: Node, request: Request) -> RecordDict:
+    """Share keys: Shamir shares of this node's secrets, each other node's encrypted for it."""
+    public = records.keys_of(request.content, f"node {node.key}: the server's keys")
+    state, sent = secagg.node_share_keys(secure.recall(node), public)
+    secure.keep(node, state)
+    return records.put(protocol.content(metrics={}), **records.id_values(sent))
+
+
+def secure_training(trainers: Mapping[str, Callable[[Node, Request], RecordDict]]) -> Callable:
+    """The `train.secagg` handler: train with the run's strategy's own training handler
+    (`trainers`, by strategy: kNN-Per's adds its validation split in phase 2), then mask the update."""
+
+    def train_secagg(node: Node, request: Request) -> RecordDict:
+        if node.cfg.strategy not in trainers:
+            raise ValueError(f"node {node.key}: strategy {node.cfg.strategy!r} has no secure aggregation")
+        return secure.mask_trained(node, request, trainers[node.cfg.strategy](node, request))
+
+    return train_secagg
+
+
+def secagg_unmask(node: Node, request: Request) -> RecordDict:
+    """Unmask: this node's shares of the survivors' seeds and of the dropped nodes' mask keys."""
+    survivors, dropped = records.unmask_of(request.content, f"node {node.key}: the server's unmask request")
+    state, reply = secagg.node_unmask(secure.recall(node), survivors, dropped)
+    secure.keep(node, state)
+    return records.put(protocol.content(metrics={}), **records.id_values(reply))

@@ -1,7 +1,8 @@
 """FedAvg's server half: the sample-weighted mean of the trained models (FedAvg+ differs only
 on the client, which fine-tunes before testing), or the robust rule the run config names
 (`aggregation`, `clip-norm`, `max-node-examples`: florist/server/aggregation.py), or, under
-`dp = "central"`, DP-FedAvg's clipped and noised mean (florist/common/privacy.py)."""
+`dp = "central"`, DP-FedAvg's clipped and noised mean (florist/common/privacy.py); under
+`secure-aggregation`, the weighted mean of updates it never sees one of (florist/server/secure.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from florist.common import packing, privacy, protocol
+from florist.common import secagg_records as records
 from florist.common.models import Net
 from florist.common.spec import Exchange
 from florist.config import RunConfig
 from florist.server.aggregation import Aggregator
+from florist.server.secure import secure_round
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
-from florist.strategies.fedavg.spec import EVALUATE, TRAIN
+from florist.strategies.fedavg.spec import EVALUATE, SECAGG, TRAIN
 
 
 def exchange_bytes(model: Net, config: Mapping[str, Any]) -> tuple[int, int]:
@@ -29,11 +32,12 @@ def exchange_bytes(model: Net, config: Mapping[str, Any]) -> tuple[int, int]:
 class FedAvg(ServerStrategy):
     """Sample-weighted FedAvg on Flower's standard `train` / `evaluate` messages."""
 
+    training: Exchange = TRAIN  # kNN-Per trains with its own exchange (its handler swaps the data in phase 2)
     evaluation: Exchange = EVALUATE  # kNN-Per personalizes at evaluation with its own exchange
     checkpointed = ("model",)
     # Their every message is FedAvg's training exchange (kNN-Per: its global model; its datastore
     # never leaves the node) or an evaluation, which sends the model down only.
-    dp_covers = ("fedavg", "fedavg-ft", "knnper")
+    protected = ("fedavg", "fedavg-ft", "knnper")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -42,12 +46,56 @@ class FedAvg(ServerStrategy):
         self.extras: dict[str, Any] = {}
         self.privacy = plan(self.cfg, self.sample_size(self.num_seen) / max(1, self.num_seen))
         self.private_rounds = 0  # rounds aggregated under `dp`: what the accountant composes
+        self.secure = self.cfg.secure_aggregation != "none"
+        if self.secure and type(self).train_round is not FedAvg.train_round:
+            raise ValueError(
+                f"secure-aggregation: strategy {self.cfg.strategy!r} trains in its own train_round, which sends "
+                "models in the clear; it must train through FedAvg's (override before_training instead)"
+            )
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
-        request = self.request(TRAIN, server_round, protocol.to_record(self.model))
-        replies = self.broadcast(TRAIN, nodes, server_round, request, TRAINED, self.model.state_dict())
+        self.before_training(server_round)
+        if self.secure:
+            return self.train_securely(server_round, nodes)
+        request = self.request(self.training, server_round, protocol.to_record(self.model))
+        replies = self.broadcast(self.training, nodes, server_round, request, TRAINED, self.model.state_dict())
         done = [(n, replies[n.node_id]) for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
         return self.aggregate(done)
+
+    def before_training(self, server_round: int) -> None:
+        """What a strategy does to its models before a round trains them (kNN-Per's phases)."""
+
+    def train_securely(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
+        """The round under `secure-aggregation`: the nodes' weighted mean update, learnt through
+        SecAgg+'s four exchanges, added to the model sent (the mean train loss comes the same way).
+        Under `dp`, every node weighs 1; `central` noises the unmasked sum (the nodes clipped their
+        updates to dp-clip) and divides by the nodes sampled, as DP-FedAvg does in the clear."""
+        start = self.model.state_dict()
+        shapes = {key: tuple(t.shape) for key, t in start.items() if t.is_floating_point()}
+        size = sum(math.prod(shape) for shape in shapes.values()) + len(records.TAIL)
+        weight_cap = 1.0 if self.privacy.active else self.weight_cap(nodes)
+        sent = protocol.to_record(self.model)
+        outcome = secure_round(self, SECAGG, nodes, server_round, sent, size, weight_cap)
+        delta, (loss, clipped) = records.unflatten(outcome.mean, shapes), outcome.mean[-len(records.TAIL) :]
+        self.extras = outcome.row()
+        if self.privacy.active:
+            self.private_rounds += 1
+            self.extras |= self.privacy.row(self.private_rounds)
+        if self.privacy.mode == "central":
+            count = len(outcome.survivors)
+            rng = privacy.noise_generator(self.cfg.dp_noise_seed, self.private_rounds)
+            noised = privacy.add_noise(
+                {key: d * count for key, d in delta.items()}, self.privacy.sigma * self.privacy.clip, rng
+            )
+            delta = {key: d / self.sample_size(self.num_seen) for key, d in noised.items()}
+            self.extras["dp_clipped"] = round(float(clipped) * count)
+        self.model.load_state_dict(privacy.applied(start, delta))
+        return float(loss) * records.LOSS_RANGE / self.cfg.secagg_clip
+
+    def weight_cap(self, nodes: list[NodeInfo]) -> float:
+        """W, the most a node weighs in a secure round: `secagg-max-weight`, else `max-node-examples`,
+        else the largest train split the nodes reported at discovery (each caps its own weight at it)."""
+        return self.cfg.secagg_max_weight or self.cfg.max_node_examples or max(n.num_train for n in nodes)
 
     def aggregate(self, done: list[tuple[NodeInfo, Reply]]) -> float | None:
         """Load the aggregate of the `done` nodes' models into the global model (each node's

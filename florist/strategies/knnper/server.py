@@ -12,12 +12,13 @@ from typing import Any
 
 from florist.common import protocol
 from florist.common.models import Net
-from florist.server.strategy import TESTED, TRAINED, NodeInfo, metrics_of
+from florist.server.strategy import TESTED, NodeInfo, metrics_of
 from florist.strategies.fedavg.server import FedAvg
 from florist.strategies.knnper.spec import EVALUATE_KNNPER, TRAIN_KNNPER, in_phase_two, phase_rounds
 
 
 class KnnPer(FedAvg):
+    training = TRAIN_KNNPER
     evaluation = EVALUATE_KNNPER
 
     def __init__(self, *args, **kwargs):
@@ -30,20 +31,18 @@ class KnnPer(FedAvg):
             )
         self.chooser: Net | None = None  # phase 1's final model, in phase 2 of knn-train-on-val
 
-    def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
-        """FedAvg's round on kNN-Per's training exchange; the first round of phase 2 keeps the
-        global model as the chooser and starts again from the run's initialisation."""
+    def before_training(self, server_round: int) -> None:
+        """The first round of phase 2 keeps the global model as the chooser and starts again from
+        the run's initialisation."""
         if self.settings.train_on_val and server_round == phase_rounds(self.settings, self.cfg.num_server_rounds) + 1:
             self.chooser, self.model = self.model, self.new_model()
-        request = self.request(TRAIN_KNNPER, server_round, protocol.to_record(self.model))
-        replies = self.broadcast(TRAIN_KNNPER, nodes, server_round, request, TRAINED, self.model.state_dict())
-        return self.aggregate([(n, replies[n.node_id]) for n in nodes if n.node_id in replies])
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
         """The seen nodes' scores; in phase 2 with the chooser beside the global model."""
         side = None
-        if in_phase_two(self.settings, self.cfg.num_server_rounds, server_round) and self.chooser is not None:
-            side = protocol.to_record(self.chooser)
+        if in_phase_two(self.settings, self.cfg.num_server_rounds, server_round):
+            # no chooser yet: training stopped before phase 2 (a dp budget), so the model is phase 1's
+            side = protocol.to_record(self.chooser or self.model)
         request = self.request(self.evaluation, server_round, protocol.to_record(self.model), side=side)
         return metrics_of(self.broadcast(self.evaluation, nodes, server_round, request, TESTED))
 

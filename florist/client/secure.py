@@ -1,0 +1,72 @@
+"""A node's side of secure aggregation (`secure-aggregation = "secaggplus"`,
+docs/secure-aggregation.md), what the handlers of its four exchanges (FedAvg's client half) share:
+the node's secrets between the messages, and the masked update that replaces a trained model.
+
+The secrets live in the node's run state (`NodeState.remember`: Flower's context state, which the
+SuperNode keeps whichever process answers the next message), tagged with the round, so that a
+message of another round never meets them. The training stage trains as the strategy's own handler
+does, then sends, in place of the model, its update (trained minus sent, every floating tensor,
+flattened in key order) masked with the train loss behind it: the server learns the weighted mean
+of both, nothing of one node."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import RecordDict
+
+from florist.client.node import Node, Request
+from florist.common import privacy, protocol, secagg
+from florist.common import secagg_records as records
+
+STATE = "secagg"  # the node's run state of the round in progress
+
+
+def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
+    """The `train.secagg` reply for a training handler's `reply` to `request`: this round's shares
+    from the others kept, and, in place of the trained model, its update masked (`masked_update`)."""
+    state = recall(node)
+    ciphertexts = records.by_id(request.content, f"node {node.key}: the server's shares")
+    sent = node.received_model(request).state_dict()
+    # The node's own model, unchecked against MAX_MAGNITUDE: whatever it holds, the update is clipped
+    # (dp-clip, or each value to secagg-clip) before it leaves; a non-finite value is refused by node_mask.
+    trained = reply.array_records[protocol.ARRAYS].to_torch_state_dict()
+    metrics = reply.metric_records[protocol.METRICS]
+    loss = float(metrics["train-loss"]) * state.setup.clip / records.LOSS_RANGE
+    vector, weight = masked_update(node, sent, trained, loss, metrics["num-examples"])
+    state, masked, _ = secagg.node_mask(state, ciphertexts, vector, min(weight, state.setup.max_weight))
+    keep(node, state)
+    content = protocol.content(metrics={})
+    content[records.SECAGG] = records.masked_record(masked)
+    return content
+
+
+def masked_update(
+    node: Node, sent: Mapping, trained: Mapping, loss: float, examples: float
+) -> tuple[np.ndarray, float]:
+    """(what the node masks, its weight): the update as one float64 vector with the train loss and
+    the dp-clipped flag behind it. Under `dp = "central"` the node clips its own update to dp-clip
+    (the server never sees it), and under any `dp` every node weighs 1, as DP-FedAvg's
+    sensitivity needs; otherwise its example count, at most its train split (the num-train it reported
+    at discovery, the server's cap in the clear: kNN-Per's phase 2 also trains on validation) and,
+    by the caller, at most max-weight."""
+    delta = privacy.update(trained, sent)
+    cut = False
+    if node.cfg.dp == "central":
+        delta, cut = privacy.clip(delta, node.cfg.dp_clip)
+    weight = 1.0 if node.cfg.dp != "none" else float(min(examples, len(node.data.x_train)))  # as discovery said
+    return np.concatenate([records.flatten(delta), [loss, float(cut)]]), weight
+
+
+def keep(node: Node, state: secagg.NodeState) -> None:
+    """Keep this node's secrets of the round in progress until its next message."""
+    node.state.remember(STATE, {}, round=node.server_round, **state.to_record())
+
+
+def recall(node: Node) -> secagg.NodeState:
+    """This round's state (each `node_*` function checks it is at the stage before its own)."""
+    kept = node.state.recall(STATE)
+    if kept is None or kept[1].get("round") != node.server_round:
+        raise ValueError(f"node {node.key}: no secure-aggregation state of round {node.server_round}: refusing")
+    return secagg.NodeState.from_record(kept[1])

@@ -1,0 +1,143 @@
+"""The server's side of secure aggregation (`secure-aggregation = "secaggplus"`,
+docs/secure-aggregation.md): a training round as four exchanges, each a thin shell around
+`florist/common/secagg.py`'s `server_*` function. What comes back is the weighted mean of the
+nodes' flat updates, and who took part; never one node's update.
+
+A node whose reply is missing, late or malformed is left out of its stage, as in any exchange; the
+round goes on while the threshold remains. Below it, or when the protocol itself refuses (a setup
+the round's node count does not allow, shares that do not rebuild a secret), the round stops in one
+line and the run stops with its earlier rounds kept, resumable, as a round too few nodes answered."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, RecordDict
+
+from florist.common import protocol, secagg
+from florist.common import secagg_records as records
+from florist.common.spec import Exchange
+from florist.server.strategy import NodeInfo, ServerStrategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What the server learns from a secure round."""
+
+    mean: np.ndarray  # Σ w·x / Σ w of the survivors' flat vectors (float64)
+    weight_sum: float  # Σ w, each rounded to W / 2^bits
+    clipped: int  # values clipped to [-secagg-clip, secagg-clip], over all survivors
+    survivors: list[NodeInfo]
+    dropped: list[NodeInfo]  # shared their keys, sent no masked vector
+
+    def row(self) -> dict[str, Any]:
+        """The round's results fields."""
+        return {
+            "secagg_survivors": len(self.survivors),
+            "secagg_dropped": [n.key for n in self.dropped],
+            "secagg_clipped": self.clipped,
+        }
+
+
+def secure_round(
+    strategy: ServerStrategy,
+    exchanges: tuple[Exchange, Exchange, Exchange, Exchange],
+    nodes: list[NodeInfo],
+    server_round: int,
+    model: ArrayRecord,
+    size: int,
+    max_weight: float,
+) -> Outcome:
+    """Run the four stages (`exchanges`: setup, share keys, train and mask, unmask) with `nodes`,
+    sending `model` to train; `size`: the length of the vector each node masks."""
+    cfg = strategy.cfg
+    try:
+        setup = secagg.SecAggSetup.for_nodes(
+            len(nodes),
+            cfg.secagg_threshold or None,
+            clip=float(cfg.secagg_clip),
+            bits=cfg.secagg_bits,
+            max_weight=float(max_weight),
+        )
+        return _stages(strategy, exchanges, nodes, server_round, model, size, setup)
+    except ValueError as err:  # BelowThreshold, a setup this round cannot have, a secret that does not rebuild
+        kept = f"rounds 1-{server_round - 1} are" if server_round > 1 else "its start is"
+        raise RuntimeError(
+            f"round {server_round}: {err}. The run stops; {kept} kept in {cfg.results_dir}: continue it with "
+            f"--resume {cfg.results_dir} once enough nodes are back"
+        ) from None
+
+
+def _stages(strategy, exchanges, nodes, server_round, model, size, setup) -> Outcome:
+    keys_x, shares_x, train_x, unmask_x = exchanges
+    ids = {n.node_id: i for i, n in enumerate(sorted(nodes, key=lambda n: n.node_id), 1)}
+    info = {ids[n.node_id]: n for n in nodes}
+
+    def ask(exchange, values: Mapping[int, dict], read: Callable, arrays=None, expect=None) -> dict[int, Any]:
+        """Each node (by SecAgg id) its request with `values`; the replies `read` accepts, by SecAgg id."""
+        requests = {
+            info[i].node_id: records.put(strategy.request(exchange, server_round, arrays), **v)
+            for i, v in values.items()
+        }
+        got = {}
+        trips = strategy.exchanger.round_trip(requests, exchange.message_type, server_round, expect)
+        for node_id, content in trips.items():
+            try:
+                got[ids[node_id]] = read(ids[node_id], content, strategy.exchanger.name(node_id))
+            except protocol.ProtocolError as err:
+                strategy.exchanger.fail(node_id, exchange.message_type, server_round, str(err))
+        return got
+
+    public = ask(keys_x, {i: records.setup_values(i, setup) for i in info}, _own_keys)
+    state, public = secagg.server_keys(setup, public)
+    sent = ask(shares_x, dict.fromkeys(public, records.keys_values(public)), _shares_for(set(public)))
+    state, routed = secagg.server_route_shares(state, sent)
+    reference = {records.MASKED: torch.zeros(size + secagg.HEADER, dtype=torch.uint32)}
+    vectors = ask(
+        train_x,
+        {i: records.id_values(c) for i, c in routed.items()},
+        lambda _, content, source: _masked(content, source, reference),
+        arrays=model,
+        expect={records.SECAGG: reference},
+    )
+    state, (survivors, dropped) = secagg.server_collect_masked(state, vectors)
+    unmask = records.unmask_values(survivors, dropped)
+    shares = ask(unmask_x, dict.fromkeys(survivors, unmask), lambda _, content, source: records.by_id(content, source))
+    result = secagg.server_aggregate(state, shares)
+    return Outcome(
+        result.mean,
+        result.weight_sum,
+        result.clipped,
+        [info[i] for i in result.survivors],
+        [info[i] for i in result.dropped],
+    )
+
+
+def _own_keys(node: int, content: RecordDict, source: str) -> secagg.KeyPair:
+    """A setup reply: one key pair, under the node's own SecAgg id."""
+    keys = records.keys_of(content, source)
+    if list(keys) != [node]:
+        raise protocol.ProtocolError(f"{source}: sent keys for SecAgg ids {list(keys)[:3]}, not its own, {node}")
+    return keys[node]
+
+
+def _shares_for(public: set[int]) -> Callable[[int, RecordDict, str], dict[int, bytes]]:
+    def read(node: int, content: RecordDict, source: str) -> dict[int, bytes]:
+        """A share-keys reply: one ciphertext for each other node that sent keys."""
+        sent = records.by_id(content, source)
+        if set(sent) != public - {node}:
+            raise protocol.ProtocolError(
+                f"{source}: sent shares for {len(sent)} nodes, not the {len(public) - 1} others"
+            )
+        return sent
+
+    return read
+
+
+def _masked(content: RecordDict, source: str, reference: Mapping[str, torch.Tensor]) -> np.ndarray:
+    """A train-and-mask reply's masked vector: one uint32 array of the expected length."""
+    return protocol.arrays_of(content, reference, source, key=records.SECAGG)[records.MASKED].numpy()
