@@ -13,7 +13,7 @@ from florist.apps.registry import STRATEGIES
 from florist.config import RunConfig
 from florist.server import loop
 from florist.server.loop import RoundCallback
-from florist.server.results import Results, check_results_dir
+from florist.server.results import Results, check_results_dir, note_error
 from florist.server.strategy import ServerStrategy
 from florist.server.tracking import check_installed
 from florist.strategies.fedattn.server import FedAttn
@@ -45,8 +45,13 @@ def server_half(name: str) -> type[ServerStrategy]:
 
 
 def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_id: int = 0) -> Results:
-    """The whole run of `cfg` on `grid`, by its strategy's server half (`loop.run`)."""
-    return loop.run(grid, cfg, server_half(cfg.strategy), on_round, run_id)
+    """The whole run of `cfg` on `grid`, by its strategy's server half (`loop.run`); a run that
+    stops says why in its results.json too (`error`: deploy-local reads it there)."""
+    try:
+        return loop.run(grid, cfg, server_half(cfg.strategy), on_round, run_id)
+    except Exception as err:  # a stop florist explains in one line, or anything else that ended the run
+        note_error(cfg.results_dir, str(err) or type(err).__name__)
+        raise
 
 
 def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundCallback | None = None) -> ServerApp:

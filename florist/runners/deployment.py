@@ -64,4 +64,7 @@ def deploy_local(launch: Launch, federation: Federation, events: Events) -> dict
         raise Interrupted(saved, results_dir) from None
     if rc != 0 or not results_file.exists():
         raise RuntimeError(f"the run failed (flwr run exited {rc}); logs in {workdir / 'logs'}")
-    return json.loads(results_file.read_text())
+    results = json.loads(results_file.read_text())
+    if not results.get("complete"):  # Flower's `flwr run` exits 0 when the ServerApp raised
+        raise RuntimeError(results.get("error") or f"the run stopped before its end; logs in {workdir / 'logs'}")
+    return results

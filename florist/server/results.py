@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from florist.common import protocol
 from florist.common.metrics import summarize
 from florist.common.storage import atomic_write
 from florist.config import RunConfig
@@ -108,6 +109,18 @@ class Results:
 
         self.save()
         write_report(self.to_json(), self.folder, self.section)
+
+
+def note_error(results_dir: str, error: str) -> None:
+    """Write why a run stopped into its results.json (`error`), where a deployed run's driver
+    (`florist deploy-local`, which sees only `flwr run`'s exit) finds it; nothing when the run
+    wrote none. A resumed run that ends writes its results whole, without it."""
+    path = Path(results_dir).expanduser() / "results.json"
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    atomic_write(path, lambda f: f.write(_dumps(results | {"error": protocol.one_line(error)})))
 
 
 def round_accuracy(rounds: list[dict[str, Any]]) -> dict[str, float | int | None]:
