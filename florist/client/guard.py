@@ -192,6 +192,21 @@ def own_paths(values: Mapping[str, Any], node_config: Mapping[str, Any], who: st
     return values
 
 
+PRIVACY_KEYS = ("dp", "dp-clip", "dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-noise-seed")
+
+
+def own_privacy(values: Mapping[str, Any], node_config: Mapping[str, Any], who: str) -> dict[str, Any]:
+    """The server's settings `values` with the node's own differential privacy in place of the
+    server's (`dp = "local"` is a promise a node makes itself: the server can neither turn it
+    off nor weaken it); a node that does not trust its server draws its noise from the operating
+    system whatever `dp-noise-seed` the server sends (whoever knows the seed can subtract it)."""
+    values = dict(values) | {key: node_config[key] for key in PRIVACY_KEYS if key in node_config}
+    if not trusts_server(node_config) and "dp-noise-seed" not in node_config and values.get("dp-noise-seed"):
+        log.info("%s: the server's dp-noise-seed is ignored; this node draws its noise from the OS", who)
+        values["dp-noise-seed"] = 0
+    return values
+
+
 def own_hardware(values: Mapping[str, Any], node_config: Mapping[str, Any], who: str) -> dict[str, Any]:
     """The server's settings `values` with its `device` and `torch-threads` as this node takes
     them (see the module docstring); the node config's own values are applied later, and win."""

@@ -209,7 +209,8 @@ def _run_config(values: dict, node_config: dict, key: str) -> RunConfig:
     hardware (`guard.own_paths`, `guard.own_hardware`), and refused, before anything is
     allocated, beyond its class or batch-size cap."""
     who, limits = f"node {key}", guard.Limits.of(node_config)
-    cfg = RunConfig.from_mapping(guard.own_hardware(guard.own_paths(values, node_config, who), node_config, who))
+    values = guard.own_privacy(guard.own_paths(values, node_config, who), node_config, who)
+    cfg = RunConfig.from_mapping(guard.own_hardware(values, node_config, who))
     limits.check_classes(cfg.num_classes, who)
     limits.check_batch_size(cfg.batch_size, who)
     return cfg

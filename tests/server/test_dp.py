@@ -148,3 +148,14 @@ def test_a_budget_that_stops_a_run_before_its_first_round_is_still_said():
 
     stop = "dp: round 1 would spend ε = 9 > dp-epsilon 1"
     assert privacy_lines({"rounds": [], "config": {}, "stopped": stop}) == [f"Training stopped early: {stop}.", ""]
+
+
+def test_a_nodes_own_local_dp_is_not_the_servers_to_turn_off_or_weaken():
+    from florist.client.node import _run_config
+
+    own = {"dp": "local", "dp-epsilon": 3.0}  # a box that does not trust its server
+    assert _run_config({"dp": "none"}, own, "box").dp == "local"  # the server cannot turn it off
+    weaker = _run_config({"dp": "local", "dp-epsilon": 50.0, "dp-noise-seed": 7}, own, "box")
+    assert (weaker.dp_epsilon, weaker.dp_noise_seed) == (3.0, 0)  # nor weaken it, nor pick noise it knows
+    trusting = _run_config({"dp": "local", "dp-epsilon": 8.0, "dp-noise-seed": 7}, {"trusted-server": True}, "p-0")
+    assert (trusting.dp_epsilon, trusting.dp_noise_seed) == (8.0, 7)  # a simulation's nodes take the server's
