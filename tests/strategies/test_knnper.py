@@ -43,7 +43,9 @@ def test_lambda_zero_scores_exactly_as_the_global_model_for_every_k(make_node, k
     """λ forced to 0 through the real datastore and its search: the test probabilities are the
     global model's bit for bit, which needs a finite N×C p_kNN for this k (10,000 is more than
     the store holds) even where σ is so small that every exp(−d/σ) underflows unshifted."""
-    node = make_node({"strategy": "knnper", "knn-ks": str(k), "knn-sigmas": "1e-5", "knn-kernel": "squared"})
+    node = make_node(
+        {"strategy": "knnper", "knn-select": "client", "knn-ks": str(k), "knn-sigmas": "1e-5", "knn-kernel": "squared"}
+    )
     model = node.new_model()
     scored = knnper.personalize(node, model, knnper.datastore_for(node, model, "v1"), lambdas=(0.0,))
     assert scored.choice.k == k and scored.choice.lam == 0.0
@@ -69,7 +71,7 @@ def test_lambda_one_is_the_knn_vote_over_the_train_and_validation_pairs(make_nod
     x, y = data.load_digits()
     train, rest = np.flatnonzero(y < 2)[:8], np.flatnonzero(y >= 2)[:8]
     tiny = data.ClientData(x[train], y[train], x[rest[:4]], np.full(4, 9), x[rest], y[rest], num_classes=10)
-    node = make_node({"strategy": "knnper", "knn-ks": "3", "knn-sigmas": "0.02"}, data=tiny)
+    node = make_node({"strategy": "knnper", "knn-select": "client", "knn-ks": "3", "knn-sigmas": "0.02"}, data=tiny)
     model = node.new_model()
     scored = knnper.personalize(node, model, knnper.datastore_for(node, model, "v1"), lambdas=(1.0,))
     stored = training.embed(model, np.concatenate([tiny.x_train, tiny.x_val]))
@@ -122,7 +124,7 @@ def test_the_evaluation_path_mixes_the_knn_even_at_lambda_zero(make_node, monkey
     """With λ = 0 chosen on validation (`choose`) or kept from phase 1 (`kept`), the test split
     is still scored through the kNN and the mixture: a poisoned p_kNN (NaN) must surface. A
     shortcut that skipped the search or the mixture at λ = 0 would return p_global instead."""
-    node = make_node({"strategy": "knnper", "knn-ks": "3"})
+    node = make_node({"strategy": "knnper", "knn-select": "client", "knn-ks": "3"})
     model = node.new_model()
     store = knnper.datastore_for(node, model, "v1")
     calls = []

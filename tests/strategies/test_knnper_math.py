@@ -86,7 +86,8 @@ def test_every_k_and_sigma_of_the_grid_is_the_float64_definition(make_node, clou
     """`proba_grid` searches FAISS once for the largest k and slices: each (k, σ) must equal the
     definition computed from scratch for that k and σ."""
     stored, labels, queries = cloud
-    node = make_node({"strategy": "knnper", "knn-kernel": kernel, "knn-ks": "1,4,9", "knn-sigmas": "0.5,2,8"})
+    values = {"knn-select": "client", "knn-kernel": kernel, "knn-ks": "1,4,9", "knn-sigmas": "0.5,2,8"}
+    node = make_node({"strategy": "knnper"} | values)
     store = Datastore(12)
     store.add(stored, labels)
     grid = knn.proba_grid(node, store, queries)

@@ -1,10 +1,11 @@
 """kNN-Per's client half: the global model from FedAvg, plus a local FAISS datastore of
 (features(x), y) pairs (`datastore.py`), mixed as λ·p_kNN + (1 − λ)·p_global.
 
-λ, k and σ are chosen per client on its validation split against the store of its train split:
-a validation point in the store would find itself, with its own label, and favour large λ. The
-test split is then scored with the validation pairs joined to a copy of that store, so it holds
-the client's whole training set, as the paper's does. The saved store never holds them.
+λ, k and σ are chosen per client (as `knn-select` says) on its validation split against the
+store of its train split: a validation point in the store would find itself, with its own
+label, and favour large λ. The test split is then scored with the validation pairs joined to a
+copy of that store, so it holds the client's whole training set, as the paper's does. The
+saved store never holds them.
 
 Under `knn-train-on-val`, phase 2 trains on train + validation, so a seen client's validation
 split no longer tells how well the global model generalizes: it keeps the choice made with
@@ -78,21 +79,29 @@ class Choice:
 
 
 def select(
-    p_global: np.ndarray, p_knn_by: dict[tuple[int, float], np.ndarray], y: np.ndarray, lambdas=LAMBDA_GRID
+    p_global: np.ndarray,
+    p_knn_by: dict[tuple[int, float], np.ndarray],
+    y: np.ndarray,
+    lambdas=LAMBDA_GRID,
+    prior: tuple[float, int, float] | None = None,
+    prior_weight: float = 0.0,
 ) -> Choice:
     """The (λ, k, σ) with the best validation accuracy (`p_knn_by` maps (k, σ) to p_kNN); ties
-    broken by the lower validation log-loss, then by the smaller λ, k and σ.
-
-    Validation splits hold a few dozen samples, so many λ reach the same accuracy; the
-    log-loss separates them by how much probability lands on the true labels, which picks the
-    λ the data supports instead of defaulting to the smallest.
-    """
-    candidates = []
+    broken by the lower validation log-loss (a few dozen samples leave many λ tied: the log-loss
+    picks the λ the data support, not the smallest), then by the smaller λ, k and σ. With a
+    `prior` (λ, k, σ) the accuracy is shrunk toward it, (n·accuracy + n0·1{prior}) / (n + n0) for
+    n validation samples and n0 = `prior_weight`: another candidate must get more than n0 more
+    right, so a dozen digits keep the prior and a large split follows its own best."""
+    if prior is not None and (prior[1], prior[2]) not in p_knn_by:
+        raise ValueError(f"the prior (λ, k, σ) = {prior} needs p_kNN for k = {prior[1]}, σ = {prior[2]}")
+    ranked = []
     for (k, sigma), p_knn in sorted(p_knn_by.items()):
-        for lam in lambdas:
+        for lam in sorted(set(lambdas) | ({prior[0]} if prior is not None else set())):
             p = mix(p_knn, p_global, lam)
-            candidates.append(Choice(lam, k, float((p.argmax(1) == y).mean()), log_loss(p, y), sigma))
-    return min(candidates, key=lambda c: (-c.accuracy, c.loss, c.lam, c.k, c.sigma))
+            c = Choice(lam, k, float((p.argmax(1) == y).mean()), log_loss(p, y), sigma)
+            is_prior = (lam, k, sigma) == prior
+            ranked.append(((-(len(y) * c.accuracy + prior_weight * is_prior), not is_prior, c.loss, lam, k, sigma), c))
+    return min(ranked)[1]
 
 
 def datastore_for(node: Node, model: Net, version: str) -> Datastore:
@@ -132,14 +141,13 @@ def stored_proba(node: Node, store: Datastore, embeddings: np.ndarray, k: int, s
 
 
 def proba_grid(node: Node, store: Datastore, embeddings: np.ndarray) -> dict[tuple[int, float], np.ndarray]:
-    """p_kNN for every (k, σ) of the grids, from one search for the largest k: FAISS returns
-    the neighbours nearest first, so the k nearest are the first k columns."""
+    """p_kNN for every (k, σ) a client chooses among (`knn-select`'s), from one search for the
+    largest k: FAISS returns the neighbours nearest first, so the k nearest are the first k columns."""
     knn = node.cfg.settings
-    distances, labels = store.search(embeddings, max(knn.k_grid))
+    distances, labels = store.search(embeddings, max(k for k, _ in knn.pairs))
     return {
         (k, sigma): knn_proba(distances[:, :k], labels[:, :k], node.cfg.num_classes, sigma, knn.kernel)
-        for k in knn.k_grid
-        for sigma in knn.sigma_grid
+        for k, sigma in knn.pairs
     }
 
 
@@ -159,11 +167,13 @@ class Scored:
 
 
 def choose(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID, emb_val: np.ndarray | None = None) -> Choice:
-    """(λ, k, σ) chosen on the validation split against `store` (the train split's)."""
-    d = node.data
+    """(λ, k, σ) chosen on the validation split against `store` (the train split's), as
+    `knn-select` says: under `shrunk` toward `knn-prior`."""
+    d, knn = node.data, node.cfg.settings
     emb_val = training.embed(model, d.x_val, device=node.device) if emb_val is None else emb_val
     p_global = training.predict_proba(model, d.x_val, device=node.device)
-    return select(p_global, proba_grid(node, store, emb_val), d.y_val, lambdas)
+    prior = knn.prior_choice if knn.select == "shrunk" else None
+    return select(p_global, proba_grid(node, store, emb_val), d.y_val, lambdas, prior, knn.prior_weight)
 
 
 def personalize(node: Node, model: Net, store: Datastore, lambdas=LAMBDA_GRID, choice: Choice | None = None) -> Scored:
