@@ -69,6 +69,7 @@ def _simulate(tmp_path, name, num_clients, client_app=None, **overrides):
         ("pefll", {"hn-standardize": True}),
         ("pefll", {"hn-encoder": "label-channels"}),
         ("pefll", {"hn-encoder": "slots"}),
+        ("pefll", {"hn-encoder": "paper"}),  # the authors' LeNet embedding, padded on the 8×8 digits
         ("odpfl", {"odpfl-normalize": "dp", "odpfl-psi": "mlp"}),  # the paper's: φ free, ψ learned
     ],
 )

@@ -34,6 +34,33 @@ def _trunk(in_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
     return nn.Flatten(), math.prod(in_shape)
 
 
+def _lenet_trunk(in_shape: tuple[int, int, int]) -> tuple[nn.Module, int]:
+    """The convolutions and first fully connected layer of the authors' CNNEmbed (PeFLL's
+    models.py, the LeNet of their target model): conv 16 5×5, ReLU, pool 2, conv 32 5×5, ReLU,
+    pool 2, FC 120, ReLU. Images under 16 pixels a side (the 8×8 digits) would have nothing
+    left after two unpadded 5×5 convolutions: there each pads by 2 (8×8 → 2×2 maps), florist's."""
+    pad = 0 if min(in_shape[1:]) >= 16 else 2
+    convs = nn.Sequential(
+        nn.Conv2d(in_shape[0], 16, 5, padding=pad),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 5, padding=pad),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
+    with torch.no_grad():
+        width = convs(torch.zeros(1, *in_shape)).shape[1]
+    return nn.Sequential(convs, nn.Linear(width, 120), nn.ReLU()), 120
+
+
+def _mlp(width: int, hidden: tuple[int, ...], out: int) -> nn.Sequential:
+    """Fully connected layers of the given hidden widths with a ReLU after each but the last."""
+    sizes = (width, *hidden)
+    layers = [m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU())]
+    return nn.Sequential(*layers, nn.Linear(sizes[-1], out))
+
+
 class Encoder(nn.Module):
     """A per-sample network whose mean over a client's samples, read out by ψ (`readout`, the
     identity unless a subclass says otherwise), is the client's descriptor."""
@@ -55,8 +82,8 @@ class Encoder(nn.Module):
 
 
 class EmbeddingNet(Encoder):
-    """PeFLL's φ(x, y), one of three networks (`hn-encoder`), each ending in two fully connected
-    layers with a ReLU between them; the descriptor is the mean of φ over the samples.
+    """PeFLL's φ(x, y), one of four networks (`hn-encoder`); the descriptor is the mean of φ
+    over the samples.
 
     - `label-channels` (default): the one-hot label as constant image channels beside x, then
       OD-PFL's conv trunk, as the authors' CNNEmbed (`--embed-y`); vectors: x joined with the
@@ -69,8 +96,13 @@ class EmbeddingNet(Encoder):
       things (`relabel:K`), where the others do not within tens of rounds, but clients that
       never trained fare worse on label skew (one held-out client of eight at 22 % on a
       2-class split), most of all at a large server step.
-    The ReLU comes before the mean, so no variant is a function of each label's mean sample
-    alone. florist's networks, not the paper's."""
+    - `paper`: the authors' CNNEmbed layer for layer (the label as image channels, then a
+      LeNet: `_lenet_trunk`, FC 84, ReLU, FC l); vectors: the authors' MLP embedding (x joined
+      with the one-hot label, two hidden layers of 20, their `--embed-nlayers 3 --embed-hid 20`),
+      which their script defines but uses for no data set.
+    The first three end in two fully connected layers (hidden width 64) with a ReLU between
+    them, and are florist's networks, not the paper's. In every one a ReLU comes before the
+    mean, so none is a function of each label's mean sample alone."""
 
     uses_labels = True
     kinds = ENCODERS
@@ -88,7 +120,12 @@ class EmbeddingNet(Encoder):
             raise ValueError(f"hn-encoder must be one of {', '.join(self.kinds)}, got {kind!r}")
         self.num_classes, self.kind = num_classes, kind
         image = len(in_shape) == 3
-        if kind == "slots" and image:
+        widths = (hidden,)
+        if kind == "paper" and image:
+            (self.body, width), widths = _lenet_trunk((in_shape[0] + num_classes, *in_shape[1:])), (84,)
+        elif kind == "paper":
+            self.body, width, widths = nn.Flatten(), math.prod(in_shape) + num_classes, (20, 20)
+        elif kind == "slots" and image:
             side = (min(in_shape[1], 8), min(in_shape[2], 8))
             self.body, width = nn.Sequential(nn.AdaptiveAvgPool2d(side), nn.Flatten()), in_shape[0] * math.prod(side)
             width *= num_classes
@@ -99,13 +136,13 @@ class EmbeddingNet(Encoder):
         else:  # trunk, or label-channels on vectors: the features joined with the label
             self.body, width = _trunk(in_shape)
             width += num_classes
-        self.head = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim))
+        self.head = _mlp(width, widths, embed_dim)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         label = F.one_hot(y, self.num_classes).to(x.dtype)
         if self.kind == "slots":
             features = (self.body(x).unsqueeze(1) * label.unsqueeze(2)).flatten(1)
-        elif self.kind == "label-channels" and x.dim() == 4:
+        elif self.kind in ("label-channels", "paper") and x.dim() == 4:
             planes = label[:, :, None, None].expand(-1, -1, *x.shape[2:])
             features = self.body(torch.cat([x, planes], dim=1))
         else:
@@ -229,6 +266,8 @@ def _median(x: torch.Tensor) -> torch.Tensor:
 
 
 def default_embed_dim(num_train_clients: int) -> int:
-    """The descriptor size l = 1 + n/4 of pFedHN's code (the PeFLL paper states l = n/4; the
-    1 keeps l >= 1 for fewer than four clients)."""
+    """The descriptor size l = 1 + n/4, n the training clients, as pFedHN's code. The PeFLL
+    paper states l = n/4; the authors' script takes int(1 + N/4) over all N clients, held-out
+    ones included (26 for their 100). florist counts the clients h learns from, and the 1 keeps
+    l >= 1 for fewer than four; `hn-embed-dim` sets any other."""
     return 1 + num_train_clients // 4

@@ -20,7 +20,7 @@ from florist.common.settings import Settings, setting
 from florist.common.spec import Exchange, StrategySpec
 
 DESCRIPTOR = "descriptor"  # the array key of v (up, exchange 1) and of Δv (down, exchange 3)
-ENCODERS = ("label-channels", "trunk", "slots")  # PeFLL's embedding networks (`networks.EmbeddingNet`)
+ENCODERS = ("label-channels", "trunk", "slots", "paper")  # PeFLL's embedding networks (`networks.EmbeddingNet`)
 OPTIMIZERS = ("sgd", "adam", "adamw")  # the server's step on the pseudo-gradient −mean Δη
 
 
@@ -31,7 +31,7 @@ class HyperNetSettings(Settings):
     batch: int = setting(32)  # samples per descriptor while training (OD-PFL encodes all)
     local_steps: int = setting(50)  # client SGD steps k per round
     hidden: int = setting(100, server=True)  # hypernetwork hidden width
-    encoder: str = setting("label-channels")  # PeFLL's φ: label-channels | trunk | slots (networks.EmbeddingNet)
+    encoder: str = setting("label-channels")  # PeFLL's φ, one of ENCODERS (networks.EmbeddingNet)
     optimizer: str = setting("adamw", server=True)  # adamw (florist's) | adam (the authors') | sgd (Alg. 2)
     server_lr: float = setting(5e-3, server=True)  # server step s (Algorithm 2's β is the clients' step)
     grad_clip: float = setting(0.0, server=True)  # max norm of the server's update direction (0: off)
