@@ -82,3 +82,22 @@ def make_node(tmp_path):
         return Node(key, seen, run_id, server_round, cfg, data, state, node_config)
 
     return make
+
+
+@pytest.fixture
+def refuses_in_one_line(tmp_path, capsys):
+    """`refuses_in_one_line(argv, expected)`: `florist simulate --runtime in-process ARGV` stops
+    within 5 s, exit 2, in one line (and the `--help` hint) holding `expected`, no traceback."""
+    import time
+
+    from florist.cli import main
+
+    def check(argv: list[str], expected: str) -> None:
+        began = time.monotonic()
+        code = main(["simulate", "--runtime", "in-process", *argv, "--results-dir", str(tmp_path / "r")])
+        err = capsys.readouterr().err
+        assert code == 2 and time.monotonic() - began < 5, err
+        lines = err.strip().splitlines()
+        assert len(lines) <= 2 and "Traceback" not in err and expected in lines[0], err
+
+    return check
