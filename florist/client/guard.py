@@ -197,10 +197,24 @@ PRIVACY_KEYS = ("dp", "dp-clip", "dp-epsilon", "dp-delta", "dp-noise-multiplier"
 
 def own_privacy(values: Mapping[str, Any], node_config: Mapping[str, Any], who: str) -> dict[str, Any]:
     """The server's settings `values` with the node's own differential privacy in place of the
-    server's (`dp = "local"` is a promise a node makes itself: the server can neither turn it
-    off nor weaken it); a node that does not trust its server draws its noise from the operating
-    system whatever `dp-noise-seed` the server sends (whoever knows the seed can subtract it)."""
-    values = dict(values) | {key: node_config[key] for key in PRIVACY_KEYS if key in node_config}
+    server's. A node config that sets `dp` is a promise the node makes itself: none of the
+    server's privacy settings apply then (what it does not set takes the defaults), so the server
+    can neither turn it off nor weaken it; under secure aggregation, whose noise and weights the
+    server sizes for every node alike, a node whose own settings differ from the server's is
+    refused in one line. A node that does not trust its server draws its noise from the
+    operating system whatever `dp-noise-seed` the server sends (whoever knows it can subtract it)."""
+    mine = {key: node_config[key] for key in PRIVACY_KEYS if key in node_config}
+    values = dict(values)
+    if "dp" in mine:
+        differ = sorted(k for k, v in mine.items() if k in values and values[k] != v)
+        if values.get("secure-aggregation", "none") != "none" and (differ or values.get("dp", "none") != mine["dp"]):
+            raise Refused(
+                f"{who}: its own {', '.join(differ or ['dp'])} differ from the server's under secure aggregation, "
+                "which sizes every node's noise and weight alike; leave dp out of this node's --node-config, or match "
+                "the run"
+            )
+        values = {key: v for key, v in values.items() if key not in PRIVACY_KEYS}
+    values |= mine
     if not trusts_server(node_config) and "dp-noise-seed" not in node_config and values.get("dp-noise-seed"):
         log.info("%s: the server's dp-noise-seed is ignored; this node draws its noise from the OS", who)
         values["dp-noise-seed"] = 0

@@ -18,6 +18,7 @@ from florist.runners.federation import node_configs
 from florist.runners.launch import Events, Federation, Launch
 from florist.runners.preflight import configure
 from florist.runners.simulation import Interrupted
+from florist.server.results import note_error
 
 
 def deploy_local(launch: Launch, federation: Federation, events: Events) -> dict[str, Any]:
@@ -56,6 +57,8 @@ def deploy_local(launch: Launch, federation: Federation, events: Events) -> dict
             events.federation(fed.describe(submit=False))
             if not cfg.resume_from:
                 results_file.unlink(missing_ok=True)
+            else:  # why the last attempt stopped is not why this one might
+                note_error(str(results_dir), None)
             rc = subprocess.run(
                 fed.run_command(cfg.to_mapping(), app), env=fed.env, cwd=workdir, start_new_session=True
             ).returncode

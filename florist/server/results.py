@@ -111,16 +111,17 @@ class Results:
         write_report(self.to_json(), self.folder, self.section)
 
 
-def note_error(results_dir: str, error: str) -> None:
+def note_error(results_dir: str, error: str | None) -> None:
     """Write why a run stopped into its results.json (`error`), where a deployed run's driver
-    (`florist deploy-local`, which sees only `flwr run`'s exit) finds it; nothing when the run
-    wrote none. A resumed run that ends writes its results whole, without it."""
+    (`florist deploy-local`, which sees only `flwr run`'s exit) finds it; None takes it out again
+    (a run about to resume). Nothing when the run wrote no results.json."""
     path = Path(results_dir).expanduser() / "results.json"
     try:
         results = json.loads(path.read_text())
     except (OSError, ValueError):
         return
-    atomic_write(path, lambda f: f.write(_dumps(results | {"error": protocol.one_line(error)})))
+    results.pop("error", None)
+    atomic_write(path, lambda f: f.write(_dumps(results | ({"error": protocol.one_line(error)} if error else {}))))
 
 
 def round_accuracy(rounds: list[dict[str, Any]]) -> dict[str, float | int | None]:

@@ -51,14 +51,13 @@ def test_deploy_local_with_flowers_own_executor_runs_fedavg_over_grpc(tmp_path):
 
 def test_a_deployed_run_that_stops_midway_is_one_line_and_exit_2(tmp_path, capsys):
     """Flower's `flwr run` exits 0 when the ServerApp raises; deploy-local reads why the run
-    stopped from its results.json and says it in one line (secure aggregation's threshold of 3
-    cannot be met by the round's 2 nodes)."""
+    stopped from its results.json and says it in one line (a round timeout of 10 ms: no node
+    answers in time, or the SuperLink refuses messages that expire at once)."""
     args = ["deploy-local", "--num-nodes", "2", "--rounds", "2", "--results-dir", str(tmp_path / "out")]
-    assert main([*args, "--run-config", 'secure-aggregation="secaggplus" secagg-threshold=3']) == 2
+    assert main([*args, "--run-config", "round-timeout=0.01"]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("florist: error: round 1: ") and "threshold" in last, last
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert not results["complete"] and results["error"] == last.removeprefix("florist: error: ")
+    assert not results["complete"] and last == f"florist: error: {results['error']}", last
 
 
 def test_unreachable_superlink_gives_up_with_a_clear_error(tmp_path):

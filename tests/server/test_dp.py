@@ -141,11 +141,30 @@ def test_a_budget_that_stops_a_run_before_its_first_round_is_still_said():
 
 
 def test_a_nodes_own_local_dp_is_not_the_servers_to_turn_off_or_weaken():
+    from florist.client.guard import Refused
     from florist.client.node import _run_config
 
     own = {"dp": "local", "dp-epsilon": 3.0}  # a box that does not trust its server
     assert _run_config({"dp": "none"}, own, "box").dp == "local"  # the server cannot turn it off
-    weaker = _run_config({"dp": "local", "dp-epsilon": 50.0, "dp-noise-seed": 7}, own, "box")
-    assert (weaker.dp_epsilon, weaker.dp_noise_seed) == (3.0, 0)  # nor weaken it, nor pick noise it knows
-    trusting = _run_config({"dp": "local", "dp-epsilon": 8.0, "dp-noise-seed": 7}, {"trusted-server": True}, "p-0")
-    assert (trusting.dp_epsilon, trusting.dp_noise_seed) == (8.0, 7)  # a simulation's nodes take the server's
+    server = {"dp": "local", "dp-epsilon": 50.0, "dp-noise-multiplier": 1e-4, "dp-noise-seed": 7}
+    weaker = _run_config(server, own, "box")  # nor weaken it (ε, σ), nor pick noise it knows
+    assert (weaker.dp_epsilon, weaker.dp_noise_multiplier, weaker.dp_noise_seed) == (3.0, 0.0, 0)
+    trusting = _run_config(server, {"trusted-server": True}, "p-0")  # a simulation's nodes take the server's
+    assert (trusting.dp_epsilon, trusting.dp_noise_seed) == (50.0, 7)
+    secure = {"secure-aggregation": "secaggplus", "dp": "central", "dp-epsilon": 3.0}
+    with pytest.raises(Refused, match="its own dp differ from the server's under secure aggregation"):
+        _run_config(secure, own, "box")
+    assert _run_config(secure, {"dp": "central", "dp-epsilon": 3.0}, "box").dp == "central"  # the same: fine
+
+
+def test_a_local_dp_node_stops_training_once_its_own_budget_is_spent(make_node):
+    """A server that says 1 round (so σ is sized for one) cannot make the node spend more."""
+    from florist.strategies.fedavg.client import local_dp
+
+    node = make_node({"dp": "local", "dp-epsilon": 3.0, "num-server-rounds": 1}, server_round=1)
+    start = node.new_model().state_dict()
+    local_dp(node, start, start)
+    local_dp(node, start, start)  # the same round again (a retry): nothing more spent
+    node.server_round = 2
+    with pytest.raises(ValueError, match=r"round 2 would spend ε = .* > its dp-epsilon 3 \(1 rounds noised\)"):
+        local_dp(node, start, start)

@@ -177,6 +177,8 @@ REFUSED = {
     "clip-norm": (["clip-norm=1.0"], "the server never sees an update to clip"),
     "unknown mode": (['secure-aggregation="secagg"'], "secure-aggregation must be one of none, secaggplus"),
     "bits": (["secagg-bits=31"], "secagg-bits must be in [1, 30]"),
+    "a threshold no round can meet": (["secagg-threshold=40"], "threshold"),  # before the run, not at round 1
+    "bits a round's sum overflows": (["secagg-bits=30"], "overflow the 2^32 field"),
     "key without it": (
         ['secure-aggregation="none" secagg-clip=2.0'],
         'act only with secure-aggregation = "secaggplus"',

@@ -6,6 +6,7 @@ fine-tuning a copy on the train split. Under `secure-aggregation`, answer its fo
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Mapping
 
 from flwr.app import RecordDict
@@ -37,9 +38,20 @@ def train(node: Node, request: Request) -> RecordDict:
 def local_dp(node: Node, start: dict, trained: dict) -> dict:
     """`trained` as the node sends it under `dp = "local"`: its update clipped to dp-clip and
     noised with the σ that spends dp-epsilon over num-server-rounds rounds of this node's
-    (q = 1: its own data, every round it takes part in), or dp-noise-multiplier."""
+    (q = 1: its own data, every round it takes part in), or dp-noise-multiplier. The node counts
+    the rounds it noised in this run (its state folder: a resumed run's too) and trains no more
+    once another would spend more than dp-epsilon, whatever num-server-rounds the server said."""
+    plan = privacy.Plan.of(node.cfg)
+    name = f"local-dp-rounds-{node.run_id}"
+    rounds = sorted({*(node.state.load_json(name) or []), node.server_round})
+    if math.isfinite(plan.cap) and plan.spent(len(rounds)) > plan.cap * (1 + 1e-9):
+        raise ValueError(
+            f"node {node.key}: local dp: round {node.server_round} would spend ε = {plan.spent(len(rounds)):.3g} "
+            f"> its dp-epsilon {plan.cap:g} ({len(rounds) - 1} rounds noised); it trains no more in this run"
+        )
+    node.state.save_json(name, rounds)
     rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))
-    return privacy.local_update(start, trained, privacy.Plan.of(node.cfg), rng)
+    return privacy.local_update(start, trained, plan, rng)
 
 
 def evaluate(node: Node, request: Request) -> RecordDict:

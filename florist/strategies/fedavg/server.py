@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from florist.common import packing, privacy, protocol
+from florist.common import packing, privacy, protocol, secagg
 from florist.common import secagg_records as records
 from florist.common.models import Net
 from florist.common.spec import Exchange
@@ -47,6 +47,13 @@ class FedAvg(ServerStrategy):
         self.privacy = plan(self.cfg, self.sample_size(self.num_seen) / max(1, self.num_seen))
         self.private_rounds = 0  # rounds aggregated under `dp`: what the accountant composes
         self.secure = self.cfg.secure_aggregation != "none"
+        if self.secure:  # a setup no round of this run can have is refused before the run, not at round 1
+            secagg.SecAggSetup.for_nodes(
+                self.sample_size(self.num_seen),
+                self.cfg.secagg_threshold or None,
+                clip=self.cfg.secagg_clip,
+                bits=self.cfg.secagg_bits,
+            )
         if self.secure and type(self).train_round is not FedAvg.train_round:
             raise ValueError(
                 f"secure-aggregation: strategy {self.cfg.strategy!r} trains in its own train_round, which sends "
