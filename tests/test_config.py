@@ -60,3 +60,14 @@ def test_overrides_parse_like_flwr_run():
     cfg = RunConfig.from_mapping(values)
     assert (cfg.strategy, cfg.lr, cfg.num_server_rounds) == ("local", 0.1, 3)
     assert RunConfig.from_mapping({"lr": 1}).lr == 1.0
+
+
+def test_a_run_config_reads_back_from_results_json_as_it_was():
+    """results.json writes an infinite setting (dp-epsilon's default) as null: JSON has no inf."""
+    import json
+
+    from florist.server.results import jsonable
+
+    for cfg in (RunConfig(), RunConfig.from_mapping({"strategy": "odpfl", "dp-epsilon": 2.0})):
+        written = json.loads(json.dumps(jsonable(cfg.to_mapping())))
+        assert RunConfig.from_mapping(written) == cfg

@@ -7,6 +7,7 @@ override it. The run's common settings (`florist/config.py`) and each strategy's
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -46,7 +47,9 @@ class Settings:
         `strict`, a missing key is an error), type-checked and validated."""
         kwargs = {}
         for key, f in cls.fields():
-            if key in values:
+            if key in values and values[key] is None and isinstance(f.default, float) and math.isinf(f.default):
+                kwargs[f.name] = f.default  # results.json writes an infinite default (dp-epsilon) as null
+            elif key in values:
                 kwargs[f.name] = coerce(key, values[key], type(f.default))
             elif strict:
                 raise ValueError(f"setting {key!r} is missing")

@@ -104,8 +104,8 @@ def run_config(kept: Kept) -> RunConfig:
 def read(path: str | Path, num_classes: int, cfg: RunConfig | None = None) -> Samples:
     """Samples from `path`: an .npz (array x, optional y), one image, or a data folder as `florist
     join --data-dir` reads it (its test split: test.npz, or as the node splits train/ and test/,
-    by `cfg`), else a folder of images (class folders, labelled, or loose images), all of them;
-    images decoded as `cfg` says (`run_config`)."""
+    by `cfg`; a test/ alone whole), else a folder of images (class folders, labelled, or loose
+    images), all of them; images decoded as `cfg` says (`run_config`)."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
     cfg = cfg or RunConfig()
@@ -114,9 +114,11 @@ def read(path: str | Path, num_classes: int, cfg: RunConfig | None = None) -> Sa
     if where.is_dir():
         if (where / "test.npz").exists() or (where / "train.npz").exists():
             where = where / "test.npz"
-        elif (where / "test").is_dir() or (where / "train").is_dir():
+        elif (where / "train").is_dir():  # the test split its node has (labels numbered over both trees)
             data = folders.folder_client(where, num_classes, cfg.seed, cfg.val_fraction, images, cfg.test_fraction)
             return Samples(data.x_test, data.y_test, f"{where}'s test split")
+        elif (where / "test").is_dir():  # a test/ alone: all of it
+            return Samples(*folders.read_image_folder(where / "test", num_classes, images), f"{where / 'test'}")
         else:
             return Samples(*folders.read_image_folder(where, num_classes, images), str(where))
     elif not where.exists():

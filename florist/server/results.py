@@ -114,11 +114,14 @@ class Results:
 def note_error(results_dir: str, error: str | None) -> None:
     """Write why a run stopped into its results.json (`error`), where a deployed run's driver
     (`florist deploy-local`, which sees only `flwr run`'s exit) finds it; None takes it out again
-    (a run about to resume). Nothing when the run wrote no results.json."""
+    (a run about to resume). Nothing when the run wrote no results.json, or complete ones (a
+    resume of a finished run that fails leaves them as they were)."""
     path = Path(results_dir).expanduser() / "results.json"
     try:
         results = json.loads(path.read_text())
     except (OSError, ValueError):
+        return
+    if results.get("complete"):
         return
     results.pop("error", None)
     atomic_write(path, lambda f: f.write(_dumps(results | ({"error": protocol.one_line(error)} if error else {}))))
