@@ -79,7 +79,7 @@ def noise_multiplier(target: float, delta: float, q: float, rounds: int) -> floa
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A run's differential privacy: `mode` (none | central | local), the clip bound C, the
-    noise multiplier σ (given, or calibrated to spend `cap` over `rounds`), δ, the ε the run may
+    noise multiplier σ (given, or calibrated to spend `cap` over num-server-rounds), δ, the ε the run may
     spend (inf: no cap), and the rate q at which a round takes a node's data (1 for `local`: each
     node noises its own update, and its guarantee is about its own rounds)."""
 
@@ -89,7 +89,6 @@ class Plan:
     delta: float
     cap: float
     q: float
-    rounds: int
 
     @classmethod
     def of(cls, cfg: Any, q: float = 1.0) -> Plan:
@@ -101,7 +100,7 @@ class Plan:
         q = 1.0 if mode == "local" else min(1.0, q)
         if mode != "none" and sigma <= 0:
             sigma = noise_multiplier(cfg.dp_epsilon, cfg.dp_delta, q, rounds)
-        return cls(mode, cfg.dp_clip, sigma, cfg.dp_delta, cfg.dp_epsilon, q, rounds)
+        return cls(mode, cfg.dp_clip, sigma, cfg.dp_delta, cfg.dp_epsilon, q)
 
     @property
     def active(self) -> bool:

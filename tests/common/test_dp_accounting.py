@@ -43,8 +43,8 @@ def test_epsilon_spent_matches_opacus_within_one_percent(sigma, q, rounds):
     assert privacy.epsilon(sigma, q, rounds, 1e-5) == pytest.approx(theirs.get_epsilon(1e-5), rel=0.01)
 
 
-def plan(mode="central", clip=1.0, sigma=2.0, cap=math.inf, q=1.0, rounds=10) -> privacy.Plan:
-    return privacy.Plan(mode, clip, sigma, 1e-5, cap, q, rounds)
+def plan(mode="central", clip=1.0, sigma=2.0, cap=math.inf, q=1.0) -> privacy.Plan:
+    return privacy.Plan(mode, clip, sigma, 1e-5, cap, q)
 
 
 def state(value: float, size: int = 4) -> dict[str, torch.Tensor]:
