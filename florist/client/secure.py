@@ -34,7 +34,8 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     trained = reply.array_records[protocol.ARRAYS].to_torch_state_dict()
     metrics = reply.metric_records[protocol.METRICS]
     loss = float(metrics["train-loss"]) * state.setup.clip / records.LOSS_RANGE
-    vector, weight = masked_update(node, sent, trained, loss, metrics["num-examples"])
+    zeroed = float(metrics.get("dp-zeroed", 0))
+    vector, weight = masked_update(node, sent, trained, (loss, zeroed), metrics["num-examples"])
     state, masked, _ = secagg.node_mask(state, ciphertexts, vector, min(weight, state.setup.max_weight))
     keep(node, state)
     content = protocol.content(metrics={})
@@ -43,20 +44,21 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
 
 
 def masked_update(
-    node: Node, sent: Mapping, trained: Mapping, loss: float, examples: float
+    node: Node, sent: Mapping, trained: Mapping, report: tuple[float, float], examples: float
 ) -> tuple[np.ndarray, float]:
-    """(what the node masks, its weight): the update as one float64 vector with the train loss and
-    the dp-clipped flag behind it. Under `dp = "central"` the node clips its own update to dp-clip
-    (the server never sees it), and under any `dp` every node weighs 1, as DP-FedAvg's
-    sensitivity needs; otherwise its example count, at most its train split (the num-train it reported
-    at discovery, the server's cap in the clear: kNN-Per's phase 2 also trains on validation) and,
-    by the caller, at most max-weight."""
+    """(what the node masks, its weight): the update as one float64 vector with records.TAIL behind
+    it: the train loss and the dp-zeroed flag (`report`) and whether dp-clip cut it. Under
+    `dp = "central"` the node clips its own update to dp-clip (the server never sees it), and under
+    any `dp` every node weighs 1, as DP-FedAvg's sensitivity needs; otherwise its example count, at
+    most its train split (the num-train it reported at discovery, the server's cap in the clear:
+    kNN-Per's phase 2 also trains on validation) and, by the caller, at most max-weight."""
     delta = privacy.update(trained, sent)
     cut = False
     if node.cfg.dp == "central":
         delta, cut = privacy.clip(delta, node.cfg.dp_clip)
     weight = 1.0 if node.cfg.dp != "none" else float(min(examples, len(node.data.x_train)))  # as discovery said
-    return np.concatenate([records.flatten(delta), [loss, float(cut)]]), weight
+    loss, zeroed = report
+    return np.concatenate([records.flatten(delta), [loss, float(cut), zeroed]]), weight
 
 
 def keep(node: Node, state: secagg.NodeState) -> None:

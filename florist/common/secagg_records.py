@@ -21,9 +21,10 @@ from florist.common.secagg import KeyPair, SecAggSetup
 
 SECAGG = "secagg"  # the ConfigRecord of every stage's request and reply; the masked vector's ArrayRecord
 MASKED = "masked"  # the masked vector's key in that ArrayRecord (uint32)
-# A masked vector's tail after the update's values: the train loss, and (dp = "central") whether the node
-# clipped its update; the server gets their weighted means, which is all it learns of them.
-TAIL = ("train-loss", "dp-clipped")
+# A masked vector's tail after the update's values: the train loss, and (under dp) whether the node clipped
+# its update (central) and whether it sent none, its training diverged (`dp-zeroed`); the server gets their
+# weighted means, which is all it learns of them.
+TAIL = ("train-loss", "dp-clipped", "dp-zeroed")
 LOSS_RANGE = 100.0  # the train loss travels as loss · c / LOSS_RANGE: within [-c, c] up to this loss
 
 

@@ -15,6 +15,7 @@ import torch
 from flwr.app import Context, Message
 
 from florist.apps.client import build_client_app
+from florist.common import secagg_records as records
 from florist.common.secagg import HEADER
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
@@ -110,7 +111,7 @@ def test_nothing_the_server_receives_in_a_secure_run_equals_or_correlates_with_a
     size = len(next(iter(updates.values())))
     for _, array in arrays:
         vector = array.numpy()
-        assert vector.dtype == np.uint32 and vector.shape == (HEADER + size + 2,)
+        assert vector.dtype == np.uint32 and vector.shape == (HEADER + size + len(records.TAIL),)
         payload = vector[HEADER : HEADER + size].astype(np.float64)
         for update in updates.values():
             assert not np.array_equal(payload, update)
@@ -225,3 +226,14 @@ def test_a_node_whose_secagg_reply_is_malformed_is_left_out_and_the_round_goes_o
     results = run_in_process(config(tmp_path, **{"secure-aggregation": "secaggplus"}), NODES, client_app=app)
     assert results["complete"] and all(r["secagg_survivors"] == NODES - 1 for r in results["rounds"])
     assert {(f["message_type"], f["node"].endswith("(partition-2)")) for f in results["failures"]} == {(stage, True)}
+
+
+@pytest.mark.parametrize("secure", ["secaggplus", "none"])
+def test_under_dp_a_node_whose_training_diverges_sends_no_change_and_is_counted(secure, tmp_path, monkeypatch):
+    """TFF's zeroing: at lr 1e9 every node's training diverges; under dp each sends a zero update
+    (within dp-clip) instead of failing, so the rounds complete, the model moves by the noise
+    alone (σ tiny here) and every round counts its zeroed nodes, in the clear or masked."""
+    extra = {"secure-aggregation": secure, "dp": "central", "dp-noise-multiplier": 1e-6, "lr": 1e9}
+    results, _, models = watched_run(tmp_path, monkeypatch, **extra)
+    assert results["complete"] and [r["dp_zeroed"] for r in results["rounds"]] == [NODES, NODES]
+    assert np.abs(flat(models[2]) - flat(models[1])).max() < 1e-5

@@ -6,6 +6,7 @@ fine-tuning a copy on the train split. Under `secure-aggregation`, answer its fo
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Callable, Mapping
 
@@ -16,6 +17,9 @@ from florist.client.node import Node, Request
 from florist.common import privacy, protocol, secagg, training
 from florist.common import secagg_records as records
 from florist.strategies.fedavg.spec import FinetuneSettings
+
+log = logging.getLogger("flwr").getChild(__name__)
+LOSS_CAP = records.LOSS_RANGE  # a zeroed node's train loss at most this: what secure aggregation carries
 
 
 def train(node: Node, request: Request) -> RecordDict:
@@ -28,11 +32,28 @@ def train(node: Node, request: Request) -> RecordDict:
     if request.from_flower and d.labelled:  # unlabelled: `fit` says so
         metrics["train_loss"] = training.evaluate(model, d.x_train, d.y_train, node.device)[0]
     penalty = training.proximal(model, mu) if mu > 0 else None
-    start = {key: t.clone() for key, t in model.state_dict().items()} if node.cfg.dp == "local" else None
-    metrics["train-loss"] = node.fit(model, node.cfg.local_epochs, penalty=penalty)
-    if start is not None:
+    start = {key: t.clone() for key, t in model.state_dict().items()} if node.cfg.dp != "none" else None
+    try:
+        metrics["train-loss"] = node.fit(model, node.cfg.local_epochs, penalty=penalty)
+    except FloatingPointError as err:
+        if start is None:
+            raise
+        metrics |= zeroed(node, model, start, err)
+    if node.cfg.dp == "local":
         model.load_state_dict(local_dp(node, start, model.state_dict()))
     return protocol.content(protocol.to_record(model), metrics=metrics)
+
+
+def zeroed(node: Node, model, start: dict, err: FloatingPointError) -> dict[str, float]:
+    """Under `dp`, a node whose training diverged sends no change (TFF's "zeroing" of a
+    non-finite update): a zero update is within dp-clip, so the guarantee holds, and one node
+    thrown off by the noise the global model carries does not end the round. It says so
+    (`dp-zeroed`, which the server counts); its train loss is the received model's, at most
+    LOSS_CAP (what a non-finite one reads as)."""
+    model.load_state_dict(start)
+    log.warning("node %s: round %s: %s; under dp it sends no change (dp-zeroed)", node.key, node.server_round, err)
+    loss = training.evaluate(model, node.data.x_train, node.data.y_train, node.device)[0]
+    return {"train-loss": loss if math.isfinite(loss) and loss < LOSS_CAP else LOSS_CAP, "dp-zeroed": 1}
 
 
 def local_dp(node: Node, start: dict, trained: dict) -> dict:

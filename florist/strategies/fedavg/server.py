@@ -6,6 +6,7 @@ on the client, which fine-tunes before testing), or the robust rule the run conf
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,8 @@ from florist.server.aggregation import Aggregator
 from florist.server.secure import secure_round
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.fedavg.spec import EVALUATE, SECAGG, TRAIN
+
+log = logging.getLogger("flwr").getChild(__name__)
 
 
 def exchange_bytes(model: Net, config: Mapping[str, Any]) -> tuple[int, int]:
@@ -83,11 +86,12 @@ class FedAvg(ServerStrategy):
         weight_cap = 1.0 if self.privacy.active else self.weight_cap(nodes)
         sent = protocol.to_record(self.model)
         outcome = secure_round(self, SECAGG, nodes, server_round, sent, size, weight_cap)
-        delta, (loss, clipped) = records.unflatten(outcome.mean, shapes), outcome.mean[-len(records.TAIL) :]
+        delta, (loss, clipped, zeroed) = records.unflatten(outcome.mean, shapes), outcome.mean[-len(records.TAIL) :]
         self.extras = outcome.row()
-        if self.privacy.active:
+        if self.privacy.active:  # every node weighs 1: a mean times the count is a count
             self.private_rounds += 1
-            self.extras |= self.privacy.row(self.private_rounds)
+            zeroed_count = round(float(zeroed) * len(outcome.survivors))
+            self.extras |= self.privacy.row(self.private_rounds) | zeroed_row(zeroed_count)
         if self.privacy.mode == "central":
             count = len(outcome.survivors)
             rng = privacy.noise_generator(self.cfg.dp_noise_seed, self.private_rounds)
@@ -111,7 +115,8 @@ class FedAvg(ServerStrategy):
         self.extras = {}
         if self.privacy.active:
             self.private_rounds += 1
-            self.extras = self.aggregate_private([r.arrays for _, r in done])
+            zeroed = sum(int(r.metrics.get("dp-zeroed", 0)) for _, r in done)
+            self.extras = self.aggregate_private([r.arrays for _, r in done]) | zeroed_row(zeroed)
         elif done:
             outcome = self.aggregator([r.arrays for _, r in done], weights, self.model.state_dict())
             self.model.load_state_dict(outcome.state)
@@ -156,6 +161,18 @@ class FedAvg(ServerStrategy):
         """Send the global model with `evaluation`; clients personalize it their way."""
         request = self.request(self.evaluation, server_round, protocol.to_record(self.model))
         return metrics_of(self.broadcast(self.evaluation, nodes, server_round, request, TESTED))
+
+
+def zeroed_row(count: int) -> dict[str, int]:
+    """`dp_zeroed`: how many nodes' training diverged on the noised global model, so that they sent
+    no change (florist/strategies/fedavg/client.py's `zeroed`), said on the console when any did."""
+    if count:
+        log.warning(
+            "dp: %s node(s) diverged on the noised global model and sent no change (dp_zeroed); "
+            "a lower lr or more nodes a round (less noise per node) would help",
+            count,
+        )
+    return {"dp_zeroed": count}
 
 
 def plan(cfg: RunConfig, q: float) -> privacy.Plan:
