@@ -111,7 +111,8 @@ class RunConfig(Settings):
     aggregation: str = setting("mean", server=True)
     clip_norm: float = setting(0.0, server=True)  # clip each update's L2 distance to the global model (0: off)
     # differential privacy of the model updates (florist/common/privacy.py, docs/privacy.md): none | central
-    # (the server clips and noises the sum) | local (each node clips and noises its own update)
+    # (the server clips and noises the sum) | local (each node clips and noises its own update) | distributed
+    # (under secure aggregation: each node adds its share of central's noise before masking)
     dp: str = setting("none")
     dp_clip: float = setting(1.0)  # C: each node's update (trained minus sent model) clipped to this L2 norm
     # ε: with dp-noise-multiplier 0, the σ that spends it over num-server-rounds; else a cap the run stops at.
@@ -260,7 +261,7 @@ class RunConfig(Settings):
             ),
             (
                 on or (self.dp_noise_multiplier == 0 and self.dp_clip == 1.0 and self.dp_noise_seed == 0),
-                'dp-clip, dp-noise-multiplier and dp-noise-seed act only with dp = "central" or "local"',
+                'dp-clip, dp-noise-multiplier and dp-noise-seed act only with dp other than "none"',
             ),
             (
                 not on or self.aggregation == "mean",
@@ -268,6 +269,11 @@ class RunConfig(Settings):
                 "and its sensitivity is not the one the noise is sized for",
             ),
             (not on or self.clip_norm == 0, "clip-norm and dp clip both: dp-clip alone bounds each update under dp"),
+            (
+                self.dp != "distributed" or self.secure_aggregation != "none",
+                'dp = "distributed" needs secure-aggregation = "secaggplus": its nodes\' noise shares add up to '
+                'central\'s only in a masked sum (in the clear, use dp = "central")',
+            ),
         ]
 
     def secure_checks(self) -> list[tuple[bool, str]]:

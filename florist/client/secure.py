@@ -36,6 +36,8 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     loss = float(metrics["train-loss"]) * state.setup.clip / records.LOSS_RANGE
     zeroed = float(metrics.get("dp-zeroed", 0))
     vector, weight = masked_update(node, sent, trained, (loss, zeroed), metrics["num-examples"])
+    if node.cfg.dp == "distributed":
+        vector[: -len(records.TAIL)] += distributed_noise(node, request, state.setup.threshold, len(vector))
     state, masked, _ = secagg.node_mask(state, ciphertexts, vector, min(weight, state.setup.max_weight))
     keep(node, state)
     content = protocol.content(metrics={})
@@ -48,17 +50,30 @@ def masked_update(
 ) -> tuple[np.ndarray, float]:
     """(what the node masks, its weight): the update as one float64 vector with records.TAIL behind
     it: the train loss and the dp-zeroed flag (`report`) and whether dp-clip cut it. Under
-    `dp = "central"` the node clips its own update to dp-clip (the server never sees it), and under
+    `dp = "central"` or `"distributed"` the node clips its own update to dp-clip (the server never
+    sees it), and under
     any `dp` every node weighs 1, as DP-FedAvg's sensitivity needs; otherwise its example count, at
     most its train split (the num-train it reported at discovery, the server's cap in the clear:
     kNN-Per's phase 2 also trains on validation) and, by the caller, at most max-weight."""
     delta = privacy.update(trained, sent)
     cut = False
-    if node.cfg.dp == "central":
+    if node.cfg.dp in ("central", "distributed"):
         delta, cut = privacy.clip(delta, node.cfg.dp_clip)
     weight = 1.0 if node.cfg.dp != "none" else float(min(examples, len(node.data.x_train)))  # as discovery said
     loss, zeroed = report
     return np.concatenate([records.flatten(delta), [loss, float(cut), zeroed]]), weight
+
+
+def distributed_noise(node: Node, request: Request, threshold: int, length: int) -> np.ndarray:
+    """`dp = "distributed"`: this node's share of central's noise, N(0, (σC)²/t) on each of the
+    update's values, σ as the server calibrated it (it alone knows the sampling rate) and t the
+    threshold this node checked at setup (privacy.share_std), drawn before masking: the server
+    never holds an un-noised sum. A request without σ is refused: the node would send no noise."""
+    sigma = records.noise_of(request.content, f"node {node.key}: the server's train request")
+    if sigma <= 0:
+        raise ValueError(f'node {node.key}: dp = "distributed" but the server sent no dp-sigma: refusing to train')
+    rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))
+    return rng.normal(0.0, privacy.share_std(sigma, node.cfg.dp_clip, threshold), length - len(records.TAIL))
 
 
 def keep(node: Node, state: secagg.NodeState) -> None:

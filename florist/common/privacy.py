@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("none", "central", "local")
+MODES = ("none", "central", "local", "distributed")
 # RDP orders: integer orders are exact for the subsampled Gaussian; the fractional ones below 2
 # do not converge at q = 0.5 (`dp-accounting` warns and drops them) and cost seconds. These give
 # σ within 0.05 % of the library's defaults at ε = 3, δ = 1e-5, q = 0.5, 30 rounds, in 0.5 s.
@@ -78,7 +78,7 @@ def noise_multiplier(target: float, delta: float, q: float, rounds: int) -> floa
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A run's differential privacy: `mode` (none | central | local), the clip bound C, the
+    """A run's differential privacy: `mode` (none | central | local | distributed), the clip bound C, the
     noise multiplier σ (given, or calibrated to spend `cap` over num-server-rounds), δ, the ε the run may
     spend (inf: no cap), and the rate q at which a round takes a node's data (1 for `local`: each
     node noises its own update, and its guarantee is about its own rounds)."""
@@ -126,6 +126,13 @@ class Plan:
         updates the clip bound cut."""
         out = {"dp_epsilon": self.spent(rounds), "dp_noise_multiplier": self.sigma}
         return out | ({} if clipped is None else {"dp_clipped": clipped})
+
+
+def share_std(sigma: float, clip: float, threshold: int) -> float:
+    """`distributed`: the std of the noise each node adds before masking, σ·C/√t, so that the
+    masked sum of any t or more nodes (a round never unmasks fewer) holds at least central's
+    N(0, σ²C²) per coordinate: all n surviving, n/t times its variance."""
+    return sigma * clip / math.sqrt(threshold)
 
 
 def noise_generator(seed: int, *words: int) -> np.random.Generator:

@@ -10,6 +10,7 @@ small, so that they fit where Flower's 64-bit ids would not, in a ConfigRecord's
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -80,6 +81,15 @@ def keys_values(keys: Mapping[int, KeyPair]) -> dict[str, list]:
     """Public key pairs by node (a setup reply's one, the share-keys request's all): mask keys as the
     values, encryption keys beside them."""
     return id_values({i: a for i, (a, _) in keys.items()}) | {"crypt-keys": [b for _, b in keys.values()]}
+
+
+def noise_of(content: RecordDict, source: str) -> float:
+    """A train request's `dp-sigma`: under `dp = "distributed"`, the noise multiplier σ the nodes'
+    noise shares make up (florist/common/privacy.py's `share_std`); 0 otherwise."""
+    sigma = read(content, source, **{"dp-sigma": float})["dp-sigma"]
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise ProtocolError(f"{source}: {SECAGG} 'dp-sigma' must be a finite number >= 0, got {sigma}")
+    return sigma
 
 
 def keys_of(content: RecordDict, source: str) -> dict[int, KeyPair]:

@@ -18,10 +18,12 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from florist.common import protocol, secagg
+from florist.common import privacy, protocol, secagg
 from florist.common import secagg_records as records
 from florist.common.spec import Exchange
 from florist.server.strategy import NodeInfo, ServerStrategy
+
+RANGE_STDS = 6.0  # distributed dp: a noise share past this many stds is clipped (about 2 values in 10^9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Outcome:
     clipped: int  # values clipped to [-secagg-clip, secagg-clip], over all survivors
     survivors: list[NodeInfo]
     dropped: list[NodeInfo]  # shared their keys, sent no masked vector
+    value_range: float  # c: the setup's range of each value, [-c, c]
 
     def row(self) -> dict[str, Any]:
         """The round's results fields."""
@@ -51,9 +54,12 @@ def secure_round(
     model: ArrayRecord,
     size: int,
     max_weight: float,
+    dp_sigma: float = 0.0,
 ) -> Outcome:
     """Run the four stages (`exchanges`: setup, share keys, train and mask, unmask) with `nodes`,
-    sending `model` to train; `size`: the length of the vector each node masks."""
+    sending `model` to train; `size`: the length of the vector each node masks. `dp_sigma`
+    (`dp = "distributed"`): the noise multiplier the nodes' noise shares make up; each value's
+    range then holds a dp-clipped update plus RANGE_STDS of a node's noise share."""
     cfg = strategy.cfg
     try:
         setup = secagg.SecAggSetup.for_nodes(
@@ -63,7 +69,10 @@ def secure_round(
             bits=cfg.secagg_bits,
             max_weight=float(max_weight),
         )
-        return _stages(strategy, exchanges, nodes, server_round, model, size, setup)
+        if dp_sigma > 0:
+            share = privacy.share_std(dp_sigma, cfg.dp_clip, setup.threshold)
+            setup = dataclasses.replace(setup, clip=max(setup.clip, cfg.dp_clip + RANGE_STDS * share))
+        return _stages(strategy, exchanges, nodes, server_round, model, size, setup, dp_sigma)
     except ValueError as err:  # BelowThreshold, a setup this round cannot have, a secret that does not rebuild
         kept = f"rounds 1-{server_round - 1} are" if server_round > 1 else "its start is"
         raise RuntimeError(
@@ -72,7 +81,7 @@ def secure_round(
         ) from None
 
 
-def _stages(strategy, exchanges, nodes, server_round, model, size, setup) -> Outcome:
+def _stages(strategy, exchanges, nodes, server_round, model, size, setup, dp_sigma) -> Outcome:
     keys_x, shares_x, train_x, unmask_x = exchanges
     ids = {n.node_id: i for i, n in enumerate(sorted(nodes, key=lambda n: n.node_id), 1)}
     info = {ids[n.node_id]: n for n in nodes}
@@ -99,7 +108,7 @@ def _stages(strategy, exchanges, nodes, server_round, model, size, setup) -> Out
     reference = {records.MASKED: torch.zeros(size + secagg.HEADER, dtype=torch.uint32)}
     vectors = ask(
         train_x,
-        {i: records.id_values(c) for i, c in routed.items()},
+        {i: records.id_values(c) | {"dp-sigma": float(dp_sigma)} for i, c in routed.items()},
         lambda _, content, source: _masked(content, source, reference),
         arrays=model,
         expect={records.SECAGG: reference},
@@ -114,6 +123,7 @@ def _stages(strategy, exchanges, nodes, server_round, model, size, setup) -> Out
         result.clipped,
         [info[i] for i in result.survivors],
         [info[i] for i in result.dropped],
+        setup.clip,
     )
 
 

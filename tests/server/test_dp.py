@@ -122,8 +122,9 @@ REFUSED = {
     "robust rule": (['dp="local" dp-epsilon=3 aggregation="median"'], 'needs aggregation = "mean"'),
     "no budget": (['dp="central"'], "needs dp-epsilon (the budget) or dp-noise-multiplier"),
     "budget without dp": (["dp-epsilon=3"], 'but dp = "none": fedavg would noise nothing'),
-    "unknown mode": (['dp="global"'], "dp must be one of none, central, local"),
-    "clip without dp": (["dp-clip=0.5"], 'act only with dp = "central" or "local"'),
+    "unknown mode": (['dp="global"'], "dp must be one of none, central, local, distributed"),
+    "distributed in the clear": (['dp="distributed" dp-epsilon=3'], 'needs secure-aggregation = "secaggplus"'),
+    "clip without dp": (["dp-clip=0.5"], 'act only with dp other than "none"'),
 }
 
 

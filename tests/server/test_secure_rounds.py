@@ -15,6 +15,7 @@ import torch
 from flwr.app import Context, Message
 
 from florist.apps.client import build_client_app
+from florist.common import privacy
 from florist.common import secagg_records as records
 from florist.common.secagg import HEADER
 from florist.config import RunConfig
@@ -237,3 +238,16 @@ def test_under_dp_a_node_whose_training_diverges_sends_no_change_and_is_counted(
     results, _, models = watched_run(tmp_path, monkeypatch, **extra)
     assert results["complete"] and [r["dp_zeroed"] for r in results["rounds"]] == [NODES, NODES]
     assert np.abs(flat(models[2]) - flat(models[1])).max() < 1e-5
+
+
+def test_distributed_dp_nodes_noise_their_shares_so_the_unmasked_sum_carries_central_noise(tmp_path, monkeypatch):
+    """dp = "distributed": nodes barely train (lr 1e-12), so a round moves the model by the noise
+    the nodes added before masking alone: each N(0, (σC)²/t), t = 3 of 4, all 4 surviving, summed
+    and divided by the m = 4 sampled: std σC·√(4/3)/4, which is central's σC/m and a bit more."""
+    sigma, clip = 2.0, 0.5
+    extra = {"secure-aggregation": "secaggplus", "dp": "distributed", "dp-noise-multiplier": sigma, "dp-clip": clip}
+    results, _, models = watched_run(tmp_path, monkeypatch, lr=1e-12, **extra)
+    assert results["complete"] and all(r["secagg_survivors"] == NODES for r in results["rounds"])
+    moved = flat(models[2]) - flat(models[1])
+    assert moved.size > 50_000 and moved.std() == pytest.approx(sigma * clip * (NODES / 3) ** 0.5 / NODES, rel=0.03)
+    assert results["rounds"][-1]["dp_epsilon"] == pytest.approx(privacy.epsilon(sigma, 1.0, 2, 1e-5))

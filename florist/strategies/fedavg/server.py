@@ -79,29 +79,31 @@ class FedAvg(ServerStrategy):
         """The round under `secure-aggregation`: the nodes' weighted mean update, learnt through
         SecAgg+'s four exchanges, added to the model sent (the mean train loss comes the same way).
         Under `dp`, every node weighs 1; `central` noises the unmasked sum (the nodes clipped their
-        updates to dp-clip) and divides by the nodes sampled, as DP-FedAvg does in the clear."""
+        updates to dp-clip) and divides by the nodes sampled, as DP-FedAvg does in the clear;
+        `distributed` divides the same way a sum the nodes noised, each with its share."""
         start = self.model.state_dict()
         shapes = {key: tuple(t.shape) for key, t in start.items() if t.is_floating_point()}
         size = sum(math.prod(shape) for shape in shapes.values()) + len(records.TAIL)
         weight_cap = 1.0 if self.privacy.active else self.weight_cap(nodes)
         sent = protocol.to_record(self.model)
-        outcome = secure_round(self, SECAGG, nodes, server_round, sent, size, weight_cap)
+        sigma = self.privacy.sigma if self.privacy.mode == "distributed" else 0.0
+        outcome = secure_round(self, SECAGG, nodes, server_round, sent, size, weight_cap, sigma)
         delta, (loss, clipped, zeroed) = records.unflatten(outcome.mean, shapes), outcome.mean[-len(records.TAIL) :]
         self.extras = outcome.row()
         if self.privacy.active:  # every node weighs 1: a mean times the count is a count
             self.private_rounds += 1
             zeroed_count = round(float(zeroed) * len(outcome.survivors))
             self.extras |= self.privacy.row(self.private_rounds) | zeroed_row(zeroed_count)
-        if self.privacy.mode == "central":
+        if self.privacy.mode in ("central", "distributed"):
             count = len(outcome.survivors)
-            rng = privacy.noise_generator(self.cfg.dp_noise_seed, self.private_rounds)
-            noised = privacy.add_noise(
-                {key: d * count for key, d in delta.items()}, self.privacy.sigma * self.privacy.clip, rng
-            )
-            delta = {key: d / self.sample_size(self.num_seen) for key, d in noised.items()}
+            total = {key: d * count for key, d in delta.items()}
+            if self.privacy.mode == "central":
+                rng = privacy.noise_generator(self.cfg.dp_noise_seed, self.private_rounds)
+                total = privacy.add_noise(total, self.privacy.sigma * self.privacy.clip, rng)
+            delta = {key: d / self.sample_size(self.num_seen) for key, d in total.items()}
             self.extras["dp_clipped"] = round(float(clipped) * count)
         self.model.load_state_dict(privacy.applied(start, delta))
-        return float(loss) * records.LOSS_RANGE / self.cfg.secagg_clip
+        return float(loss) * records.LOSS_RANGE / outcome.value_range
 
     def weight_cap(self, nodes: list[NodeInfo]) -> float:
         """W, the most a node weighs in a secure round: `secagg-max-weight`, else `max-node-examples`,
