@@ -3,12 +3,15 @@ run (`florist/server/loop.py`) driven by the chosen strategy's server half, from
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from florist import USER_ERRORS
 from florist.apps.registry import STRATEGIES
 from florist.config import RunConfig
 from florist.server import loop
@@ -54,6 +57,25 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
         raise
 
 
+class OneLineStops(logging.Filter):
+    """Flower logs the exception that ended a ServerApp with its traceback; a stop florist explains
+    (`florist.USER_ERRORS`: a round too few nodes answered, a budget, a refused setting) is logged
+    as its one line instead, as the `florist` command prints it. FLORIST_DEBUG=1 keeps the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        if isinstance(err, USER_ERRORS) and os.environ.get("FLORIST_DEBUG", "") in ("", "0"):
+            record.msg, record.args, record.exc_info, record.exc_text = "florist: error: %s", (err,), None, None
+        return True
+
+
+def quiet_tracebacks() -> None:
+    """Put `OneLineStops` on Flower's logger, once per process."""
+    flower = logging.getLogger("flwr")
+    if not any(isinstance(f, OneLineStops) for f in flower.filters):
+        flower.addFilter(OneLineStops())
+
+
 def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundCallback | None = None) -> ServerApp:
     """A ServerApp whose run config is the app's run config with `overrides` on top (the
     simulation API passes no run config, so `florist simulate` passes it this way)."""
@@ -61,6 +83,7 @@ def make_server_app(overrides: Mapping[str, Any] | None = None, on_round: RoundC
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
+        quiet_tracebacks()
         cfg = RunConfig.from_mapping({**context.run_config, **(overrides or {})})
         check_results_dir(cfg.results_dir)  # before any work: a run that cannot be saved is not started
         check_installed(cfg)  # ... nor one whose trackers are missing (`florist` commands refuse it earlier)

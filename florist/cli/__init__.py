@@ -15,6 +15,7 @@ import os
 import sys
 from collections.abc import Iterable
 
+from florist import USER_ERRORS
 from florist.apps.registry import STRATEGIES
 from florist.cli import (
     app_hash,
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if debug:
             raise
-        if isinstance(err, (ValueError, OSError, TimeoutError, RuntimeError)):
+        if isinstance(err, USER_ERRORS):
             print(f"florist: error: {err}", file=sys.stderr)
             return 2
         print(f"florist: internal error: {type(err).__name__}: {err} (FLORIST_DEBUG=1 shows where)", file=sys.stderr)

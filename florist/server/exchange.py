@@ -203,7 +203,13 @@ class Exchanger:
         (Off the fast path, and with any other Grid, a poll never says it has taken its replies:
         polls then run one after the other, each as Flower's `pull_messages` runs.) On the fast
         path no reply's objects are pulled beyond `cap` bytes; off it, replies come whole."""
-        pending = set(self.grid.push_messages(messages))
+        try:
+            pending = set(self.grid.push_messages(messages))
+        except Exception as err:  # Flower's grid raises its transport's errors (httpx, gRPC) as they come
+            raise RuntimeError(
+                f"the SuperLink refused {len(messages)} message(s) ({err}; its log says why); it refuses one "
+                f"that expired on the way: is round-timeout, {self.timeout:g} s, long enough?"
+            ) from None
         deadline, backoff = time.monotonic() + self.timeout, Backoff(floor=0.05, cap=0.5, ratio=0.1)
         replies: list[Message] = []
 

@@ -49,15 +49,19 @@ def test_deploy_local_with_flowers_own_executor_runs_fedavg_over_grpc(tmp_path):
     assert not marked("FLWR_HOME", str(tmp_path / "out" / "federation" / "flwr-home"))  # all it started is gone
 
 
-def test_a_deployed_run_that_stops_midway_is_one_line_and_exit_2(tmp_path, capsys):
+def test_a_deployed_run_that_stops_midway_is_one_line_and_exit_2(tmp_path, capfd):
     """Flower's `flwr run` exits 0 when the ServerApp raises; deploy-local reads why the run
     stopped from its results.json and says it in one line (a round timeout of 10 ms: no node
-    answers in time, or the SuperLink refuses messages that expire at once)."""
+    answers in time, or the SuperLink refuses messages that expire at once). The streamed log
+    says it in one line too: Flower would log the ServerApp's traceback."""
     args = ["deploy-local", "--num-nodes", "2", "--rounds", "2", "--results-dir", str(tmp_path / "out")]
     assert main([*args, "--run-config", "round-timeout=0.01"]) == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
+    out, err = capfd.readouterr()
+    last = err.strip().splitlines()[-1]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert not results["complete"] and last == f"florist: error: {results['error']}", last
+    said = (out + err).count(f"florist: error: {results['error'][:60]}")  # results.json keeps a long one cut
+    assert "Traceback" not in out + err and said == 2, said
 
 
 def test_unreachable_superlink_gives_up_with_a_clear_error(tmp_path):
