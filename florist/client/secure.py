@@ -28,6 +28,7 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     from the others kept, and, in place of the trained model, its update masked (`masked_update`)."""
     state = recall(node)
     ciphertexts = records.by_id(request.content, f"node {node.key}: the server's shares")
+    sigma = records.noise_of(request.content, f"node {node.key}: the server's train request")
     sent = node.received_model(request).state_dict()
     # The node's own model, unchecked against MAX_MAGNITUDE: whatever it holds, the update is clipped
     # (dp-clip, or each value to secagg-clip) before it leaves; a non-finite value is refused by node_mask.
@@ -37,7 +38,7 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     zeroed = float(metrics.get("dp-zeroed", 0))
     vector, weight = masked_update(node, sent, trained, (loss, zeroed), metrics["num-examples"])
     if node.cfg.dp == "distributed":
-        vector[: -len(records.TAIL)] += distributed_noise(node, request, state.setup.threshold, len(vector))
+        vector[: -len(records.TAIL)] += distributed_noise(node, sigma, state.setup.threshold, len(vector))
     state, masked, _ = secagg.node_mask(state, ciphertexts, vector, min(weight, state.setup.max_weight))
     keep(node, state)
     content = protocol.content(metrics={})
@@ -64,12 +65,11 @@ def masked_update(
     return np.concatenate([records.flatten(delta), [loss, float(cut), zeroed]]), weight
 
 
-def distributed_noise(node: Node, request: Request, threshold: int, length: int) -> np.ndarray:
+def distributed_noise(node: Node, sigma: float, threshold: int, length: int) -> np.ndarray:
     """`dp = "distributed"`: this node's share of central's noise, N(0, (σC)²/t) on each of the
     update's values, σ as the server calibrated it (it alone knows the sampling rate) and t the
     threshold this node checked at setup (privacy.share_std), drawn before masking: the server
-    never holds an un-noised sum. A request without σ is refused: the node would send no noise."""
-    sigma = records.noise_of(request.content, f"node {node.key}: the server's train request")
+    never holds an un-noised sum. A request with σ = 0 is refused: the node would send no noise."""
     if sigma <= 0:
         raise ValueError(f'node {node.key}: dp = "distributed" but the server sent no dp-sigma: refusing to train')
     rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))

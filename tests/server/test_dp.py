@@ -169,3 +169,24 @@ def test_a_local_dp_node_stops_training_once_its_own_budget_is_spent(make_node):
     node.server_round = 2
     with pytest.raises(ValueError, match=r"round 2 would spend ε = .* > its dp-epsilon 3 \(1 rounds noised\)"):
         local_dp(node, start, start)
+
+
+def test_under_dp_a_node_whose_weights_blow_past_what_a_server_takes_sends_no_change(make_node, monkeypatch):
+    """A finite but diverged model (a weight of 1e10, which a server refuses beyond ±1e9) is zeroed
+    like a nan loss: the node sends the model it received, and says so."""
+    values = {"dp": "central", "dp-noise-multiplier": 1.0}
+    node = make_node(values)
+    model = node.new_model()
+
+    def blown(self, trained, epochs, **options):
+        with torch.no_grad():
+            next(trained.parameters()).fill_(1e10)
+        return 0.5
+
+    monkeypatch.setattr(type(node), "fit", blown)
+    config = RunConfig.from_mapping(values).to_mapping(travelling=True)
+    request = fedavg_client.Request(None, protocol.content(protocol.to_record(model), config))
+    reply = fedavg_client.train(node, request)
+    sent = protocol.arrays_of(reply, model.state_dict(), "test")
+    assert all(torch.equal(sent[k], t) for k, t in model.state_dict().items())
+    assert reply.metric_records[protocol.METRICS]["dp-zeroed"] == 1

@@ -35,6 +35,8 @@ def train(node: Node, request: Request) -> RecordDict:
     start = {key: t.clone() for key, t in model.state_dict().items()} if node.cfg.dp != "none" else None
     try:
         metrics["train-loss"] = node.fit(model, node.cfg.local_epochs, penalty=penalty)
+        if start is not None and (size := largest(model.state_dict())) > protocol.MAX_MAGNITUDE:
+            raise FloatingPointError(f"training diverged (a weight of {size:.3g}, beyond what a server takes)")
     except FloatingPointError as err:
         if start is None:
             raise
@@ -44,8 +46,14 @@ def train(node: Node, request: Request) -> RecordDict:
     return protocol.content(protocol.to_record(model), metrics=metrics)
 
 
+def largest(state: Mapping) -> float:
+    """The largest magnitude among a state's floating values."""
+    return max((float(t.abs().max()) for t in state.values() if t.is_floating_point() and t.numel()), default=0.0)
+
+
 def zeroed(node: Node, model, start: dict, err: FloatingPointError) -> dict[str, float]:
-    """Under `dp`, a node whose training diverged sends no change (TFF's "zeroing" of a
+    """Under `dp`, a node whose training diverged (its loss, or a weight beyond
+    protocol.MAX_MAGNITUDE, which a server refuses) sends no change (TFF's "zeroing" of a
     non-finite update): a zero update is within dp-clip, so the guarantee holds, and one node
     thrown off by the noise the global model carries does not end the round. It says so
     (`dp-zeroed`, which the server counts); its train loss is the received model's, at most
