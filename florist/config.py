@@ -278,7 +278,7 @@ class RunConfig(Settings):
 
     def secure_checks(self) -> list[tuple[bool, str]]:
         """`secure-aggregation` and its keys: no rule that needs each node's update, and no secagg
-        key without it (which strategies it covers, their server halves say: `protected`)."""
+        key without it (which strategies it covers, their server halves say: `secured`)."""
         on = self.secure_aggregation != "none"
         defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("secagg_")}
         return [

@@ -27,10 +27,13 @@ HANDLERS: dict[str, messages.Handler] = {
     "query.info": messages.info,  # every run's first message: the node's data sizes, shape, seen/unseen
     "train": fedavg.train,  # FedAvg, FedAvg+, and Flower's own strategies
     "evaluate": fedavg.evaluate,  # FedAvg, FedAvg+ (fine-tuned first), FedAttn
-    # secure aggregation's stages (FedAvg, FedAvg+, kNN-Per's global model): each trains as its own handler does
+    # secure aggregation's stages (FedAvg, FedAvg+, kNN-Per's global model, FedAttn's G): each trains as its
+    # own handler does
     "query.secagg_keys": fedavg.secagg_keys,
     "query.secagg_shares": fedavg.secagg_shares,
-    "train.secagg": fedavg.secure_training({"fedavg": fedavg.train, "fedavg-ft": fedavg.train, "knnper": knnper.train}),
+    "train.secagg": fedavg.secure_training(
+        {"fedavg": fedavg.train, "fedavg-ft": fedavg.train, "knnper": knnper.train, "fedattn": fedattn.train}
+    ),
     "query.secagg_unmask": fedavg.secagg_unmask,
     "train.local": local.train,
     "evaluate.local": local.evaluate,

@@ -25,7 +25,8 @@ STATE = "secagg"  # the node's run state of the round in progress
 
 def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     """The `train.secagg` reply for a training handler's `reply` to `request`: this round's shares
-    from the others kept, and, in place of the trained model, its update masked (`masked_update`)."""
+    from the others kept, and, in place of the trained model, its update masked (`masked_update`);
+    what the handler sends beside the model (`side`: FedAttn's Z, M and gradient) goes as it is."""
     state = recall(node)
     ciphertexts = records.by_id(request.content, f"node {node.key}: the server's shares")
     sigma = records.noise_of(request.content, f"node {node.key}: the server's train request")
@@ -41,7 +42,7 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
         vector[: -len(records.TAIL)] += distributed_noise(node, sigma, state.setup.threshold, len(vector))
     state, masked, _ = secagg.node_mask(state, ciphertexts, vector, min(weight, state.setup.max_weight))
     keep(node, state)
-    content = protocol.content(metrics={})
+    content = protocol.content(metrics={}, side=reply.array_records.get(protocol.SIDE))
     content[records.SECAGG] = records.masked_record(masked)
     return content
 

@@ -36,6 +36,7 @@ class Outcome:
     survivors: list[NodeInfo]
     dropped: list[NodeInfo]  # shared their keys, sent no masked vector
     value_range: float  # c: the setup's range of each value, [-c, c]
+    sides: dict[int, dict[str, torch.Tensor]]  # by Flower node id: what each survivor sent in the clear beside
 
     def row(self) -> dict[str, Any]:
         """The round's results fields."""
@@ -51,15 +52,19 @@ def secure_round(
     exchanges: tuple[Exchange, Exchange, Exchange, Exchange],
     nodes: list[NodeInfo],
     server_round: int,
-    model: ArrayRecord,
+    model: ArrayRecord | Callable[[NodeInfo], ArrayRecord],
     size: int,
     max_weight: float,
     dp_sigma: float = 0.0,
+    side: Mapping[str, torch.Tensor] | None = None,
 ) -> Outcome:
     """Run the four stages (`exchanges`: setup, share keys, train and mask, unmask) with `nodes`,
-    sending `model` to train; `size`: the length of the vector each node masks. `dp_sigma`
+    sending `model` to train (one for all, or each node its own: FedAvg's, FedAttn's with the
+    node's biases); `size`: the length of the vector each node masks. `dp_sigma`
     (`dp = "distributed"`): the noise multiplier the nodes' noise shares make up; each value's
-    range then holds a dp-clipped update plus RANGE_STDS of a node's noise share."""
+    range then holds a dp-clipped update plus RANGE_STDS of a node's noise share. `side`: what
+    each node also sends in the clear (FedAttn's representation, biases and gradient), as a
+    reference of keys, shapes and dtypes; a node whose side does not match drops out of the round."""
     cfg = strategy.cfg
     try:
         setup = secagg.SecAggSetup.for_nodes(
@@ -72,7 +77,8 @@ def secure_round(
         if dp_sigma > 0:
             share = privacy.share_std(dp_sigma, cfg.dp_clip, setup.threshold)
             setup = dataclasses.replace(setup, clip=max(setup.clip, cfg.dp_clip + RANGE_STDS * share))
-        return _stages(strategy, exchanges, nodes, server_round, model, size, setup, dp_sigma)
+        models = (lambda _: model) if isinstance(model, ArrayRecord) else model
+        return _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side)
     except ValueError as err:  # BelowThreshold, a setup this round cannot have, a secret that does not rebuild
         kept = f"rounds 1-{server_round - 1} are" if server_round > 1 else "its start is"
         raise RuntimeError(
@@ -81,15 +87,16 @@ def secure_round(
         ) from None
 
 
-def _stages(strategy, exchanges, nodes, server_round, model, size, setup, dp_sigma) -> Outcome:
+def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side) -> Outcome:
     keys_x, shares_x, train_x, unmask_x = exchanges
     ids = {n.node_id: i for i, n in enumerate(sorted(nodes, key=lambda n: n.node_id), 1)}
     info = {ids[n.node_id]: n for n in nodes}
 
     def ask(exchange, values: Mapping[int, dict], read: Callable, arrays=None, expect=None) -> dict[int, Any]:
-        """Each node (by SecAgg id) its request with `values`; the replies `read` accepts, by SecAgg id."""
+        """Each node (by SecAgg id) its request with `values` (and `arrays(node)`); the replies `read`
+        accepts, by SecAgg id."""
         requests = {
-            info[i].node_id: records.put(strategy.request(exchange, server_round, arrays), **v)
+            info[i].node_id: records.put(strategy.request(exchange, server_round, arrays and arrays(info[i])), **v)
             for i, v in values.items()
         }
         got = {}
@@ -106,14 +113,14 @@ def _stages(strategy, exchanges, nodes, server_round, model, size, setup, dp_sig
     sent = ask(shares_x, dict.fromkeys(public, records.keys_values(public)), _shares_for(set(public)))
     state, routed = secagg.server_route_shares(state, sent)
     reference = {records.MASKED: torch.zeros(size + secagg.HEADER, dtype=torch.uint32)}
-    vectors = ask(
+    trained = ask(
         train_x,
         {i: records.id_values(c) | {"dp-sigma": float(dp_sigma)} for i, c in routed.items()},
-        lambda _, content, source: _masked(content, source, reference),
-        arrays=model,
-        expect={records.SECAGG: reference},
+        lambda _, content, source: _masked(content, source, reference, side),
+        arrays=models,
+        expect={records.SECAGG: reference} | ({protocol.SIDE: side} if side else {}),
     )
-    state, (survivors, dropped) = secagg.server_collect_masked(state, vectors)
+    state, (survivors, dropped) = secagg.server_collect_masked(state, {i: v for i, (v, _) in trained.items()})
     unmask = records.unmask_values(survivors, dropped)
     shares = ask(unmask_x, dict.fromkeys(survivors, unmask), lambda _, content, source: records.by_id(content, source))
     result = secagg.server_aggregate(state, shares)
@@ -124,6 +131,7 @@ def _stages(strategy, exchanges, nodes, server_round, model, size, setup, dp_sig
         [info[i] for i in result.survivors],
         [info[i] for i in result.dropped],
         setup.clip,
+        {info[i].node_id: trained[i][1] for i in result.survivors},
     )
 
 
@@ -148,6 +156,10 @@ def _shares_for(public: set[int]) -> Callable[[int, RecordDict, str], dict[int, 
     return read
 
 
-def _masked(content: RecordDict, source: str, reference: Mapping[str, torch.Tensor]) -> np.ndarray:
-    """A train-and-mask reply's masked vector: one uint32 array of the expected length."""
-    return protocol.arrays_of(content, reference, source, key=records.SECAGG)[records.MASKED].numpy()
+def _masked(
+    content: RecordDict, source: str, reference: Mapping[str, torch.Tensor], side: Mapping[str, torch.Tensor] | None
+) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
+    """A train-and-mask reply's masked vector (one uint32 array of the expected length) and what it
+    sent in the clear beside it, as `side` says (nothing when `side` is None)."""
+    vector = protocol.arrays_of(content, reference, source, key=records.SECAGG)[records.MASKED].numpy()
+    return vector, (protocol.arrays_of(content, side, source, key=protocol.SIDE) if side else {})

@@ -71,18 +71,19 @@ class ServerStrategy:
             raise ValueError(
                 f'dp = "{cfg.dp}": strategy {cfg.strategy!r} has no differential privacy yet (docs/privacy.md)'
             )
-        if cfg.secure_aggregation != "none" and cfg.strategy not in self.protected:
+        if cfg.secure_aggregation != "none" and cfg.strategy not in self.secured:
             raise ValueError(
                 f"secure-aggregation: strategy {cfg.strategy!r} is not covered, its server needs each node's "
-                f"message (covered: fedavg, fedavg-ft, knnper; docs/secure-aggregation.md)"
+                f"message (covered: fedavg, fedavg-ft, knnper, fedattn; docs/secure-aggregation.md)"
             )
         # Where the server half's own networks train (`server-device`); what it sends and saves stays on the CPU.
         self.device = devices.resolve(cfg.server_device, "server-device")
 
-    # The strategies (by name) whose every node message this server half's `dp` and
-    # `secure-aggregation` protect; any other refuses both before the run (the preflight builds
-    # the server half).
+    # The strategies (by name) whose every node message this server half's `dp` protects, and
+    # those whose shared model it sums under `secure-aggregation`; any other refuses the option
+    # before the run (the preflight builds the server half).
     protected: tuple[str, ...] = ()
+    secured: tuple[str, ...] = ()
 
     @staticmethod
     def report(results: dict[str, Any], folder: Path) -> list[str]:

@@ -21,6 +21,7 @@ from florist.common.secagg import HEADER
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.server.exchange import Exchanger
+from florist.strategies.fedattn.server import FedAttn
 from florist.strategies.fedavg.server import FedAvg
 
 NODES, CLIP, BITS = 4, 1.0, 22  # secagg-clip and secagg-bits: the defaults
@@ -36,11 +37,12 @@ def flat(state) -> np.ndarray:
     return np.concatenate([state[k].double().numpy().ravel() for k in sorted(state) if state[k].is_floating_point()])
 
 
-def watched_run(tmp_path, monkeypatch, client_app=None, **extra):
+def watched_run(tmp_path, monkeypatch, client_app=None, server=FedAvg, **extra):
     """A run with every reply the server receives (round, message type, node, content) and the
-    global model after each round: (results, received, models)."""
+    global model after each round (`server`: the server half whose rounds to watch): (results,
+    received, models)."""
     received, models = [], {}
-    trip, train = Exchanger.round_trip, FedAvg.train_round
+    trip, train = Exchanger.round_trip, server.train_round
 
     def spy(self, requests, message_type, server_round, expect=None):
         replies = trip(self, requests, message_type, server_round, expect)
@@ -53,7 +55,7 @@ def watched_run(tmp_path, monkeypatch, client_app=None, **extra):
         return loss
 
     monkeypatch.setattr(Exchanger, "round_trip", spy)
-    monkeypatch.setattr(FedAvg, "train_round", keep)
+    monkeypatch.setattr(server, "train_round", keep)
     results = run_in_process(config(tmp_path, **extra), NODES, client_app=client_app)
     return results, received, models
 
@@ -251,3 +253,22 @@ def test_distributed_dp_nodes_noise_their_shares_so_the_unmasked_sum_carries_cen
     moved = flat(models[2]) - flat(models[1])
     assert moved.size > 50_000 and moved.std() == pytest.approx(sigma * clip * (NODES / 3) ** 0.5 / NODES, rel=0.03)
     assert results["rounds"][-1]["dp_epsilon"] == pytest.approx(privacy.epsilon(sigma, 1.0, 2, 1e-5))
+
+
+def test_fedattn_under_secure_aggregation_keeps_the_plain_model_with_only_g_masked(tmp_path, monkeypatch):
+    """FedAttn with attention from round 2 (each node then trains from its own biases M̃_i): the
+    masked round's global model stays within quantization's reach of the plain run's (7e-7),
+    biases too (M̄ is the mean of the clear M_i, not the model sent plus the masked mean of
+    M_i − M̃_i, off by 0.07), and the model goes up only masked; Z, M and the gradient in the clear."""
+    extra = {"strategy": "fedattn", "fedattn-warmup": 1, "fedattn-k": 2}
+    with pytest.MonkeyPatch.context() as first:  # its own patches: a second watcher would wrap the first
+        _, _, plain = watched_run(tmp_path / "plain", first, server=FedAttn, **extra)
+    results, received, secure = watched_run(
+        tmp_path / "secure", monkeypatch, server=FedAttn, **extra, **{"secure-aggregation": "secaggplus"}
+    )
+    assert results["complete"] and all(r["secagg_survivors"] == NODES for r in results["rounds"])
+    for r in (1, 2):  # later rounds part by Adam's steps on the attention: sign-sensitive near zero
+        assert np.abs(flat(secure[r]) - flat(plain[r])).max() < 1e-5, r
+    trained = [c for _, t, _, c in received if t == "train.secagg"]
+    assert trained and all(set(c.array_records) == {"secagg", "side"} for c in trained)
+    assert all(set(c.array_records["side"]) == {"z", "bias-grad", "m"} for c in trained)

@@ -2,7 +2,9 @@
 client; the client trains the whole model as FedAvg does and returns it (G and its own new
 biases M_i) with, beside it, its representation Z_i (the last hidden layer averaged over its
 train split) and ∂L/∂M̃_i, the gradient of its training loss at the biases it received: the
-server trains its attention through that gradient. The client keeps nothing."""
+server trains its attention through that gradient. Under secure aggregation the model's update
+goes masked (FedAvg's `train.secagg`) and the new biases M_i join Z_i and the gradient in the
+clear: the server's attention needs each one. The client keeps nothing."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from flwr.app import ArrayRecord, RecordDict
 from florist.client.node import Node, Request
 from florist.common import protocol, training
 from florist.common.models import Net, bias_names, flat_biases
-from florist.strategies.fedattn.spec import BIAS_GRAD, Z
+from florist.strategies.fedattn.spec import BIAS_GRAD, M, Z
 
 
 def representation(node: Node, model: Net) -> torch.Tensor:
@@ -46,8 +48,10 @@ def train(node: Node, request: Request) -> RecordDict:
     loss = node.fit(model, node.cfg.local_epochs)
     z = representation(node, model)
     metrics = {"num-examples": len(node.data.x_train), "train-loss": loss}
-    side = ArrayRecord({Z: z, BIAS_GRAD: gradient})
-    return protocol.content(ArrayRecord(model.state_dict()), metrics=metrics, side=side)
+    side = {Z: z, BIAS_GRAD: gradient}
+    if node.cfg.secure_aggregation != "none":  # the model goes masked (client/secure.py); M in the clear
+        side[M] = flat_biases(model.state_dict(), bias_names(model))
+    return protocol.content(ArrayRecord(model.state_dict()), metrics=metrics, side=ArrayRecord(side))
 
 
 def represent(node: Node, request: Request) -> RecordDict:

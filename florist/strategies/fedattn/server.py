@@ -29,7 +29,7 @@ from florist.common import protocol
 from florist.common.models import bias_names, flat_biases, seeded
 from florist.server.aggregation import clip_updates
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, log
-from florist.strategies.fedattn.spec import BIAS_GRAD, REPRESENT, TRAIN_ATTN, AttentionSettings, Z
+from florist.strategies.fedattn.spec import BIAS_GRAD, REPRESENT, TRAIN_ATTN, AttentionSettings, M, Z
 from florist.strategies.fedavg.server import FedAvg
 from florist.strategies.fedavg.spec import EVALUATE
 
@@ -61,6 +61,8 @@ class BiasAttention(nn.Module):
 class FedAttn(FedAvg):
     settings: AttentionSettings
     checkpointed = ("model", "attention", "optimizer")
+    # Under secure aggregation G's update is masked; Z, M and ∂L/∂M̃ stay in the clear (`train_masked`).
+    secured = ("fedattn",)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -158,32 +160,54 @@ class FedAttn(FedAvg):
         and its Z and M are remembered, so it is attended from its next sampled round. Asking
         it for Z first, as `evaluate` does, would add an exchange to every such round."""
         m_bar = self.mean_biases()
-        m_tilde, requests = {}, {}
+        m_tilde, states = {}, {}
         for node in nodes:
-            state = self.model.state_dict()
+            states[node.node_id] = self.model.state_dict()
             if self.attending(server_round) and node.key in self.memory:
                 m, weights = self.personalize(self.memory[node.key][0], node.key)
-                state = self.with_biases(m)
+                states[node.node_id] = self.with_biases(m)
                 if len(weights):  # made by the attention: its gradient trains it
                     m_tilde[node.node_id] = m
-            requests[node.node_id] = self.request(TRAIN_ATTN, server_round, ArrayRecord(state))
         side = {Z: torch.zeros(self.z_dim), BIAS_GRAD: torch.zeros(self.m_dim)}
-        replies = self.ask(TRAIN_ATTN, requests, server_round, TRAINED, self.model.state_dict(), side)
-        done = [n for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
+        if self.secure:
+            loss, sides, biases = self.train_masked(server_round, nodes, states, side)
+        else:
+            requests = {n: self.request(TRAIN_ATTN, server_round, ArrayRecord(s)) for n, s in states.items()}
+            replies = self.ask(TRAIN_ATTN, requests, server_round, TRAINED, self.model.state_dict(), side)
+            done = [n for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
+            # G (with M̄) by FedAvg's rule, or the robust one the run config names (florist/server/aggregation.py).
+            loss = self.aggregate([(n, replies[n.node_id]) for n in done]) if done else None
+            sides = {n.node_id: replies[n.node_id].side for n in done}
+            biases = {n.node_id: flat_biases(replies[n.node_id].arrays, self.biases) for n in done}
+        done = [n for n in nodes if n.node_id in sides]
         if not done:
             return None
         attended = [n for n in done if n.node_id in m_tilde]
         if attended:
-            gradients = [replies[n.node_id].side[BIAS_GRAD] for n in attended]
+            gradients = [sides[n.node_id][BIAS_GRAD] for n in attended]
             self.backprop([m_tilde[n.node_id] for n in attended], gradients, m_bar)
             self.step()
-        # G (with M̄) by FedAvg's rule, or the robust one the run config names (florist/server/aggregation.py).
-        loss = self.aggregate([(n, replies[n.node_id]) for n in done])
-        biases = [flat_biases(replies[n.node_id].arrays, self.biases) for n in done]
+        kept = [biases[n.node_id] for n in done]
         if not self.aggregator.plain:
-            biases = self.bounded(biases)
-        self.remember({n.key: (replies[n.node_id].side[Z], m) for n, m in zip(done, biases)})
+            kept = self.bounded(kept)
+        self.remember({n.key: (sides[n.node_id][Z], m) for n, m in zip(done, kept)})
         return loss
+
+    def train_masked(self, server_round: int, nodes: list[NodeInfo], states: dict[int, dict], side: dict):
+        """The round under `secure-aggregation`: G's update summed through SecAgg+'s four exchanges
+        (FedAvg's, each node sent its own biases), and Z, ∂L/∂M̃ and its new biases M from each
+        node in the clear, which the attention needs one by one. M̄ is then the survivors' M
+        weighted by the train sizes they reported at discovery (what the plain round weighs them
+        by): the masked mean of M − M̃ is not it, as each node started from its own M̃. Returns the
+        round's loss and each survivor's side and biases, by node id."""
+        sent = {n: ArrayRecord(s) for n, s in states.items()}
+        side = side | {M: torch.zeros(self.m_dim)}
+        loss, outcome = self.train_securely(server_round, nodes, lambda n: sent[n.node_id], side)
+        biases = {n.node_id: outcome.sides[n.node_id][M] for n in outcome.survivors}
+        weights = torch.tensor([float(n.num_train) for n in outcome.survivors])
+        mean = (torch.stack([biases[n.node_id] for n in outcome.survivors]) * weights[:, None]).sum(0) / weights.sum()
+        self.model.load_state_dict(self.with_biases(mean))
+        return loss, outcome.sides, biases
 
     def bounded(self, biases: list[torch.Tensor]) -> list[torch.Tensor]:
         """Under a robust aggregation, the clients' M to remember, each one's distance to the

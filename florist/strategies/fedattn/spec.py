@@ -10,9 +10,10 @@ import dataclasses
 
 from florist.common.settings import Settings, setting
 from florist.common.spec import Exchange, StrategySpec
-from florist.strategies.fedavg.spec import EVALUATE
+from florist.strategies.fedavg.spec import EVALUATE, SECAGG
 
 Z, BIAS_GRAD = "z", "bias-grad"  # keys of the `side` ArrayRecord: Z_i, and ∂L/∂M̃_i at the biases received
+M = "m"  # and, under secure aggregation (the trained model goes masked), the node's new biases M_i
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,6 @@ REPRESENT = Exchange("query.represent")  # a model down, Z up
 FEDATTN = StrategySpec(
     "fedattn",
     "FedAttn: attention over the nearest clients' bias vectors",
-    (TRAIN_ATTN, REPRESENT, EVALUATE),
+    (TRAIN_ATTN, REPRESENT, EVALUATE, *SECAGG),
     AttentionSettings,
 )

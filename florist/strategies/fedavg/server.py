@@ -17,7 +17,7 @@ from florist.common.models import Net
 from florist.common.spec import Exchange
 from florist.config import RunConfig
 from florist.server.aggregation import Aggregator
-from florist.server.secure import secure_round
+from florist.server.secure import Outcome, secure_round
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.fedavg.spec import EVALUATE, SECAGG, TRAIN
 
@@ -40,7 +40,7 @@ class FedAvg(ServerStrategy):
     checkpointed = ("model",)
     # Their every message is FedAvg's training exchange (kNN-Per: its global model; its datastore
     # never leaves the node) or an evaluation, which sends the model down only.
-    protected = ("fedavg", "fedavg-ft", "knnper")
+    protected = secured = ("fedavg", "fedavg-ft", "knnper")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -57,16 +57,17 @@ class FedAvg(ServerStrategy):
                 clip=self.cfg.secagg_clip,
                 bits=self.cfg.secagg_bits,
             )
-        if self.secure and type(self).train_round is not FedAvg.train_round:
+        if self.secure and type(self).train_round is not FedAvg.train_round and "secured" not in vars(type(self)):
             raise ValueError(
                 f"secure-aggregation: strategy {self.cfg.strategy!r} trains in its own train_round, which sends "
-                "models in the clear; it must train through FedAvg's (override before_training instead)"
+                "models in the clear; it must train through FedAvg's (override before_training instead) or "
+                "name what it secures itself (`secured`: FedAttn's)"
             )
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         self.before_training(server_round)
         if self.secure:
-            return self.train_securely(server_round, nodes)
+            return self.train_securely(server_round, nodes)[0]
         request = self.request(self.training, server_round, protocol.to_record(self.model))
         replies = self.broadcast(self.training, nodes, server_round, request, TRAINED, self.model.state_dict())
         done = [(n, replies[n.node_id]) for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
@@ -75,19 +76,20 @@ class FedAvg(ServerStrategy):
     def before_training(self, server_round: int) -> None:
         """What a strategy does to its models before a round trains them (kNN-Per's phases)."""
 
-    def train_securely(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
+    def train_securely(self, server_round: int, nodes: list[NodeInfo], sent=None, side=None) -> tuple[float, Outcome]:
         """The round under `secure-aggregation`: the nodes' weighted mean update, learnt through
         SecAgg+'s four exchanges, added to the model sent (the mean train loss comes the same way).
         Under `dp`, every node weighs 1; `central` noises the unmasked sum (the nodes clipped their
         updates to dp-clip) and divides by the nodes sampled, as DP-FedAvg does in the clear;
-        `distributed` divides the same way a sum the nodes noised, each with its share."""
+        `distributed` divides the same way a sum the nodes noised, each with its share. `sent`
+        and `side`: each node's own model, and what it sends in the clear (`secure_round`)."""
         start = self.model.state_dict()
         shapes = {key: tuple(t.shape) for key, t in start.items() if t.is_floating_point()}
         size = sum(math.prod(shape) for shape in shapes.values()) + len(records.TAIL)
         weight_cap = 1.0 if self.privacy.active else self.weight_cap(nodes)
-        sent = protocol.to_record(self.model)
         sigma = self.privacy.sigma if self.privacy.mode == "distributed" else 0.0
-        outcome = secure_round(self, SECAGG, nodes, server_round, sent, size, weight_cap, sigma)
+        sent = sent or protocol.to_record(self.model)
+        outcome = secure_round(self, SECAGG, nodes, server_round, sent, size, weight_cap, sigma, side)
         delta, (loss, clipped, zeroed) = records.unflatten(outcome.mean, shapes), outcome.mean[-len(records.TAIL) :]
         self.extras = outcome.row()
         if self.privacy.active:  # every node weighs 1: a mean times the count is a count
@@ -103,7 +105,7 @@ class FedAvg(ServerStrategy):
             delta = {key: d / self.sample_size(self.num_seen) for key, d in total.items()}
             self.extras["dp_clipped"] = round(float(clipped) * count)
         self.model.load_state_dict(privacy.applied(start, delta))
-        return float(loss) * records.LOSS_RANGE / outcome.value_range
+        return float(loss) * records.LOSS_RANGE / outcome.value_range, outcome
 
     def weight_cap(self, nodes: list[NodeInfo]) -> float:
         """W, the most a node weighs in a secure round: `secagg-max-weight`, else `max-node-examples`,
