@@ -70,9 +70,15 @@ def distributed_noise(node: Node, sigma: float, threshold: int, length: int) -> 
     """`dp = "distributed"`: this node's share of central's noise, N(0, (σC)²/t) on each of the
     update's values, σ as the server calibrated it (it alone knows the sampling rate) and t the
     threshold this node checked at setup (privacy.share_std), drawn before masking: the server
-    never holds an un-noised sum. A request with σ = 0 is refused: the node would send no noise."""
-    if sigma <= 0:
-        raise ValueError(f'node {node.key}: dp = "distributed" but the server sent no dp-sigma: refusing to train')
+    never holds an un-noised update sum. The node holds the server to the σ its own settings need
+    (dp-epsilon over num-server-rounds at q = 1, or dp-noise-multiplier: its --node-config's when it
+    sets dp there, client/guard.py) and refuses a smaller one: the server would spend more of its ε."""
+    own = privacy.Plan.of(node.cfg).sigma
+    if not sigma >= own * (1 - 1e-6):
+        raise ValueError(
+            f'node {node.key}: dp = "distributed": the server asks for noise σ = {sigma:.4g}, below the {own:.4g} '
+            "its dp settings need: refusing to train"
+        )
     rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))
     return rng.normal(0.0, privacy.share_std(sigma, node.cfg.dp_clip, threshold), length - len(records.TAIL))
 

@@ -81,7 +81,8 @@ class Plan:
     """A run's differential privacy: `mode` (none | central | local | distributed), the clip bound C, the
     noise multiplier σ (given, or calibrated to spend `cap` over num-server-rounds), δ, the ε the run may
     spend (inf: no cap), and the rate q at which a round takes a node's data (1 for `local`: each
-    node noises its own update, and its guarantee is about its own rounds)."""
+    node noises its own update, and its guarantee is about its own rounds; 1 for `distributed`: its
+    guarantee holds against the server, who picks the sample, so sampling amplifies nothing)."""
 
     mode: str
     clip: float
@@ -97,7 +98,7 @@ class Plan:
         a round sampling the nodes at rate `q`. With σ given, dp-epsilon is a cap the run stops
         at; without, σ spends it exactly over the run's rounds."""
         mode, sigma, rounds = cfg.dp, cfg.dp_noise_multiplier, max(1, cfg.num_server_rounds)
-        q = 1.0 if mode == "local" else min(1.0, q)
+        q = 1.0 if mode in ("local", "distributed") else min(1.0, q)  # they do not trust the one who samples
         if mode != "none" and sigma <= 0:
             sigma = noise_multiplier(cfg.dp_epsilon, cfg.dp_delta, q, rounds)
         return cls(mode, cfg.dp_clip, sigma, cfg.dp_delta, cfg.dp_epsilon, q)
@@ -129,10 +130,11 @@ class Plan:
 
 
 def share_std(sigma: float, clip: float, threshold: int) -> float:
-    """`distributed`: the std of the noise each node adds before masking, σ·C/√t, so that the
-    masked sum of any t or more nodes (a round never unmasks fewer) holds at least central's
-    N(0, σ²C²) per coordinate: all n surviving, n/t times its variance."""
-    return sigma * clip / math.sqrt(threshold)
+    """`distributed`: the std of the noise each node adds before masking, σ·C/√(t − 1), so that
+    in the masked sum of any t or more nodes (a round never unmasks fewer) the others' shares
+    alone hold at least central's N(0, σ²C²) per coordinate, whichever one node's data is added
+    or removed: all n surviving, n/(t − 1) times its variance. (t > n/2 ≥ 1, so t − 1 ≥ 1.)"""
+    return sigma * clip / math.sqrt(max(1, threshold - 1))
 
 
 def noise_generator(seed: int, *words: int) -> np.random.Generator:

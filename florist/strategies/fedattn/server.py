@@ -197,14 +197,15 @@ class FedAttn(FedAvg):
         """The round under `secure-aggregation`: G's update summed through SecAgg+'s four exchanges
         (FedAvg's, each node sent its own biases), and Z, ∂L/∂M̃ and its new biases M from each
         node in the clear, which the attention needs one by one. M̄ is then the survivors' M
-        weighted by the train sizes they reported at discovery (what the plain round weighs them
-        by): the masked mean of M − M̃ is not it, as each node started from its own M̃. Returns the
-        round's loss and each survivor's side and biases, by node id."""
+        weighted by the train sizes they reported at discovery, capped as the plain round caps a
+        node's weight (`max-node-examples`): the masked mean of M − M̃ is not it, as each node
+        started from its own M̃. Returns the round's loss and each survivor's side and biases, by
+        node id."""
         sent = {n: ArrayRecord(s) for n, s in states.items()}
         side = side | {M: torch.zeros(self.m_dim)}
         loss, outcome = self.train_securely(server_round, nodes, lambda n: sent[n.node_id], side)
         biases = {n.node_id: outcome.sides[n.node_id][M] for n in outcome.survivors}
-        weights = torch.tensor([float(n.num_train) for n in outcome.survivors])
+        weights = torch.tensor([self.aggregator.weight(n.num_train, n.num_train) for n in outcome.survivors])
         mean = (torch.stack([biases[n.node_id] for n in outcome.survivors]) * weights[:, None]).sum(0) / weights.sum()
         self.model.load_state_dict(self.with_biases(mean))
         return loss, outcome.sides, biases

@@ -35,7 +35,7 @@ def train(node: Node, request: Request) -> RecordDict:
     start = {key: t.clone() for key, t in model.state_dict().items()} if node.cfg.dp != "none" else None
     try:
         metrics["train-loss"] = node.fit(model, node.cfg.local_epochs, penalty=penalty)
-        if start is not None and (size := largest(model.state_dict())) > protocol.MAX_MAGNITUDE:
+        if start is not None and not (size := largest(model.state_dict())) <= protocol.MAX_MAGNITUDE:  # or nan
             raise FloatingPointError(f"training diverged (a weight of {size:.3g}, beyond what a server takes)")
     except FloatingPointError as err:
         if start is None:
@@ -47,8 +47,9 @@ def train(node: Node, request: Request) -> RecordDict:
 
 
 def largest(state: Mapping) -> float:
-    """The largest magnitude among a state's floating values."""
-    return max((float(t.abs().max()) for t in state.values() if t.is_floating_point() and t.numel()), default=0.0)
+    """The largest magnitude among a state's floating values; nan when any is nan (which `max` skips)."""
+    sizes = [float(t.abs().max()) for t in state.values() if t.is_floating_point() and t.numel()]
+    return math.nan if any(math.isnan(v) for v in sizes) else max(sizes, default=0.0)
 
 
 def zeroed(node: Node, model, start: dict, err: FloatingPointError) -> dict[str, float]:

@@ -119,7 +119,7 @@ class FedAvg(ServerStrategy):
         self.extras = {}
         if self.privacy.active:
             self.private_rounds += 1
-            zeroed = sum(int(r.metrics.get("dp-zeroed", 0)) for _, r in done)
+            zeroed = sum(r.metrics.get("dp-zeroed", 0) == 1 for _, r in done)  # a node's claim counts once
             self.extras = self.aggregate_private([r.arrays for _, r in done]) | zeroed_row(zeroed)
         elif done:
             outcome = self.aggregator([r.arrays for _, r in done], weights, self.model.state_dict())
