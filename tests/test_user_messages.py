@@ -4,10 +4,14 @@ checked whole, as the one line `florist` prints."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
+import torch
 
 from florist import cli
+from florist.apps.server import OneLineStops
 from florist.common import scenarios
 from florist.config import NUM_CLIENTS_HINT, NUM_CLIENTS_WORDS, SECTIONS, SYNONYMS, WHERE_KEYS, RunConfig
 
@@ -105,3 +109,22 @@ def test_a_folder_dataset_loads_without_dirichlet_retry_warnings(tmp_path, recwa
     cfg = RunConfig.from_mapping({"dataset": str(_image_folder(tmp_path / "images"))})
     assert len(scenarios.client_data(0, 5, cfg).y_train) > 0
     assert not [str(w.message)[:80] for w in recwarn if "min_partition_size" in str(w.message)]
+
+
+def _logged(err: BaseException) -> logging.LogRecord:
+    """The record Flower logs for a ServerApp that raised `err`, through florist's filter."""
+    record = logging.LogRecord("flwr", logging.ERROR, __file__, 0, "%s raised an exception", ("ServerApp",), None)
+    record.exc_info = (type(err), err, err.__traceback__)
+    OneLineStops().filter(record)
+    return record
+
+
+def test_a_serverapp_stop_florist_explains_is_logged_in_one_line_and_a_bug_keeps_its_traceback():
+    with pytest.raises(ValueError) as explained:
+        RunConfig.from_mapping({"dp": "bogus"})  # raised in florist's own code, with what to change
+    record = _logged(explained.value)
+    assert record.exc_info is None and record.getMessage() == f"florist: error: {explained.value}"
+    with pytest.raises(RuntimeError) as bug:
+        torch.zeros(2) + torch.zeros(3)  # a RuntimeError raised inside torch: a bug to find
+    record = _logged(bug.value)
+    assert record.exc_info is not None and record.getMessage() == "ServerApp raised an exception"

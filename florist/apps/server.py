@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+import florist
 from florist import USER_ERRORS
 from florist.apps.registry import STRATEGIES
 from florist.config import RunConfig
@@ -26,6 +28,7 @@ from florist.strategies.local.server import Local
 from florist.strategies.pefll.server import ODPFL, PeFLL
 from florist.strategies.perfedckt.server import PerFedCKT
 
+PACKAGE = Path(florist.__file__).parent
 SERVER_HALVES: dict[str, type[ServerStrategy]] = {
     "fedavg": FedAvg,
     "fedavg-ft": FedAvg,  # the same rounds: its clients fine-tune before they test
@@ -59,14 +62,24 @@ def run(grid: Grid, cfg: RunConfig, on_round: RoundCallback | None = None, run_i
 
 class OneLineStops(logging.Filter):
     """Flower logs the exception that ended a ServerApp with its traceback; a stop florist explains
-    (`florist.USER_ERRORS`: a round too few nodes answered, a budget, a refused setting) is logged
-    as its one line instead, as the `florist` command prints it. FLORIST_DEBUG=1 keeps the traceback."""
+    (one of `florist.USER_ERRORS` raised by florist's own code: a round too few nodes answered, a
+    budget, a refused setting) is logged as its one line instead, as the `florist` command prints
+    it. One raised inside torch, numpy or Flower is a bug to find and keeps its traceback, as does
+    every stop under FLORIST_DEBUG=1."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         err = record.exc_info[1] if record.exc_info else None
-        if isinstance(err, USER_ERRORS) and os.environ.get("FLORIST_DEBUG", "") in ("", "0"):
+        if isinstance(err, USER_ERRORS) and raised_here(err) and os.environ.get("FLORIST_DEBUG", "") in ("", "0"):
             record.msg, record.args, record.exc_info, record.exc_text = "florist: error: %s", (err,), None, None
         return True
+
+
+def raised_here(err: BaseException) -> bool:
+    """Whether `err` was raised in florist's own code (the innermost frame of its traceback)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).is_relative_to(PACKAGE)
 
 
 def quiet_tracebacks() -> None:

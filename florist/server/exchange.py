@@ -209,7 +209,7 @@ class Exchanger:
             raise RuntimeError(
                 f"the SuperLink refused {len(messages)} message(s) ({err}; its log says why); it refuses one "
                 f"that expired on the way: is round-timeout, {self.timeout:g} s, long enough?"
-            ) from None
+            ) from err
         deadline, backoff = time.monotonic() + self.timeout, Backoff(floor=0.05, cap=0.5, ratio=0.1)
         replies: list[Message] = []
 
