@@ -3,7 +3,8 @@
 # node registration and runs through the `flwr` service, the Control API out of reach of the host
 # and of every SuperNode, each container holding only its own keys, under a memory limit, the
 # Runtime APIs refusing task requests not signed with the SuperExec auth secret, a 3-round run
-# checked from the results volume (the containers' peak memory measured meanwhile), one SuperNode
+# checked from the results volume (the containers' peak memory measured meanwhile), 2 rounds under
+# secure aggregation and distributed dp, one SuperNode
 # cut off the network mid-run (the round completes without it, its failure is recorded),
 # reconnected (it is back in the next run), control-port.yaml publishing the Control API on the
 # host's loopback, and `down -v` leaving nothing behind. Every wait is bounded.
@@ -257,6 +258,15 @@ check three-rounds "assert r['complete'] and len(r['rounds']) == 3 and not r['fa
 assert len([c for c in r['clients'] if c['accuracy'] is not None]) == 3
 assert all(0.3 < c['accuracy'] <= 1 for c in r['clients']), [c['accuracy'] for c in r['clients']]"
 done_step "3 rounds (run, results copied out and checked)"
+
+# 4b. Secure aggregation with distributed dp between the containers: the SuperLink's ServerApp
+# sees each round's masked vectors only, and unmasks a sum the nodes already noised.
+submit secure 'num-server-rounds=2 eval-every=0 secure-aggregation="secaggplus" dp="distributed" dp-epsilon=8'
+wait "$!" || { logs secure; fail "the secure run"; }
+results secure || fail "no results.json for the secure run"
+check secure "assert r['complete'] and not r['failures'], r['failures']
+assert [x['secagg_survivors'] for x in r['rounds']] == [3, 3] and r['rounds'][-1]['dp_epsilon'] <= 8.0001"
+done_step "2 rounds under secure aggregation and distributed dp"
 
 # 5. One SuperNode cut off the network during a round.
 node=$(compose ps -q supernode-2)
