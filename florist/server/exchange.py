@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_completed, wait
 from typing import Any
 
+import grpc
+import httpx
 import torch
 from flwr.app import Error, Message, RecordDict
 from flwr.common.constant import ErrorCode
@@ -205,10 +207,10 @@ class Exchanger:
         path no reply's objects are pulled beyond `cap` bytes; off it, replies come whole."""
         try:
             pending = set(self.grid.push_messages(messages))
-        except Exception as err:  # Flower's grid raises its transport's errors (httpx, gRPC) as they come
+        except (httpx.HTTPError, grpc.RpcError) as err:  # Flower's grid raises its transport's errors as they come
             raise RuntimeError(
-                f"the SuperLink refused {len(messages)} message(s) ({err}; its log says why); it refuses one "
-                f"that expired on the way: is round-timeout, {self.timeout:g} s, long enough?"
+                f"the SuperLink did not take {len(messages)} message(s) ({err}); its log says why (it refuses one "
+                f"that expired on the way: is round-timeout, {self.timeout:g} s, long enough?)"
             ) from err
         deadline, backoff = time.monotonic() + self.timeout, Backoff(floor=0.05, cap=0.5, ratio=0.1)
         replies: list[Message] = []
