@@ -53,10 +53,10 @@ def masked_update(
     """(what the node masks, its weight): the update as one float64 vector with records.TAIL behind
     it: the train loss and the dp-zeroed flag (`report`) and whether dp-clip cut it. Under
     `dp = "central"` or `"distributed"` the node clips its own update to dp-clip (the server never
-    sees it), and under
-    any `dp` every node weighs 1, as DP-FedAvg's sensitivity needs; otherwise its example count, at
-    most its train split (the num-train it reported at discovery, the server's cap in the clear:
-    kNN-Per's phase 2 also trains on validation) and, by the caller, at most max-weight."""
+    sees it), and under any `dp` every node weighs 1, as DP-FedAvg's sensitivity needs; otherwise
+    its example count, at most its train split (the num-train it reported at discovery, the
+    server's cap in the clear: kNN-Per's phase 2 also trains on validation) and, by the caller, at
+    most max-weight."""
     delta = privacy.update(trained, sent)
     cut = False
     if node.cfg.dp in ("central", "distributed"):
@@ -67,12 +67,12 @@ def masked_update(
 
 
 def distributed_noise(node: Node, sigma: float, threshold: int, length: int) -> np.ndarray:
-    """`dp = "distributed"`: this node's share of central's noise, N(0, (σC)²/t) on each of the
-    update's values, σ as the server calibrated it (it alone knows the sampling rate) and t the
-    threshold this node checked at setup (privacy.share_std), drawn before masking: the server
-    never holds an un-noised update sum. The node holds the server to the σ its own settings need
-    (dp-epsilon over num-server-rounds at q = 1, or dp-noise-multiplier: its --node-config's when it
-    sets dp there, client/guard.py) and refuses a smaller one: the server would spend more of its ε."""
+    """`dp = "distributed"`: this node's share of central's noise, N(0, (σC)²/(t − 1)) on each of
+    the update's values, σ as the server sent it and t the threshold this node checked at setup
+    (privacy.share_std), drawn before masking: the server never holds an un-noised update sum.
+    The node holds the server to the σ its own settings need (dp-epsilon over num-server-rounds at
+    q = 1, or dp-noise-multiplier: its --node-config's when it sets dp there, client/guard.py) and
+    refuses a smaller one: the server would spend more of its ε."""
     own = privacy.Plan.of(node.cfg).sigma
     if not sigma >= own * (1 - 1e-6):
         raise ValueError(

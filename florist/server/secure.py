@@ -31,7 +31,6 @@ class Outcome:
     """What the server learns from a secure round."""
 
     mean: np.ndarray  # Σ w·x / Σ w of the survivors' flat vectors (float64)
-    weight_sum: float  # Σ w, each rounded to W / 2^bits
     clipped: int  # values clipped to [-secagg-clip, secagg-clip], over all survivors
     survivors: list[NodeInfo]
     dropped: list[NodeInfo]  # shared their keys, sent no masked vector
@@ -126,7 +125,6 @@ def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_si
     result = secagg.server_aggregate(state, shares)
     return Outcome(
         result.mean,
-        result.weight_sum,
         result.clipped,
         [info[i] for i in result.survivors],
         [info[i] for i in result.dropped],

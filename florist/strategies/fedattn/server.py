@@ -27,7 +27,7 @@ from torch import nn
 
 from florist.common import protocol
 from florist.common.models import bias_names, flat_biases, seeded
-from florist.server.aggregation import clip_updates
+from florist.server.aggregation import clip_updates, weighted_average
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, log
 from florist.strategies.fedattn.spec import BIAS_GRAD, REPRESENT, TRAIN_ATTN, AttentionSettings, M, Z
 from florist.strategies.fedavg.server import FedAvg
@@ -205,8 +205,8 @@ class FedAttn(FedAvg):
         side = side | {M: torch.zeros(self.m_dim)}
         loss, outcome = self.train_securely(server_round, nodes, lambda n: sent[n.node_id], side)
         biases = {n.node_id: outcome.sides[n.node_id][M] for n in outcome.survivors}
-        weights = torch.tensor([self.aggregator.weight(n.num_train, n.num_train) for n in outcome.survivors])
-        mean = (torch.stack([biases[n.node_id] for n in outcome.survivors]) * weights[:, None]).sum(0) / weights.sum()
+        weights = [self.aggregator.weight(n.num_train, n.num_train) for n in outcome.survivors]
+        mean = weighted_average([{M: biases[n.node_id]} for n in outcome.survivors], weights)[M]
         self.model.load_state_dict(self.with_biases(mean))
         return loss, outcome.sides, biases
 
