@@ -15,6 +15,7 @@ from florist.common.models import Net
 from florist.common.spec import INFO, Exchange
 from florist.strategies.fedattn import client as fedattn
 from florist.strategies.fedavg import client as fedavg
+from florist.strategies.fedavg import spec as fedavg_spec
 from florist.strategies.knnper import client as knnper
 from florist.strategies.local import client as local
 from florist.strategies.pefll import client as pefll
@@ -49,6 +50,21 @@ HANDLERS: dict[str, messages.Handler] = {
     "query.represent": fedattn.represent,
 }
 
+# What a node whose --node-config sets dp answers (florist/client/ledger.py): discovery (its sizes, stated as not
+# private), training whose update local or distributed dp noises and its ledger counts, secure aggregation's
+# stages (keys and shares, no data), and the evaluations docs/privacy.md states as not covered. Any other type
+# (train.attn, query.represent, train.generated, train.ckt, ...) is refused in one line naming it.
+BOUNDED_UNDER_NODE_DP = frozenset(
+    {
+        "query.info",
+        "train",
+        "train.knnper",
+        "evaluate",
+        "evaluate.knnper",
+        *(e.message_type for e in fedavg_spec.SECAGG),
+    }
+)
+
 # A kept model (`client/personal.py`) predicts with its network alone, unless its strategy is
 # here: what else it scored with (kNN-Per: its datastore, mixed in).
 PREDICTORS: dict[str, Callable[[personal.Kept, Net, np.ndarray], np.ndarray]] = {"knnper": knnper.personal_proba}
@@ -73,7 +89,7 @@ def build_client_app(mods: Sequence[Callable] = (), *, cls: type[ClientApp] = Cl
     """florist's ClientApp with `mods` (Flower mods, run inside florist's own: e.g. for tests
     that inject failures)."""
     handlers: Mapping[Exchange, messages.Handler] = {e: HANDLERS[t] for t, e in exchanges().items()}
-    return messages.build_client_app(handlers, STRATEGIES, mods, cls=cls)
+    return messages.build_client_app(handlers, STRATEGIES, mods, cls=cls, bounded=BOUNDED_UNDER_NODE_DP)
 
 
 class NamedClientApp(ClientApp):

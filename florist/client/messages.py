@@ -7,13 +7,13 @@ from __future__ import annotations
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from florist.client import guard
+from florist.client import guard, ledger
 from florist.client.deadline import deadline
 from florist.client.node import Node, Request, node_key, parse
 from florist.common import client_mods, data, devices, packing, protocol, training
@@ -86,24 +86,27 @@ def build_client_app(
     mods: Sequence[Callable] = (),
     *,
     cls: type[ClientApp] = ClientApp,
+    bounded: Collection[str] = (),
 ) -> ClientApp:
     """The ClientApp answering each exchange with its handler (`strategies`: what a message's
     `strategy` may name, for its settings); `mods` are Flower mods, run inside `frame` and the
-    mods `client-mods` names (e.g. for tests that inject failures)."""
+    mods `client-mods` names (e.g. for tests that inject failures). `bounded`: the message types
+    a node under its own dp answers (`ledger.refuse_unbounded`)."""
     app = cls(mods=[frame, client_mods.configured, *mods])
     for exchange, work in handlers.items():
         category, _, action = exchange.message_type.partition(".")
-        getattr(app, category)(action or "default")(_handler(exchange, work, strategies))
+        getattr(app, category)(action or "default")(_handler(exchange, work, strategies, bounded))
     return app
 
 
 def _handler(
-    exchange: Exchange, work: Handler, strategies: Mapping[str, StrategySpec]
+    exchange: Exchange, work: Handler, strategies: Mapping[str, StrategySpec], bounded: Collection[str]
 ) -> Callable[[Message, Context], Message]:
     def handler(msg: Message, context: Context) -> Message:
         start = time.perf_counter()
         # loads the node's data: the "data-seconds" of the reply
         node, request = parse(msg, context, exchange, strategies)
+        ledger.refuse_unbounded(node, exchange.message_type, bounded)
         data_seconds = time.perf_counter() - start
         devices.set_torch_threads(node.cfg.torch_threads)  # in the message's process: after the warm executor's fork
         content = work(node, request)

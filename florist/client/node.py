@@ -60,8 +60,9 @@ class Node:
     data: data_lib.ClientData
     state: NodeState
     node_config: dict
-    steps_taken: int = 0  # local optimizer steps this message has taken so far (`fit`)
     flower_driven: bool = False  # one of Flower's own strategies sent the message
+    flower_run: int = 0  # Flower's id of this run (the node's context): what its privacy ledger keys releases by
+    steps_taken: int = 0  # local optimizer steps this message has taken so far (`fit`)
 
     @property
     def final_evaluation(self) -> bool:
@@ -194,7 +195,8 @@ def parse(
     cfg = cfg.for_node(node_config)
     key, seen, client = _identity(node_config, cfg)
     state = NodeState(node_config.get("state-dir"), key, cfg.strategy, context.state)
-    node = Node(key, seen, run_id, server_round, cfg, client, state, node_config, flower_driven=not florist)
+    # flower_run: never the config's run-id, which a server could make new in every message
+    node = Node(key, seen, run_id, server_round, cfg, client, state, node_config, not florist, context.run_id)
     return node, Request(request, msg.content)
 
 

@@ -11,11 +11,13 @@ of both, nothing of one node."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
 from flwr.app import RecordDict
 
+from florist.client import ledger
 from florist.client.node import Node, Request
 from florist.common import privacy, protocol, secagg
 from florist.common import secagg_records as records
@@ -35,11 +37,12 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     # (dp-clip, or each value to secagg-clip) before it leaves; a non-finite value is refused by node_mask.
     trained = reply.array_records[protocol.ARRAYS].to_torch_state_dict()
     metrics = reply.metric_records[protocol.METRICS]
-    loss = float(metrics["train-loss"]) * state.setup.clip / records.LOSS_RANGE
+    # under dp = "local" the reply carries neither (nothing of the data leaves un-noised): 0 in their slots
+    loss = float(metrics.get("train-loss", 0.0)) * state.setup.clip / records.LOSS_RANGE
     zeroed = float(metrics.get("dp-zeroed", 0))
     vector, weight = masked_update(node, sent, trained, (loss, zeroed), metrics["num-examples"])
     if node.cfg.dp == "distributed":
-        vector[: -len(records.TAIL)] += distributed_noise(node, sigma, state.setup.threshold, len(vector))
+        vector = distributed_release(node, vector, sigma, state.setup.threshold)
     state, masked, _ = secagg.node_mask(state, ciphertexts, vector, min(weight, state.setup.max_weight))
     keep(node, state)
     content = protocol.content(metrics={}, side=reply.array_records.get(protocol.SIDE))
@@ -66,21 +69,30 @@ def masked_update(
     return np.concatenate([records.flatten(delta), [loss, float(cut), zeroed]]), weight
 
 
-def distributed_noise(node: Node, sigma: float, threshold: int, length: int) -> np.ndarray:
-    """`dp = "distributed"`: this node's share of central's noise, N(0, (σC)²/(t − 1)) on each of
-    the update's values, σ as the server sent it and t the threshold this node checked at setup
-    (privacy.share_std), drawn before masking: the server never holds an un-noised update sum.
-    The node holds the server to the σ its own settings need (dp-epsilon over num-server-rounds at
-    q = 1, or dp-noise-multiplier: its --node-config's when it sets dp there, client/guard.py) and
-    refuses a smaller one: the server would spend more of its ε."""
-    own = privacy.Plan.of(node.cfg).sigma
-    if not sigma >= own * (1 - 1e-6):
+def distributed_release(node: Node, vector: np.ndarray, sigma: float, threshold: int) -> np.ndarray:
+    """`dp = "distributed"`: `vector` with this node's share of central's noise on the update's
+    values, N(0, (σC)²/(t − 1)) each (privacy.share_std), σ as the server sent it and t the
+    threshold this node checked at setup, drawn before masking: the server never holds an
+    un-noised update sum. The node refuses a σ below its own (florist/client/ledger.py: its
+    dp-epsilon over its own dp-releases when its --node-config sets dp, never the server's
+    num-server-rounds), and draws once per (run, round), counted in its ledger: a restarted
+    secure round masks the same noised vector again."""
+    book = ledger.Ledger(node)
+    if not sigma >= book.plan.sigma * (1 - 1e-6):
         raise ValueError(
-            f'node {node.key}: dp = "distributed": the server asks for noise σ = {sigma:.4g}, below the {own:.4g} '
-            "its dp settings need: refusing to train"
+            f'node {node.key}: dp = "distributed": the server asks for noise σ = {sigma:.4g}, below the '
+            f"{book.plan.sigma:.4g} its dp settings need: refusing to train"
         )
-    rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))
-    return rng.normal(0.0, privacy.share_std(sigma, node.cfg.dp_clip, threshold), length - len(records.TAIL))
+    book.plan = dataclasses.replace(book.plan, sigma=sigma)  # what it draws with, and counts
+    values = len(vector) - len(records.TAIL)
+
+    def draw(plan: privacy.Plan) -> dict[str, np.ndarray]:
+        rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))
+        noised = vector.copy()
+        noised[:values] += rng.normal(0.0, privacy.share_std(plan.sigma, node.cfg.dp_clip, threshold), values)
+        return {"vector": noised}
+
+    return book.release(draw)["vector"]
 
 
 def keep(node: Node, state: secagg.NodeState) -> None:

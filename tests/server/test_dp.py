@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,17 +159,20 @@ def test_a_nodes_own_local_dp_is_not_the_servers_to_turn_off_or_weaken():
     assert _run_config(secure, {"dp": "central", "dp-epsilon": 3.0}, "box").dp == "central"  # the same: fine
 
 
-def test_a_local_dp_node_stops_training_once_its_own_budget_is_spent(make_node):
-    """A server that says 1 round (so σ is sized for one) cannot make the node spend more."""
+def test_a_local_dp_node_repeats_its_stored_draw_and_stops_at_its_own_lifetime_budget(make_node):
+    """A repeated round gets the noise drawn the first time (fresh draws would average it away),
+    and a node whose own budget holds one release refuses the next, whatever the server's rounds."""
+    from florist.client.ledger import Ledger
     from florist.strategies.fedavg.client import local_dp
 
-    node = make_node({"dp": "local", "dp-epsilon": 3.0, "num-server-rounds": 1}, server_round=1)
+    own = {"dp": "local", "dp-epsilon": 3.0}
+    node = make_node(own | {"num-server-rounds": 100}, node_config=own | {"dp-releases": 1}, server_round=1)
     start = node.new_model().state_dict()
-    local_dp(node, start, start)
-    local_dp(node, start, start)  # the same round again (a retry): nothing more spent
+    first, again = (local_dp(node, Ledger(node), start, start) for _ in range(2))
+    assert all(np.array_equal(first[k], again[k]) for k in first) and Ledger(node).prior() is not None
     node.server_round = 2
-    with pytest.raises(ValueError, match=r"round 2 would spend ε = .* > its dp-epsilon 3 \(1 rounds noised\)"):
-        local_dp(node, start, start)
+    with pytest.raises(ValueError, match=r"spend ε = .* > its dp-epsilon 3 \(1 releases in its lifetime"):
+        Ledger(node).prior()
 
 
 def test_under_dp_a_node_whose_weights_blow_past_what_a_server_takes_sends_no_change(make_node, monkeypatch):

@@ -10,9 +10,11 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 
+import numpy as np
+import torch
 from flwr.app import RecordDict
 
-from florist.client import secure
+from florist.client import ledger, secure
 from florist.client.node import Node, Request
 from florist.common import privacy, protocol, secagg, training
 from florist.common import secagg_records as records
@@ -26,10 +28,14 @@ def train(node: Node, request: Request) -> RecordDict:
     """Train the received model on the local train split, with FedProx's proximal term when
     `proximal-mu` > 0 (Flower's FedProx sends it); reply with the new weights and `train-loss`,
     the mean loss of the last pass. For Flower's strategies also `train_loss`, the received
-    model's loss on the whole train split before training: q-FFL's F_k(w^t), what QFedAvg reads."""
+    model's loss on the whole train split before training: q-FFL's F_k(w^t), what QFedAvg reads.
+    Under `dp = "local"` the reply is the noised model and the example count alone (`local_dp`)."""
     model, d, mu = node.received_model(request), node.data, node.cfg.proximal_mu
     metrics = {"num-examples": len(d.x_train)}
-    if request.from_flower and d.labelled:  # unlabelled: `fit` says so
+    book = ledger.Ledger(node) if node.cfg.dp == "local" else None
+    if book is not None and (kept := book.prior()) is not None:  # asked again: what it released, before any work
+        return local_reply(model, kept, metrics)
+    if request.from_flower and d.labelled and book is None:  # unlabelled: `fit` says so
         metrics["train_loss"] = training.evaluate(model, d.x_train, d.y_train, node.device)[0]
     penalty = training.proximal(model, mu) if mu > 0 else None
     start = {key: t.clone() for key, t in model.state_dict().items()} if node.cfg.dp != "none" else None
@@ -41,8 +47,8 @@ def train(node: Node, request: Request) -> RecordDict:
         if start is None:
             raise
         metrics |= zeroed(node, model, start, err)
-    if node.cfg.dp == "local":
-        model.load_state_dict(local_dp(node, start, model.state_dict()))
+    if book is not None:
+        return local_reply(model, local_dp(node, book, start, model.state_dict()), {"num-examples": len(d.x_train)})
     return protocol.content(protocol.to_record(model), metrics=metrics)
 
 
@@ -65,23 +71,19 @@ def zeroed(node: Node, model, start: dict, err: FloatingPointError) -> dict[str,
     return {"train-loss": loss if math.isfinite(loss) and loss < LOSS_CAP else LOSS_CAP, "dp-zeroed": 1}
 
 
-def local_dp(node: Node, start: dict, trained: dict) -> dict:
+def local_dp(node: Node, book: ledger.Ledger, start: dict, trained: dict) -> dict[str, np.ndarray]:
     """`trained` as the node sends it under `dp = "local"`: its update clipped to dp-clip and
-    noised with the σ that spends dp-epsilon over num-server-rounds rounds of this node's
-    (q = 1: its own data, every round it takes part in), or dp-noise-multiplier. The node counts
-    the rounds it noised in this run (its state folder: a resumed run's too) and trains no more
-    once another would spend more than dp-epsilon, whatever num-server-rounds the server said."""
-    plan = privacy.Plan.of(node.cfg)
-    name = f"local-dp-rounds-{node.run_id}"
-    rounds = sorted({*(node.state.load_json(name) or []), node.server_round})
-    if math.isfinite(plan.cap) and plan.spent(len(rounds)) > plan.cap * (1 + 1e-9):
-        raise ValueError(
-            f"node {node.key}: local dp: round {node.server_round} would spend ε = {plan.spent(len(rounds)):.3g} "
-            f"> its dp-epsilon {plan.cap:g} ({len(rounds) - 1} rounds noised); it trains no more in this run"
-        )
-    node.state.save_json(name, rounds)
+    noised with the ledger's σ (the node's own settings when its --node-config sets dp), drawn
+    once per (run, round) and counted in the node's ledger (florist/client/ledger.py)."""
     rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))
-    return privacy.local_update(start, trained, plan, rng)
+    return book.release(lambda plan: {k: t.numpy() for k, t in privacy.local_update(start, trained, plan, rng).items()})
+
+
+def local_reply(model, noised: dict[str, np.ndarray], metrics: dict) -> RecordDict:
+    """The `dp = "local"` training reply: the noised model and what the node's size says, no
+    un-noised value of its data (no train loss, no dp-zeroed: docs/privacy.md)."""
+    model.load_state_dict({key: torch.from_numpy(a) for key, a in noised.items()})
+    return protocol.content(protocol.to_record(model), metrics=metrics)
 
 
 def evaluate(node: Node, request: Request) -> RecordDict:

@@ -69,14 +69,18 @@ class FedAvg(ServerStrategy):
         if self.secure:
             return self.train_securely(server_round, nodes)[0]
         request = self.request(self.training, server_round, protocol.to_record(self.model))
-        replies = self.broadcast(self.training, nodes, server_round, request, TRAINED, self.model.state_dict())
+        # under local dp a node sends no train loss (nothing un-noised of its data leaves it)
+        expected = ("num-examples",) if self.privacy.mode == "local" else TRAINED
+        replies = self.broadcast(self.training, nodes, server_round, request, expected, self.model.state_dict())
         done = [(n, replies[n.node_id]) for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
         return self.aggregate(done)
 
     def before_training(self, server_round: int) -> None:
         """What a strategy does to its models before a round trains them (kNN-Per's phases)."""
 
-    def train_securely(self, server_round: int, nodes: list[NodeInfo], sent=None, side=None) -> tuple[float, Outcome]:
+    def train_securely(
+        self, server_round: int, nodes: list[NodeInfo], sent=None, side=None
+    ) -> tuple[float | None, Outcome]:
         """The round under `secure-aggregation`: the nodes' weighted mean update, learnt through
         SecAgg+'s four exchanges, added to the model sent (the mean train loss comes the same way).
         Under `dp`, every node weighs 1; `central` noises the unmasked sum (the nodes clipped their
@@ -105,6 +109,8 @@ class FedAvg(ServerStrategy):
             delta = {key: d / self.sample_size(self.num_seen) for key, d in total.items()}
             self.extras["dp_clipped"] = round(float(clipped) * count)
         self.model.load_state_dict(privacy.applied(start, delta))
+        if self.privacy.mode == "local":  # its nodes sent no train loss
+            return None, outcome
         return float(loss) * records.LOSS_RANGE / outcome.value_range, outcome
 
     def weight_cap(self, nodes: list[NodeInfo]) -> float:
@@ -126,6 +132,8 @@ class FedAvg(ServerStrategy):
             self.model.load_state_dict(outcome.state)
             if not self.aggregator.plain:
                 self.extras = outcome.row([n.key for n, _ in done])
+        if self.privacy.mode == "local":  # its nodes sent no train loss
+            return None
         return mean_loss(r.metrics | {"num-examples": w} for (_, r), w in zip(done, weights))
 
     def aggregate_private(self, states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,198 @@
+"""A node's privacy ledger (docs/privacy.md, "The node's own ledger"): every noised release the
+node makes under `dp = "local"` or `"distributed"`, kept in its own state folder, so that what
+a server sends cannot spend the node's budget for it.
+
+- A release is keyed by Flower's run id (the node's context: a new run is a new one, whatever
+  `run-id` the server's config says) and the round. The same (run, round) asked again gets the
+  noised reply the node stored, never a fresh draw: averaging fresh draws would strip the noise.
+- Under the node's own dp (its `--node-config` sets `dp`), the budget is the node's lifetime's:
+  σ comes from its dp-epsilon over `dp-releases` releases (or its dp-noise-multiplier), never
+  from the server's num-server-rounds, and the node refuses, in one line, the release that would
+  take it past its dp-epsilon, in whichever run. Without a dp of its own a node follows its
+  server's settings, and the ledger counts the releases of that run only.
+- Under its own dp the node answers only the message types its mechanism bounds
+  (`refuse_unbounded`).
+
+What it cannot stop: a wiped state folder, or the same data behind a second install (another
+`state-dir` or node key), starts a fresh budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Collection, Iterator, Mapping
+
+import numpy as np
+
+from florist.client.guard import Refused
+from florist.client.node import Node
+from florist.client.state import NodeState
+from florist.common import privacy
+from florist.common.settings import coerce
+
+log = logging.getLogger("flwr").getChild(__name__)
+
+RELEASES = "dp-releases"  # node-config key: the noised releases its lifetime budget is sized for
+DEFAULT_RELEASES = 30  # as num-server-rounds' default: one run's worth
+BOOK = "ledger.json"
+KEPT_REPLIES = 8  # stored noised replies (the newest); an older repeat is refused, never drawn again
+KEPT_KEYS = 4096  # (run, round) keys kept for repeats; what is spent is kept whole, as counts per σ
+DP_STRATEGIES = ("fedavg", "fedavg-ft", "knnper")  # whose every model message local and distributed dp noise
+
+
+def owns_privacy(node_config: Mapping) -> bool:
+    """Whether the node's own `--node-config` sets its dp (a promise the node keeps itself)."""
+    return str(node_config.get("dp", "none")) != "none"
+
+
+def own_plan(node: Node) -> privacy.Plan:
+    """The plan the node draws its noise with: under its own dp, σ for its dp-epsilon over its
+    `dp-releases` (q = 1: its own data, every release), or its dp-noise-multiplier; else the
+    run's, as its server sized it."""
+    cfg = node.cfg
+    if not owns_privacy(node.node_config):
+        return privacy.Plan.of(cfg)
+    releases = coerce(RELEASES, node.node_config.get(RELEASES, DEFAULT_RELEASES), int)
+    if releases < 1:
+        raise ValueError(f"node-config key {RELEASES!r} must be an integer >= 1, got {releases}")
+    sigma = cfg.dp_noise_multiplier or privacy.noise_multiplier(cfg.dp_epsilon, cfg.dp_delta, 1.0, releases)
+    return privacy.Plan(cfg.dp, cfg.dp_clip, sigma, cfg.dp_delta, cfg.dp_epsilon, 1.0)
+
+
+def refuse_unbounded(node: Node, message_type: str, bounded: Collection[str]) -> None:
+    """Under the node's own dp, refuse a message type (or a strategy) whose reply its mechanism
+    does not bound: `bounded` are the types whose data-dependent values it noises and counts,
+    or that carry none (docs/privacy.md lists each)."""
+    if not owns_privacy(node.node_config):
+        return
+    if message_type not in bounded or node.cfg.strategy not in DP_STRATEGIES:
+        raise Refused(
+            f"node {node.key}: its own dp = {node.cfg.dp!r} does not bound a {message_type!r} reply of strategy "
+            f"{node.cfg.strategy!r}: refused"
+        )
+
+
+def epsilon(spent: Mapping[float, int], delta: float) -> float:
+    """ε of the releases `spent` (how many at each noise multiplier σ), composed by RDP at q = 1."""
+    if not spent:
+        return 0.0
+    if len(spent) == 1:
+        [(sigma, count)] = spent.items()
+        return privacy.epsilon(sigma, 1.0, count, delta)
+    import dp_accounting
+    from dp_accounting import rdp
+
+    accountant = rdp.RdpAccountant(list(privacy.ORDERS))
+    for sigma, count in spent.items():
+        accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), count))
+    return float(accountant.get_epsilon(delta))
+
+
+class Ledger:
+    """The releases of one node (`Node.flower_run`, `Node.server_round`): `prior` before the
+    work, `release` to draw the noise once."""
+
+    def __init__(self, node: Node):
+        self.node, self.plan = node, own_plan(node)
+        self.own = owns_privacy(node.node_config)
+        self.key = [node.flower_run, node.server_round]
+        self.files = NodeState(node.state.folder.parent, node.key, "privacy")  # beside every strategy's folder
+
+    def prior(self) -> dict[str, np.ndarray] | None:
+        """This (run, round)'s stored noised reply, or None when the node may make it (refused
+        in one line when another release would pass its dp-epsilon): asked before the work."""
+        book = self._book()
+        return self._stored(book) if self.key in book["keys"] else self._check(book)
+
+    def release(self, draw: Callable[[privacy.Plan], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """`draw(plan)`'s noised arrays, counted and stored before they leave; the stored ones
+        when this (run, round) was released already."""
+        with self._locked():
+            book = self._book()
+            if self.key in book["keys"]:
+                return self._stored(book)
+            self._check(book)
+            arrays = draw(self.plan)
+            self.files.save_arrays(self._reply_name(self.key), arrays)
+            self._count(book)
+            self.files.save_json(BOOK, book)
+            self._prune(book)
+        log.info(
+            "node %s: dp release (run %s, round %s): ε = %.3g of dp-epsilon %g spent%s",
+            self.node.key,
+            *self.key,
+            self._spent(book),
+            self.plan.cap,
+            " in this node's lifetime" if self.own else " in this run",
+        )
+        return arrays
+
+    # --- the book ------------------------------------------------------------------------
+    def _book(self) -> dict:
+        """{"spent": {account: {σ: count}}, "keys": [[run, round], ...] (the newest)}: the account is "own"
+        (the node's lifetime, under its own dp) or "run-<id>" (its server's settings, per run)."""
+        book = self.files.load_json(BOOK) or {}
+        return {"spent": book.get("spent", {}), "keys": book.get("keys", [])}
+
+    @property
+    def _account(self) -> str:
+        return "own" if self.own else f"run-{self.node.flower_run}"
+
+    def _spent(self, book: dict, more: int = 0) -> float:
+        counts = {float(s): n for s, n in book["spent"].get(self._account, {}).items()}
+        if more:
+            counts[self.plan.sigma] = counts.get(self.plan.sigma, 0) + more
+        return epsilon(counts, self.plan.delta)
+
+    def _check(self, book: dict) -> None:
+        after = self._spent(book, 1)
+        if math.isfinite(self.plan.cap) and after > self.plan.cap * (1 + 1e-9):
+            where = "its lifetime" if self.own else f"run {self.node.flower_run}"
+            releases = sum(book["spent"].get(self._account, {}).values())
+            raise Refused(
+                f"node {self.node.key}: dp: another noised release would spend ε = {after:.3g} > its dp-epsilon "
+                f"{self.plan.cap:g} ({releases} releases in {where}, σ = {self.plan.sigma:.4g}); it releases no more"
+            )
+
+    def _count(self, book: dict) -> None:
+        counts = book["spent"].setdefault(self._account, {})
+        counts[repr(self.plan.sigma)] = counts.get(repr(self.plan.sigma), 0) + 1
+        book["keys"] = [*book["keys"], self.key][-KEPT_KEYS:]
+
+    def _stored(self, book: dict) -> dict[str, np.ndarray]:
+        arrays = self.files.load_arrays(self._reply_name(self.key))
+        if arrays is None:
+            raise Refused(
+                f"node {self.node.key}: dp: round {self.node.server_round} of this run was released already and its "
+                "noised reply is no longer kept; a fresh draw would spend its budget again: refusing"
+            )
+        log.info(
+            "node %s: round %s asked again: the stored noised reply goes, nothing spent", self.node.key, self.key[1]
+        )
+        return arrays
+
+    def _reply_name(self, key: list[int]) -> str:
+        return f"reply-{key[0]}-{key[1]}.npz"
+
+    def _prune(self, book: dict) -> None:
+        """Keep the newest KEPT_REPLIES stored replies (their keys stay: an older repeat is refused)."""
+        kept = {self._reply_name(key) for key in book["keys"][-KEPT_REPLIES:]}
+        for path in self.files.path(BOOK).parent.glob("reply-*.npz"):
+            if path.name not in kept:
+                path.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The book to this process alone (a node may answer two messages at once)."""
+        import fcntl
+
+        lock = self.files.path(".lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)

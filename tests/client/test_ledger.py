@@ -1,0 +1,113 @@
+"""A node's own privacy ledger (florist/client/ledger.py) against a server that tries to spend the
+node's local-dp budget for it: repeating a round, opening fresh runs that each claim one round,
+or sending another strategy's message. Messages go through florist's real ClientApp
+(`InProcessGrid`, serialized both ways); the ε each test reports is computed here, with
+dp-accounting, from the replies it collected: how many distinct noised models, at the noise std
+measured on them."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from flwr.app import Message
+
+from florist.apps.client import app
+from florist.client import guard
+from florist.common import protocol
+from florist.common.models import seeded_model
+from florist.common.protocol import message_config
+from florist.config import RunConfig
+from florist.runners.inprocess import InProcessGrid, server_identity
+from florist.strategies.fedattn.spec import REPRESENT, TRAIN_ATTN
+from florist.strategies.fedavg.spec import TRAIN
+from florist.strategies.pefll.spec import TRAIN_GENERATED
+from florist.strategies.perfedckt.spec import TRAIN_CKT
+
+EPSILON, DELTA, CLIP = 1.0, 1e-5, 1.0
+# the server's own dp is weaker in every way, and it claims one round, so that its σ would be small
+SERVER = {"dp": "local", "dp-epsilon": 50.0, "dp-clip": CLIP, "num-server-rounds": 1, "partition": "iid"}
+
+
+@pytest.fixture(autouse=True)
+def untrusting(monkeypatch):
+    monkeypatch.delenv(guard.TRUSTED_SERVER_ENV, raising=False)
+
+
+@pytest.fixture
+def node_config(tmp_path) -> dict:
+    """A node that makes its own promise: local dp, ε = 1 over its lifetime (dp-releases: 30)."""
+    own = {"dp": "local", "dp-epsilon": EPSILON, "dp-clip": CLIP, "state-dir": str(tmp_path / "state")}
+    return {"partition-id": 0, "num-partitions": 20} | own
+
+
+def ask(grid: InProcessGrid, exchange=TRAIN, server_round: int = 1, config_run_id: int | None = None, **values):
+    """One message of the server's `exchange` to the grid's node, the model under `arrays`."""
+    cfg = RunConfig.from_mapping(SERVER | values)
+    run_id = grid.run_id if config_run_id is None else config_run_id
+    content = protocol.content(model(cfg), config=message_config(cfg, exchange, server_round, run_id))
+    with server_identity(grid.run_id):
+        [reply] = grid.send_and_receive([Message(content, dst_node_id=100, message_type=exchange.message_type)])
+    return reply
+
+
+def model(cfg: RunConfig):
+    return protocol.to_record(seeded_model(cfg.model, (1, 8, 8), cfg.num_classes, cfg.seed))
+
+
+def released_epsilon(replies: list[Message]) -> tuple[float, float, int]:
+    """(ε, σ, releases) of the replies as an observer can work them out: the distinct noised
+    models, each N(0, σ²C²) per coordinate around the sent model moved by at most C, composed by
+    dp-accounting's RDP accountant (its default orders, not florist's)."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    sent = np.concatenate([a.numpy().ravel() for a in model(RunConfig.from_mapping(SERVER)).values()])
+    got = {}
+    for reply in replies:
+        assert not reply.has_error(), reply.error.reason
+        flat = np.concatenate([a.numpy().ravel() for a in reply.content[protocol.ARRAYS].values()])
+        got[hashlib.sha256(flat.tobytes()).hexdigest()] = flat.astype(np.float64) - sent
+    sigma = float(np.mean([d.std() for d in got.values()])) / CLIP
+    accountant = rdp.RdpAccountant()
+    accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), len(got)))
+    return accountant.get_epsilon(DELTA), sigma, len(got)
+
+
+def test_a_round_asked_200_times_is_released_once(node_config):
+    grid = InProcessGrid(app, [node_config])
+    replies = [ask(grid) for _ in range(200)]
+    epsilon, _, releases = released_epsilon(replies)
+    assert releases == 1 and epsilon <= EPSILON
+    assert "train-loss" not in replies[0].content[protocol.METRICS]  # nothing un-noised of its data
+
+
+def test_20_fresh_runs_claiming_one_round_each_stay_within_the_nodes_lifetime_budget(node_config):
+    replies = []
+    for i in range(20):  # each a new Flower run (a new context), with a new run-id in its config too
+        replies.append(ask(InProcessGrid(app, [node_config]), config_run_id=i))
+    epsilon, sigma, releases = released_epsilon(replies)
+    assert releases == 20 and epsilon <= EPSILON
+    assert sigma == pytest.approx(22.16, rel=0.02)  # the node's own: ε = 1 over its 30 releases, not 1 round's
+
+
+def test_the_release_past_the_nodes_own_budget_is_refused_in_one_line(node_config):
+    node_config["dp-releases"] = 2
+    replies = [ask(InProcessGrid(app, [node_config])) for _ in range(3)]
+    assert not any(r.has_error() for r in replies[:2])
+    reason = replies[2].error.reason
+    assert "\n" not in reason and "another noised release would spend ε = " in reason
+    assert "> its dp-epsilon 1 (2 releases in its lifetime" in reason
+
+
+@pytest.mark.parametrize(
+    ("exchange", "strategy"),
+    [(TRAIN_ATTN, "fedattn"), (REPRESENT, "fedattn"), (TRAIN_GENERATED, "pefll"), (TRAIN_CKT, "perfed-ckt")],
+)
+def test_another_strategys_message_under_the_nodes_own_dp_is_refused_naming_its_type(node_config, exchange, strategy):
+    reply = ask(
+        InProcessGrid(app, [node_config]), exchange, strategy=strategy, dp="none", **{"dp-epsilon": float("inf")}
+    )
+    assert reply.has_error() and "\n" not in reply.error.reason
+    assert f"its own dp = 'local' does not bound a '{exchange.message_type}' reply" in reply.error.reason
