@@ -111,3 +111,33 @@ def test_another_strategys_message_under_the_nodes_own_dp_is_refused_naming_its_
     )
     assert reply.has_error() and "\n" not in reply.error.reason
     assert f"its own dp = 'local' does not bound a '{exchange.message_type}' reply" in reply.error.reason
+
+
+def test_a_server_claiming_one_round_cannot_shrink_a_distributed_dp_nodes_sigma(tmp_path, caplog):
+    """Under secure aggregation the server sends σ; nodes whose own ε = 1 is sized for their 30
+    releases (σ = 22.16) refuse the 4.x a one-round run asks for, so nothing is released."""
+    from florist.apps.server import run
+
+    own = {"dp": "distributed", "dp-epsilon": EPSILON}
+    state = {"state-dir": str(tmp_path / "state")}
+    grid = InProcessGrid(app, [{"partition-id": i, "num-partitions": 4} | own | state for i in range(4)])
+    values = {"secure-aggregation": "secaggplus", "num-server-rounds": 1, "min-nodes": 4, "unseen-fraction": 0.0}
+    cfg = RunConfig.from_mapping(own | values | {"results-dir": str(tmp_path / "run")})
+    with server_identity(grid.run_id), pytest.raises(RuntimeError, match="0 node"):
+        run(grid, cfg, None, grid.run_id)
+    refused = [r.getMessage() for r in caplog.records if "left out of train.secagg" in r.getMessage()]
+    assert len(refused) == 4 and all("below the 22.16 its dp settings need" in m for m in refused), refused
+
+
+def test_a_restarted_secure_round_masks_the_same_noised_vector(make_node):
+    """dp = "distributed": the noise share of a (run, round) is drawn once; a restart (new keys,
+    new masks) gets the same noised vector, not a second draw of the same update."""
+    from florist.client import secure
+
+    values = {"dp": "distributed", "dp-noise-multiplier": 2.0, "secure-aggregation": "secaggplus"}
+    node = make_node(values, server_round=3)
+    vector = np.zeros(1000 + len(secure.records.TAIL))
+    first, again = (secure.distributed_release(node, vector, 2.0, 3) for _ in range(2))
+    assert np.array_equal(first, again) and first[:1000].std() == pytest.approx(2.0 / 2**0.5, rel=0.1)
+    node.server_round = 4
+    assert not np.array_equal(secure.distributed_release(node, vector, 2.0, 3), first)
