@@ -175,10 +175,12 @@ def test_a_local_dp_node_repeats_its_stored_draw_and_stops_at_its_own_lifetime_b
         Ledger(node).prior()
 
 
-def test_under_dp_a_node_whose_weights_blow_past_what_a_server_takes_sends_no_change(make_node, monkeypatch):
+@pytest.mark.parametrize("mode", ["central", "local"])
+def test_under_dp_a_node_whose_weights_blow_past_what_a_server_takes_sends_no_change(make_node, monkeypatch, mode):
     """A finite but diverged model (a weight of 1e10, which a server refuses beyond ±1e9) is zeroed
-    like a nan loss: the node sends the model it received, and says so."""
-    values = {"dp": "central", "dp-noise-multiplier": 1.0}
+    like a nan loss: the node sends the model it received (under local, noised), and says so but
+    under local, where neither that flag nor its train loss leaves the node un-noised."""
+    values = {"dp": mode, "dp-noise-multiplier": 1.0}
     node = make_node(values)
     model = node.new_model()
 
@@ -192,5 +194,9 @@ def test_under_dp_a_node_whose_weights_blow_past_what_a_server_takes_sends_no_ch
     request = fedavg_client.Request(None, protocol.content(protocol.to_record(model), config))
     reply = fedavg_client.train(node, request)
     sent = protocol.arrays_of(reply, model.state_dict(), "test")
+    metrics = reply.metric_records[protocol.METRICS]
+    if mode == "local":
+        assert set(metrics) == {"num-examples"} and privacy.norm(privacy.update(sent, model.state_dict())) > 1
+        return
     assert all(torch.equal(sent[k], t) for k, t in model.state_dict().items())
-    assert reply.metric_records[protocol.METRICS]["dp-zeroed"] == 1
+    assert metrics["dp-zeroed"] == 1

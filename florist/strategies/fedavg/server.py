@@ -99,7 +99,7 @@ class FedAvg(ServerStrategy):
         if self.privacy.active:  # every node weighs 1: a mean times the count is a count
             self.private_rounds += 1
             zeroed_count = round(float(zeroed) * len(outcome.survivors))
-            self.extras |= self.privacy.row(self.private_rounds) | zeroed_row(zeroed_count)
+            self.extras |= self.privacy.row(self.private_rounds) | zeroed_row(zeroed_count, self.privacy.mode)
         if self.privacy.mode in ("central", "distributed"):
             count = len(outcome.survivors)
             total = {key: d * count for key, d in delta.items()}
@@ -126,7 +126,7 @@ class FedAvg(ServerStrategy):
         if self.privacy.active:
             self.private_rounds += 1
             zeroed = sum(r.metrics.get("dp-zeroed", 0) == 1 for _, r in done)  # a node's claim counts once
-            self.extras = self.aggregate_private([r.arrays for _, r in done]) | zeroed_row(zeroed)
+            self.extras = self.aggregate_private([r.arrays for _, r in done]) | zeroed_row(zeroed, self.privacy.mode)
         elif done:
             outcome = self.aggregator([r.arrays for _, r in done], weights, self.model.state_dict())
             self.model.load_state_dict(outcome.state)
@@ -175,9 +175,12 @@ class FedAvg(ServerStrategy):
         return metrics_of(self.broadcast(self.evaluation, nodes, server_round, request, TESTED))
 
 
-def zeroed_row(count: int) -> dict[str, int]:
+def zeroed_row(count: int, mode: str) -> dict[str, int]:
     """`dp_zeroed`: how many nodes' training diverged on the noised global model, so that they sent
-    no change (florist/strategies/fedavg/client.py's `zeroed`), said on the console when any did."""
+    no change (florist/strategies/fedavg/client.py's `zeroed`), said on the console when any did;
+    none under `local`, whose nodes do not say (a flag of their data, un-noised)."""
+    if mode == "local":
+        return {}
     if count:
         log.warning(
             "dp: %s node(s) diverged on the noised global model and sent no change (dp_zeroed); "
