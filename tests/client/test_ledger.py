@@ -22,6 +22,7 @@ from florist.config import RunConfig
 from florist.runners.inprocess import InProcessGrid, server_identity
 from florist.strategies.fedattn.spec import REPRESENT, TRAIN_ATTN
 from florist.strategies.fedavg.spec import TRAIN
+from florist.strategies.knnper.spec import EVALUATE_KNNPER
 from florist.strategies.pefll.spec import TRAIN_GENERATED
 from florist.strategies.perfedckt.spec import TRAIN_CKT
 
@@ -141,3 +142,14 @@ def test_a_restarted_secure_round_masks_the_same_noised_vector(make_node):
     assert np.array_equal(first, again) and first[:1000].std() == pytest.approx(2.0 / 2**0.5, rel=0.1)
     node.server_round = 4
     assert not np.array_equal(secure.distributed_release(node, vector, 2.0, 3), first)
+
+
+def test_knnpers_evaluation_under_dp_keeps_what_the_node_chose_on_its_data(node_config):
+    """λ, k and σ are chosen on the node's validation split and the store is its data's size:
+    under dp they are not noised, so they are not sent; the accuracies are (evaluation replies)."""
+    reply = ask(InProcessGrid(app, [node_config]), EVALUATE_KNNPER, strategy="knnper")
+    assert not reply.has_error(), reply.error.reason
+    metrics = reply.content[protocol.METRICS]
+    assert {"accuracy", "global-accuracy"} <= set(metrics) and not {"lambda", "k", "sigma", "datastore-size"} & set(
+        metrics
+    )

@@ -238,18 +238,16 @@ def train(node: Node, request: Request) -> RecordDict:
 
 def evaluate(node: Node, request: Request) -> RecordDict:
     """Build (or reuse) the datastore for the received global model and score the mixture on the
-    test split beside the global model (λ = 0)."""
+    test split beside the global model (λ = 0); with the (λ, k, σ) chosen and the store's size
+    unless under dp, whose mechanism does not noise them."""
     model = node.received_model(request)
     store = datastore_for(node, model, request.content.array_records[protocol.ARRAYS].object_id)
     kept = phase_one_choice(node, request)
     scored = personalize(node, model, store, choice=kept)
-    extra = {
-        "global-accuracy": float((scored.p_global.argmax(1) == node.data.y_test).mean()),
-        "lambda": scored.choice.lam,
-        "k": scored.choice.k,
-        "sigma": scored.choice.sigma,
-        "datastore-size": scored.datastore_size,
-    }
+    extra = {"global-accuracy": float((scored.p_global.argmax(1) == node.data.y_test).mean())}
+    if node.cfg.dp == "none":  # under dp, what the node chose on its data stays on it (docs/privacy.md)
+        chosen = scored.choice
+        extra |= {"lambda": chosen.lam, "k": chosen.k, "sigma": chosen.sigma, "datastore-size": scored.datastore_size}
     if node.cfg.settings.train_on_val:
         extra["phase-one-choice"] = int(kept is not None)
     keep(node, model, scored)
