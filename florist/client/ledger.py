@@ -39,6 +39,7 @@ DEFAULT_RELEASES = 30  # as num-server-rounds' default: one run's worth
 BOOK = "ledger.json"
 KEPT_REPLIES = 8  # stored noised replies (the newest); an older repeat is refused, never drawn again
 KEPT_KEYS = 4096  # (run, round) keys kept for repeats; what is spent is kept whole, as counts per σ
+KEPT_RUNS = 16  # the accounts of runs under their server's dp (the node's own is never dropped)
 DP_STRATEGIES = ("fedavg", "fedavg-ft", "knnper")  # whose every model message local and distributed dp noise
 
 
@@ -138,7 +139,9 @@ class Ledger:
 
     @property
     def _account(self) -> str:
-        return "own" if self.own else f"run-{self.node.flower_run}"
+        """Whose budget a release spends: the node's lifetime's, or (the server's dp) the run's, by
+        the run-id its trusted server keeps across a resume."""
+        return "own" if self.own else f"run-{self.node.run_id}"
 
     def _spent(self, book: dict, more: int = 0) -> float:
         counts = {float(s): n for s, n in book["spent"].get(self._account, {}).items()}
@@ -149,7 +152,7 @@ class Ledger:
     def _check(self, book: dict) -> None:
         after = self._spent(book, 1)
         if math.isfinite(self.plan.cap) and after > self.plan.cap * (1 + 1e-9):
-            where = "its lifetime" if self.own else f"run {self.node.flower_run}"
+            where = "its lifetime" if self.own else f"run {self.node.run_id}"
             releases = sum(book["spent"].get(self._account, {}).values())
             raise Refused(
                 f"node {self.node.key}: dp: another noised release would spend ε = {after:.3g} > its dp-epsilon "
@@ -160,6 +163,9 @@ class Ledger:
         counts = book["spent"].setdefault(self._account, {})
         counts[repr(self.plan.sigma)] = counts.get(repr(self.plan.sigma), 0) + 1
         book["keys"] = [*book["keys"], self.key][-KEPT_KEYS:]
+        runs = [account for account in book["spent"] if account != "own"]
+        for account in runs[:-KEPT_RUNS]:
+            del book["spent"][account]
 
     def _stored(self, book: dict) -> dict[str, np.ndarray]:
         arrays = self.files.load_arrays(self._reply_name(self.key))
