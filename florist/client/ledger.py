@@ -2,9 +2,10 @@
 node makes under `dp = "local"` or `"distributed"`, kept in its own state folder, so that what
 a server sends cannot spend the node's budget for it.
 
-- A release is keyed by Flower's run id (the node's context: a new run is a new one, whatever
-  `run-id` the server's config says) and the round. The same (run, round) asked again gets the
-  noised reply the node stored, never a fresh draw: averaging fresh draws would strip the noise.
+- A release is keyed by the run and the round: under the node's own dp, Flower's run id (the
+  node's context: a new run is a new one, whatever `run-id` the server's config says). The same
+  (run, round) asked again gets the noised reply the node stored, never a fresh draw: averaging
+  fresh draws would strip the noise.
 - Under the node's own dp (its `--node-config` sets `dp`), the budget is the node's lifetime's:
   σ comes from its dp-epsilon over `dp-releases` releases (or its dp-noise-multiplier), never
   from the server's num-server-rounds, and the node refuses, in one line, the release that would
@@ -92,13 +93,15 @@ def epsilon(spent: Mapping[float, int], delta: float) -> float:
 
 
 class Ledger:
-    """The releases of one node (`Node.flower_run`, `Node.server_round`): `prior` before the
-    work, `release` to draw the noise once."""
+    """The releases of one node, this message's (run, round) among them: `prior` before the work,
+    `release` to draw the noise once."""
 
     def __init__(self, node: Node):
         self.node, self.plan = node, own_plan(node)
         self.own = owns_privacy(node.node_config)
-        self.key = [node.flower_run, node.server_round]
+        # the run: Flower's under its own dp; else the run-id its trusted server keeps across a resume
+        self.run = node.flower_run if self.own else node.run_id
+        self.key = [self.run, node.server_round]
         self.files = NodeState(node.state.folder.parent, node.key, "privacy")  # beside every strategy's folder
 
     def prior(self) -> dict[str, np.ndarray] | None:
@@ -139,9 +142,8 @@ class Ledger:
 
     @property
     def _account(self) -> str:
-        """Whose budget a release spends: the node's lifetime's, or (the server's dp) the run's, by
-        the run-id its trusted server keeps across a resume."""
-        return "own" if self.own else f"run-{self.node.run_id}"
+        """Whose budget a release spends: the node's lifetime's, or (the server's dp) the run's."""
+        return "own" if self.own else f"run-{self.run}"
 
     def _spent(self, book: dict, more: int = 0) -> float:
         counts = {float(s): n for s, n in book["spent"].get(self._account, {}).items()}
@@ -152,7 +154,7 @@ class Ledger:
     def _check(self, book: dict) -> None:
         after = self._spent(book, 1)
         if math.isfinite(self.plan.cap) and after > self.plan.cap * (1 + 1e-9):
-            where = "its lifetime" if self.own else f"run {self.node.run_id}"
+            where = "its lifetime" if self.own else f"run {self.run}"
             releases = sum(book["spent"].get(self._account, {}).values())
             raise Refused(
                 f"node {self.node.key}: dp: another noised release would spend ε = {after:.3g} > its dp-epsilon "
