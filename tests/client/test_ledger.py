@@ -153,3 +153,18 @@ def test_knnpers_evaluation_under_dp_keeps_what_the_node_chose_on_its_data(node_
     assert {"accuracy", "global-accuracy"} <= set(metrics) and not {"lambda", "k", "sigma", "datastore-size"} & set(
         metrics
     )
+
+
+def test_a_repeat_of_a_round_whose_reply_is_no_longer_kept_is_refused_not_drawn_again(make_node):
+    from florist.client.ledger import KEPT_REPLIES, Ledger
+
+    own = {"dp": "local", "dp-noise-multiplier": 5.0}
+    node = make_node(own, node_config=own)
+    for server_round in range(1, KEPT_REPLIES + 2):
+        node.server_round = server_round
+        Ledger(node).release(lambda plan: {"x": np.full(3, plan.sigma)})
+    node.server_round = KEPT_REPLIES + 1
+    assert Ledger(node).prior()["x"].tolist() == [5.0] * 3  # the newest are kept
+    node.server_round = 1
+    with pytest.raises(ValueError, match="round 1 of this run was released already and its noised reply is no longer"):
+        Ledger(node).release(lambda plan: {"x": np.zeros(3)})
