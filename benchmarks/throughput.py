@@ -21,8 +21,8 @@ deployment is compared with the same 4-client run in-process: the same handler w
 ratio is what real processes (and their own data loading) cost a handler, once with every
 node training (3 at once here: the cores are shared) and once with one node per round. It also
 prints the deployment's overhead per exchange (an exchange's seconds less its slowest node's
-handler: polling, transfers, processes; target ≤ 0.15 s) and PeFLL's rounds (five exchanges
-each) beside FedAvg's, deployed against in-process (target ≤ 2×), with both runs' accuracy.
+handler: polling, transfers, processes; target ≤ 0.15 s) and PeFLL's rounds (several
+exchanges each) beside FedAvg's, deployed against in-process (target ≤ 2×), with both runs' accuracy.
 `--deploy-only` skips the 20-client runtimes, for a quick check of one commit.
 """
 
