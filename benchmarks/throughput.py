@@ -19,7 +19,11 @@ train-only (`eval-every=0`; the loop evaluates nothing) and figures are medians 
 With --deploy, per `train` exchange the slowest node's handler seconds of a 4-node local
 deployment is compared with the same 4-client run in-process: the same handler work, so their
 ratio is what real processes (and their own data loading) cost a handler, once with every
-node training (3 at once here: the cores are shared) and once with one node per round.
+node training (3 at once here: the cores are shared) and once with one node per round. It also
+prints the deployment's overhead per exchange (an exchange's seconds less its slowest node's
+handler: polling, transfers, processes; target ≤ 0.15 s) and PeFLL's rounds (several
+exchanges each) beside FedAvg's, deployed against in-process (target ≤ 2×), with both runs' accuracy.
+`--deploy-only` skips the 20-client runtimes, for a quick check of one commit.
 """
 
 from __future__ import annotations
@@ -51,7 +55,12 @@ CLIENTS, DEPLOY_NODES = 20, 4
 # The deployed nodes train at once, in-process one after the other: with more training nodes
 # than cores their handlers share the cores, so the second case trains one node per round to
 # compare the handlers' own cost.
-DEPLOY_CASES = {"every node trains": {}, "one node trains per round": {"fraction-train": 0.01, "min-train-nodes": 1}}
+DEPLOY_CASES = {
+    "fedavg, every node trains": {},
+    "fedavg, one node trains per round": {"fraction-train": 0.01, "min-train-nodes": 1},
+    "pefll, every node trains": {"strategy": "pefll"},
+}
+TARGET_OVERHEAD, TARGET_PEFLL = 0.15, 2.0  # s per deployed exchange; PeFLL's deployed ÷ in-process round
 
 
 def parse_sets(pairs: list[str]) -> dict[str, Any]:
@@ -129,15 +138,21 @@ def median_later(values: list[float]) -> float:
 
 
 def figures(results: dict) -> dict[str, float]:
-    """Median seconds per round, and per `train` exchange the slowest handler and data seconds."""
+    """Median seconds per round; per training exchange (`train`, `train.*`) the slowest handler
+    and data seconds; and the median overhead of every exchange of rounds 2..N: its seconds less
+    its slowest node's handler seconds (what the runtime adds to the work)."""
     rounds = results["rounds"]
-    trains = [[e for e in r["exchanges"] if e["type"] == "train"] for r in rounds]
+    trains = [[e for e in r["exchanges"] if e["type"].partition(".")[0] == "train"] for r in rounds]
     handler = [max((e["handler_seconds_max"] for e in t), default=0.0) for t in trains]
     data = [max((e["data_seconds_max"] for e in t), default=0.0) for t in trains]
+    later = [e for r in rounds[1:] or rounds for e in r["exchanges"]]
     return {
         "round": median_later([r["seconds"] for r in rounds]),
         "handler": median_later(handler),
         "data": median_later(data),
+        "overhead": statistics.median([e["seconds"] - e["handler_seconds_max"] for e in later] or [0.0]),
+        "exchanges": len(later) / max(len(rounds) - 1, 1),
+        "accuracy": results["summary"]["seen"]["mean_accuracy"],
     }
 
 
@@ -162,6 +177,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another run-config key")
     parser.add_argument("--deploy", action="store_true", help="also a 4-node local deployment (takes minutes)")
+    parser.add_argument("--deploy-only", action="store_true", help="only the 4-node deployment and its in-process twin")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="florist-throughput-"))
     values = {
@@ -173,13 +189,21 @@ def main() -> None:
         "min-nodes": CLIENTS,
         "eval-every": 0,
     } | parse_sets(args.set)
+    if not args.deploy_only:
+        runtimes(values, work)
+    if args.deploy or args.deploy_only:
+        deployments(values, work)
+
+
+def runtimes(values: dict[str, Any], work: Path) -> None:
+    """The plain loop, in-process and simulation on 20 clients, side by side."""
     cfg = RunConfig.from_mapping(values)
     cores = len(os.sched_getaffinity(0))
     training_clients = CLIENTS - len(unseen_partitions(CLIENTS, cfg.unseen_fraction, cfg.seed))
     print(
         f"{CLIENTS} clients ({training_clients} train), {cfg.dataset}, {cfg.model}, {cfg.partition}, "
         f"{cfg.local_epochs} epoch(s), batch {cfg.batch_size}, lr {cfg.lr}, {cores} cores; "
-        f"medians of rounds 2..{args.rounds}; work folder {work}"
+        f"medians of rounds 2..{cfg.num_server_rounds}; work folder {work}"
     )
     warm(cfg, CLIENTS)
 
@@ -198,24 +222,39 @@ def main() -> None:
     sim_ratio = stats["simulation"]["round"] / (plain / parallel)
     print(f"\n  in-process ÷ plain:                 {inproc_ratio:.2f} (target ≤ 1.25)")
     print(f"  simulation ÷ (plain ÷ {parallel} cores):     {sim_ratio:.2f} (target ≤ 1.6)")
-    seen = inproc["summary"]["seen"]["mean_accuracy"]
     print(
-        f"  final seen mean accuracy: in-process {seen:.4f}, plain loop {plain_accuracy:.4f}, "
-        f"simulation {sim['summary']['seen']['mean_accuracy']:.4f}"
+        f"  final seen mean accuracy: in-process {stats['in-process']['accuracy']:.4f}, plain loop "
+        f"{plain_accuracy:.4f}, simulation {stats['simulation']['accuracy']:.4f}"
     )
 
-    if args.deploy:
-        for label, extra in DEPLOY_CASES.items():
-            values4 = values | {"min-nodes": DEPLOY_NODES} | extra
-            cfg4 = RunConfig.from_mapping(values4)
-            warm(cfg4, DEPLOY_NODES)
-            local = figures(run_in_process(cfg4.replace(results_dir=str(work / f"inprocess4-{label}")), DEPLOY_NODES))
-            deployed = figures(deploy(work / f"deploy-{label}", values4))
-            print(f"\n{DEPLOY_NODES} nodes, {label}; per train exchange (slowest node)")
-            print(f"  {'runtime':<12}{'s/round':>9}{'handler s':>11}{'data s':>9}")
-            for runtime, s in (("in-process", local), ("deploy", deployed)):
-                print(f"  {runtime:<12}{s['round']:9.2f}{s['handler']:11.3f}{s['data']:9.3f}")
-            print(f"  deploy handler ÷ in-process handler: {deployed['handler'] / local['handler']:.2f}")
+
+def deployments(values: dict[str, Any], work: Path) -> None:
+    """Each of DEPLOY_CASES on 4 deployed nodes and in-process: handlers, rounds, and the
+    deployment's overhead per exchange, then one summary line per case."""
+    rows = {}
+    for label, extra in DEPLOY_CASES.items():
+        values4 = values | {"min-nodes": DEPLOY_NODES} | extra
+        cfg4 = RunConfig.from_mapping(values4)
+        warm(cfg4, DEPLOY_NODES)
+        folder = label.replace(", ", "-").replace(" ", "-")
+        local = figures(run_in_process(cfg4.replace(results_dir=str(work / f"inprocess4-{folder}")), DEPLOY_NODES))
+        deployed = figures(deploy(work / f"deploy-{folder}", values4))
+        rows[label] = (local, deployed)
+        print(f"\n{DEPLOY_NODES} nodes, {label}; per training exchange (slowest node)")
+        print(f"  {'runtime':<12}{'s/round':>9}{'handler s':>11}{'data s':>9}")
+        for runtime, s in (("in-process", local), ("deploy", deployed)):
+            print(f"  {runtime:<12}{s['round']:9.2f}{s['handler']:11.3f}{s['data']:9.3f}")
+        print(f"  deploy handler ÷ in-process handler: {deployed['handler'] / local['handler']:.2f}")
+    print(f"\n{DEPLOY_NODES} nodes deployed against in-process, medians of rounds 2..N")
+    print(f"  {'case':<36}{'exch/round':>11}{'in-proc s':>10}{'deploy s':>10}{'÷':>7}{'overhead s/exch':>17}  accuracy")
+    for label, (local, deployed) in rows.items():
+        same = "same" if deployed["accuracy"] == local["accuracy"] else "DIFFERS"
+        print(
+            f"  {label:<36}{deployed['exchanges']:11.0f}{local['round']:10.2f}{deployed['round']:10.2f}"
+            f"{deployed['round'] / local['round']:6.2f}×{deployed['overhead']:17.3f}  {same} "
+            f"({deployed['accuracy']:.4f})"
+        )
+    print(f"  targets: overhead ≤ {TARGET_OVERHEAD} s per exchange; PeFLL deploy ÷ in-process ≤ {TARGET_PEFLL}×")
 
 
 if __name__ == "__main__":

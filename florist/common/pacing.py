@@ -26,6 +26,10 @@ class Backoff:
         """Something happened: poll quickly again."""
         self.since = time.monotonic()
 
+    def settle(self) -> None:
+        """Nothing is expected before a wake-up says so: poll only every `cap` seconds."""
+        self.since = -math.inf
+
     def delay(self) -> float:
         return min(self.cap, max(self.floor, self.ratio * (time.monotonic() - self.since)))
 

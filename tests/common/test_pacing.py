@@ -24,3 +24,11 @@ def test_a_deadline_already_passed_means_no_sleep_not_an_error():
     start = time.monotonic()
     Backoff(floor=0.01, cap=1.0, ratio=0.1).sleep(at_most=-0.3)
     assert time.monotonic() - start < 0.5
+
+
+def test_settle_polls_at_the_cap_until_reset():
+    backoff = Backoff(floor=0.01, cap=1.0, ratio=0.1)
+    backoff.settle()
+    assert backoff.delay() == 1.0
+    backoff.reset()
+    assert backoff.delay() == 0.01

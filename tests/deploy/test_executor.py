@@ -215,3 +215,26 @@ def test_one_fork_server_preloads_for_every_node_and_forks_an_executor_again_whe
     served = (fed.logs / "server-executor.log").read_text()  # the run's ServerApp: forked, not a new process
     assert started_tasks(served) == ["warm"]
     assert "Start `flwr-serverapp` process" not in served and "seen accuracy" in served  # the run's log is there
+
+
+def test_with_a_wake_pipe_the_executor_asks_for_a_task_quickly_only_after_a_wake_up():
+    """The SuperNode takes one message at a time and says when it has pulled one, so between a
+    task and the next wake-up only the safety net polls (its cap), not the quick floor."""
+    from florist.deploy.executor import WarmExecutor
+
+    wake_read, wake_write = os.pipe()
+    try:
+        executor = WarmExecutor("127.0.0.1:9", PreloadedApp("x:app", "x", {}, None), wake_fd=wake_read)
+        backoff = executor.backoff
+        assert backoff.delay() == backoff.cap  # nothing pulled yet
+        os.write(wake_write, b"!")
+        executor.wait()
+        assert backoff.delay() == backoff.floor  # a message is there: quick until its task is taken
+        executor.after_task()
+        assert backoff.delay() == backoff.cap
+        plain = WarmExecutor("127.0.0.1:9", PreloadedApp("x:app", "x", {}, None))
+        plain.after_task()
+        assert plain.backoff.delay() == plain.backoff.floor  # no wake pipe: polling is all it has
+    finally:
+        os.close(wake_read)
+        os.close(wake_write)
