@@ -126,6 +126,7 @@ def run(
     nodes = start_nodes(exchanger, cfg, bound, resuming=resumed is not None)
     seen, unseen = [n for n in nodes if n.seen], [n for n in nodes if not n.seen]
     strategy = half(cfg, exchanger, nodes[0].input_shape, len(seen))
+    results.sample_withheld = strategy.samples_privately(len(seen))
     exchanger.take_bytes()
     exchanger.take_exchanges()
     done = 0
@@ -328,5 +329,5 @@ def _log_round(row: dict[str, Any]) -> None:
         row["seconds"],
         number(row["train_loss"], ".4f"),
         number(row["accuracy"], ".1%"),
-        f", ε spent {row['dp_epsilon']:.3g}" if "dp_epsilon" in row else "",
+        f", ε spent {row['dp_epsilon']:.3g}" if row.get("dp_epsilon") is not None else "",
     )
