@@ -45,6 +45,9 @@ State = Mapping[str, Any]  # a model's state dict: torch tensors, used through t
 # (7-8 % less σ at ε = 3 over 30 rounds), RDP the cheaper and the one Opacus checks.
 ACCOUNTANTS = ("rdp", "pld")
 PLD_INTERVAL = 1e-3  # the loss grid: ε within 1e-5 of 1e-4's at ε = 3, q = 0.5, 30 rounds, 10× faster
+# PLD's grid grows with ε: past this ε (by RDP) it takes seconds a round, or more memory than there
+# is at a tiny σ, and a tighter bound on so large an ε says little; RDP's stands alone there.
+PLD_UPTO = 20.0
 
 Round = tuple[float, float]  # (q, σ) of one noised round, as the ledger keeps it
 
@@ -83,7 +86,10 @@ def spent(rounds: tuple[Round, ...], delta: float, accountant: str = "rdp") -> f
 def tightest(rounds: tuple[Round, ...], delta: float) -> tuple[float, str]:
     """(ε, the accountant that bounds it): the smaller of the accountants' bounds, each valid (PLD
     is the tighter over many rounds, RDP over one or two)."""
-    return min((spent(rounds, delta, a), a) for a in ACCOUNTANTS)
+    rdp = spent(rounds, delta, "rdp")
+    if rdp > PLD_UPTO:
+        return rdp, "rdp"
+    return min((rdp, "rdp"), (spent(rounds, delta, "pld"), "pld"))
 
 
 def epsilon(sigma: float, q: float, rounds: int, delta: float, accountant: str = "rdp") -> float:
@@ -145,9 +151,8 @@ class Plan:
         q = 1.0 if mode in ("local", "distributed") else min(1.0, q)  # they do not trust the one who samples
         accountant = ""
         if mode != "none" and sigma <= 0:
-            sigma, accountant = min(
-                (noise_multiplier(cfg.dp_epsilon, cfg.dp_delta, q, rounds, a), a) for a in ACCOUNTANTS
-            )
+            kinds = ACCOUNTANTS if cfg.dp_epsilon <= PLD_UPTO else ("rdp",)
+            sigma, accountant = min((noise_multiplier(cfg.dp_epsilon, cfg.dp_delta, q, rounds, a), a) for a in kinds)
         relation = getattr(cfg, "dp_relation", "zero-out") if mode == "local" else RELATIONS.get(mode, "")
         seeded = getattr(cfg, "dp_noise_seed", 0) > 0
         return cls(mode, cfg.dp_clip, sigma, cfg.dp_delta, cfg.dp_epsilon, q, accountant, relation, seeded)

@@ -66,6 +66,10 @@ class FedAvg(ServerStrategy):
     def privacy(self) -> privacy.Plan:
         return self.ledger.plan
 
+    @privacy.setter
+    def privacy(self, plan: privacy.Plan) -> None:
+        self.ledger.plan = plan
+
     @property
     def private_rounds(self) -> int:
         return len(self.ledger)
