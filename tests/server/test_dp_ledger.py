@@ -145,3 +145,16 @@ def test_a_clipped_noise_share_goes_into_delta():
     ledger.record(1e-3)
     row = ledger.row()
     assert row["dp_delta"] == pytest.approx(1e-5 + (1 + math.exp(row["dp_epsilon"])) * 1e-3)
+
+
+def test_a_secure_round_that_draws_too_few_to_mask_releases_its_noise_alone():
+    """A Poisson draw of one node under secure aggregation: nobody is asked (one masked vector
+    would be that node's update), the model moves by N(0, σ²C²)/m alone and the round is
+    accounted; on 4c70931 the round stopped the run ("needs at least 2 nodes")."""
+    values = {"fraction-train": 0.5, "secure-aggregation": "secaggplus", "dp-noise-multiplier": 2.0, "dp-clip": 0.5}
+    fedavg = server(4, **values)
+    start = {k: t.clone() for k, t in fedavg.model.state_dict().items()}
+    assert fedavg.train_round(1, nodes(1)) is None  # exchanger None: any exchange would raise
+    delta = privacy.update(fedavg.model.state_dict(), start)
+    flat = torch.cat([torch.from_numpy(d).reshape(-1) for d in delta.values()])
+    assert flat.std().item() == pytest.approx(2.0 * 0.5 / 2, rel=0.03) and fedavg.private_rounds == 1
