@@ -126,7 +126,6 @@ def run(
     nodes = start_nodes(exchanger, cfg, bound, resuming=resumed is not None)
     seen, unseen = [n for n in nodes if n.seen], [n for n in nodes if not n.seen]
     strategy = half(cfg, exchanger, nodes[0].input_shape, len(seen))
-    results.sample_withheld = strategy.samples_privately(len(seen))
     exchanger.take_bytes()
     exchanger.take_exchanges()
     done = 0

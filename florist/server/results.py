@@ -33,7 +33,8 @@ class Results:
         self.clients: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
         self.stopped = ""  # why training ended before num-server-rounds (a privacy budget), "" when it did not
-        self.sample_withheld = False  # a private (Poisson) sample: rounds' failures name no node
+        # central dp sampling a fraction: a private (Poisson) sample, whose rounds' failures name no node
+        self.sample_withheld = cfg.dp == "central" and cfg.fraction_train < 1
 
     def add_round(
         self,

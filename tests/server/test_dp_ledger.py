@@ -52,7 +52,6 @@ def test_results_keep_how_many_failed_in_a_private_round_not_who():
         {"round": r, "node_id": 7, "node": "node 7 (n7)", "message_type": "train", "reason": "timed out"}
         for r in (0, 1, 3)
     ]
-    results.sample_withheld = True
     rows = results.to_json()["failures"]
     assert [f["node"] for f in rows] == ["node 7 (n7)", results_module.WITHHELD, "node 7 (n7)"]
     assert "node_id" not in rows[1] and rows[1]["reason"] == "timed out"
