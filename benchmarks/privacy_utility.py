@@ -13,7 +13,8 @@ q = 1), evaluated once, after the last round (`eval-every=0`). `none` runs once 
 seeded by the run's seed (`dp-noise-seed`), so the table reproduces; `--os-noise` draws it from the
 operating system instead, as a deployment must. Each row: seen clients' mean accuracy ± std over
 seeds, unseen clients' mean, kNN-Per's global model alone on the seen clients (its personalization
-is the gap), ε spent (the last round's `dp_epsilon`), σ, and over all rounds and seeds the nodes
+is the gap), ε spent (the last round's `dp_epsilon`: seeded noise promises nothing and reports
+– there, `--os-noise` for a figure), σ, and over all rounds and seeds the nodes
 whose training diverged on the noised model and sent no change (`dp_zeroed`) and the replies the
 server refused (`failures`). About 35 s a run on 2 cores, the 42 runs of the grid 26 min. Nothing is asserted.
 """

@@ -120,6 +120,8 @@ class RunConfig(Settings):
     dp_epsilon: float = setting(math.inf)
     dp_delta: float = setting(1e-5)
     dp_noise_multiplier: float = setting(0.0)  # σ (0: calibrated from dp-epsilon)
+    # local: what ε is about, zero-out (a dataset against no update) | replace-one (two datasets, sensitivity 2C)
+    dp_relation: str = setting("zero-out")
     dp_noise_seed: int = setting(0)  # 0: noise from the OS's entropy; else seeded (measurements only: docs/privacy.md)
     # secure aggregation of the model updates (SecAgg+: docs/secure-aggregation.md): none | secaggplus (the
     # server learns only the weighted mean); the quantization range, its bits, the largest weight, the threshold
@@ -253,6 +255,12 @@ class RunConfig(Settings):
             (
                 self.dp_noise_multiplier >= 0 and math.isfinite(self.dp_noise_multiplier),
                 "dp-noise-multiplier must be a finite number >= 0 (0: calibrated from dp-epsilon)",
+            ),
+            (
+                self.dp_relation in privacy.LOCAL_RELATIONS and (self.dp == "local" or self.dp_relation == "zero-out"),
+                f'dp-relation must be one of {", ".join(privacy.LOCAL_RELATIONS)}, and replace-one needs dp = "local" '
+                f"(central's relation is add/remove, distributed's zero-out), got {self.dp_relation!r} "
+                f"under dp = {self.dp!r}",
             ),
             (self.dp_noise_seed >= 0, "dp-noise-seed must be >= 0 (0: noise from the OS's entropy)"),
             (

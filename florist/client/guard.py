@@ -192,7 +192,7 @@ def own_paths(values: Mapping[str, Any], node_config: Mapping[str, Any], who: st
     return values
 
 
-PRIVACY_KEYS = ("dp", "dp-clip", "dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-noise-seed")
+PRIVACY_KEYS = ("dp", "dp-clip", "dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-relation", "dp-noise-seed")
 
 
 def own_privacy(values: Mapping[str, Any], node_config: Mapping[str, Any], who: str) -> dict[str, Any]:

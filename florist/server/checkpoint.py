@@ -4,7 +4,9 @@ Written after every round (atomically, before results.json), read by `resume-fro
 reached, the run's config, the run id its nodes key their state by, the nodes it trained with,
 the server half's full state (networks, optimizers, memories), the failures and round rows.
 Sampling and the clients' shuffling are seeded by the round, so nothing else carries over:
-a resumed run repeats exactly what the uninterrupted run would have done.
+a resumed run repeats exactly what the uninterrupted run would have done; but under central dp
+with fraction-train < 1 the sample comes from the OS (docs/privacy.md#accounting), and the
+server half's state carries the privacy ledger each resumed round adds to.
 """
 
 from __future__ import annotations

@@ -328,5 +328,5 @@ def _log_round(row: dict[str, Any]) -> None:
         row["seconds"],
         number(row["train_loss"], ".4f"),
         number(row["accuracy"], ".1%"),
-        f", ε spent {row['dp_epsilon']:.3g}" if "dp_epsilon" in row else "",
+        f", ε spent {row['dp_epsilon']:.3g}" if row.get("dp_epsilon") is not None else "",
     )

@@ -130,14 +130,20 @@ def best_round(results: dict[str, Any]) -> list[str]:
 def privacy_lines(results: dict[str, Any]) -> list[str]:
     """Under `dp`: the mechanism, σ, C and the ε spent after the last round (docs/privacy.md),
     and why training stopped early when a budget stopped it."""
-    rows = [r for r in results["rounds"] if r.get("dp_epsilon") is not None]
+    rows = [r for r in results["rounds"] if "dp_noise_multiplier" in r]
     stopped = [f"Training stopped early: {results['stopped']}.", ""] if results.get("stopped") else []
     if not rows:  # a budget may stop a run before its first round
         return stopped
     cfg, last = results["config"], rows[-1]
+    spent = (
+        f"ε = {last['dp_epsilon']:.3g} spent (δ = {cfg['dp-delta']:g}, {last.get('dp_accountant', 'rdp').upper()}, "
+        f"{last.get('dp_relation', '')} neighbours)"
+        if last.get("dp_epsilon") is not None
+        else f"ε not reported, {last.get('dp_guarantee', 'no guarantee')}"
+    )
     line = (
         f"Differential privacy `{cfg['dp']}`: σ = {last['dp_noise_multiplier']:.4g}, C = {cfg['dp-clip']:g}; "
-        f"ε = {last['dp_epsilon']:.3g} spent (δ = {cfg['dp-delta']:g}) after {plural(last['round'], 'round')}."
+        f"{spent} after {plural(last['round'], 'round')}."
     )
     return [line, "", *stopped]
 

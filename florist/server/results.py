@@ -33,6 +33,8 @@ class Results:
         self.clients: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
         self.stopped = ""  # why training ended before num-server-rounds (a privacy budget), "" when it did not
+        # central dp sampling a fraction: a private (Poisson) sample, whose rounds' failures name no node
+        self.sample_withheld = cfg.dp == "central" and cfg.fraction_train < 1
 
     def add_round(
         self,
@@ -89,7 +91,7 @@ class Results:
             "clients": self.clients,
             "summary": self.summary(),
             "round_accuracy": round_accuracy(self.rounds),
-            "failures": self.failures,
+            "failures": withheld(self.failures, self.cfg.num_server_rounds) if self.sample_withheld else self.failures,
         } | ({"stopped": self.stopped} if self.stopped else {})
 
     def checkpoint(self, checkpoint: Checkpoint) -> None:
@@ -125,6 +127,17 @@ def note_error(results_dir: str, error: str | None) -> None:
         return
     results.pop("error", None)
     atomic_write(path, lambda f: f.write(_dumps(results | ({"error": protocol.one_line(error)} if error else {}))))
+
+
+WITHHELD = "a node of the round's private sample"
+
+
+def withheld(failures: list[dict[str, Any]], rounds: int) -> list[dict[str, Any]]:
+    """`failures` as results.json keeps them under a private sample: a training round's say what
+    failed, not who (whose failure tells it was drawn); discovery's and the final evaluation's
+    name the node. The server's log and checkpoint keep every name."""
+    hide = lambda f: 1 <= f["round"] <= rounds  # noqa: E731
+    return [{k: v for k, v in f.items() if k != "node_id"} | {"node": WITHHELD} if hide(f) else f for f in failures]
 
 
 def round_accuracy(rounds: list[dict[str, Any]]) -> dict[str, float | int | None]:

@@ -23,7 +23,9 @@ from florist.common import secagg_records as records
 from florist.common.spec import Exchange
 from florist.server.strategy import NodeInfo, ServerStrategy
 
-RANGE_STDS = 6.0  # distributed dp: a noise share past this many stds is clipped (about 2 values in 10^9)
+# distributed dp: a noise share past this many stds is clipped, 1.2 values in 10^15: over a run of
+# 72k values, 4 nodes, 30 rounds about 10^-8, which the reported δ takes on (at 6 stds it was 0.04)
+RANGE_STDS = 8.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from florist.common import devices, protocol
+from florist.common import devices, privacy, protocol
 from florist.common.metrics import weighted_mean
 from florist.common.models import Net, seeded_model
 from florist.common.spec import Exchange
@@ -50,6 +50,7 @@ class Reply(NamedTuple):
     side: dict[str, torch.Tensor] = {}
 
 
+SAMPLING = 0x5A4D  # the word a seeded (dp-noise-seed) Poisson sample is drawn by, apart from the noise's
 TRAINED = ("num-examples", "train-loss")  # metrics every training reply carries
 TESTED = ("accuracy", "num-examples")  # metrics every evaluation reply carries
 
@@ -99,9 +100,22 @@ class ServerStrategy:
         return min(available, max(self.cfg.min_train_nodes, math.ceil(self.cfg.fraction_train * available)))
 
     def sample(self, nodes: list[NodeInfo], server_round: int) -> list[NodeInfo]:
-        """`sample_size` nodes drawn uniformly without replacement, seeded by the round."""
+        """The nodes a round trains. `sample_size` of them drawn uniformly without replacement,
+        seeded by the round, so a run repeats; but under central dp with a rate q < 1, each node
+        independently with probability q (Poisson sampling, what the accountant's amplification
+        assumes), from the OS's entropy: a sample anyone could replay from the run's seed would
+        be public and amplify nothing (docs/privacy.md#accounting)."""
+        if self.samples_privately(len(nodes)):
+            rate = self.sample_size(len(nodes)) / len(nodes)
+            rng = privacy.noise_generator(self.cfg.dp_noise_seed, server_round, SAMPLING)  # seeded: measurements only
+            return [node for node, drawn in zip(nodes, rng.random(len(nodes)) < rate) if drawn]
         rng = np.random.default_rng([self.cfg.seed, server_round])
         return [nodes[i] for i in sorted(rng.choice(len(nodes), self.sample_size(len(nodes)), replace=False))]
+
+    def samples_privately(self, available: int) -> bool:
+        """Whether a round's sample is Poisson, from the OS (central dp, not every node each round);
+        results then keep how many trained, never who."""
+        return self.cfg.dp == "central" and self.sample_size(available) < available
 
     def request(
         self,

@@ -65,8 +65,8 @@ def test_central_dp_adds_noise_of_std_sigma_c_over_the_sampled_count_to_the_mean
     assert flat.numel() > 50_000 and flat.std().item() == pytest.approx(2.0 * 0.5 / 3, rel=0.03)
     row = fedavg.round_extras()
     assert row["dp_clipped"] == 0 and row["dp_noise_multiplier"] == 2.0
-    assert row["dp_epsilon"] == pytest.approx(privacy.epsilon(2.0, 0.75, 1, 1e-5))
-    assert fedavg.state()["private_rounds"] == 1
+    assert row["dp_epsilon"] is None and row["dp_guarantee"] == privacy.UNSEEDED  # seeded noise promises nothing
+    assert fedavg.ledger.history() == ((0.75, 2.0),) and fedavg.state()["private_rounds"] == 1
 
 
 def test_a_local_dp_node_sends_its_update_clipped_and_noised(make_node):
@@ -85,7 +85,8 @@ def test_a_local_dp_node_sends_its_update_clipped_and_noised(make_node):
 def test_a_capped_budget_stops_training_before_the_round_that_would_exceed_it(tmp_path, caplog):
     """σ = 1 given with a cap between ε after one round and after two: one round trains, the run
     is still evaluated and complete, and says why it stopped."""
-    cap = (privacy.epsilon(1.0, 1.0, 1, 1e-5) + privacy.epsilon(1.0, 1.0, 2, 1e-5)) / 2
+    spend = lambda rounds: privacy.tightest(((1.0, 1.0),) * rounds, 1e-5)[0]  # noqa: E731
+    cap = (spend(1) + spend(2)) / 2
     values = {
         "dp": "central",
         "dp-noise-multiplier": 1.0,
@@ -98,7 +99,7 @@ def test_a_capped_budget_stops_training_before_the_round_that_would_exceed_it(tm
     }
     results = run_in_process(RunConfig.from_mapping(values), 4)
     assert results["complete"] and [r["round"] for r in results["rounds"]] == [1]
-    assert results["rounds"][0]["dp_epsilon"] <= cap
+    assert results["rounds"][0]["dp_guarantee"] == privacy.UNSEEDED  # the cap still counts what it would spend
     assert results["stopped"].startswith("dp: round 2 would spend ε = ")
     assert results["stopped"] in caplog.text
     report = (tmp_path / "run" / "report.md").read_text()
@@ -115,7 +116,8 @@ def test_a_central_dp_simulation_reports_epsilon_per_round_within_its_budget(tmp
     assert results["complete"] and len(spent) == 2 and spent[0] < spent[1] <= 3
     assert spent[1] == pytest.approx(3, rel=1e-3)  # σ calibrated to spend the budget over the run
     printed = " ".join(capsys.readouterr().err.split())  # the console's, wrapped to its width
-    assert f"ε = {spent[1]:.3g} spent (δ = 1e-05) after 2 rounds" in printed  # under the table
+    accountant = results["rounds"][1]["dp_accountant"].upper()
+    assert f"ε = {spent[1]:.3g} spent (δ = 1e-05, {accountant}, add/remove neighbours) after 2 rounds" in printed
 
 
 REFUSED = {

@@ -254,7 +254,9 @@ def test_distributed_dp_nodes_noise_their_shares_so_the_unmasked_sum_carries_cen
     assert results["complete"] and all(r["secagg_survivors"] == NODES for r in results["rounds"])
     moved = flat(models[2]) - flat(models[1])
     assert moved.size > 50_000 and moved.std() == pytest.approx(sigma * clip * (NODES / 2) ** 0.5 / NODES, rel=0.03)
-    assert results["rounds"][-1]["dp_epsilon"] == pytest.approx(privacy.epsilon(sigma, 1.0, 2, 1e-5))
+    last = results["rounds"][-1]
+    assert last["dp_epsilon"] == pytest.approx(privacy.tightest(((1.0, sigma),) * 2, 1e-5)[0])
+    assert last["dp_relation"] == "zero-out" and 1e-5 < last["dp_delta"] < 2e-5  # a share clipped: into δ
 
 
 def test_fedattn_under_secure_aggregation_keeps_the_plain_model_with_only_g_masked(tmp_path, monkeypatch):

@@ -16,12 +16,15 @@ from florist.common import secagg_records as records
 from florist.common.models import Net
 from florist.common.spec import Exchange
 from florist.config import RunConfig
+from florist.server.accounting import Ledger
 from florist.server.aggregation import Aggregator
-from florist.server.secure import Outcome, secure_round
+from florist.server.secure import RANGE_STDS, Outcome, secure_round
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.fedavg.spec import EVALUATE, SECAGG, TRAIN
 
 log = logging.getLogger("flwr").getChild(__name__)
+# `distributed`: the chance a value's noise share passes the quantization range (RANGE_STDS of its std)
+SHARE_CLIPPED = math.erfc(RANGE_STDS / math.sqrt(2))
 
 
 def exchange_bytes(model: Net, config: Mapping[str, Any]) -> tuple[int, int]:
@@ -47,16 +50,11 @@ class FedAvg(ServerStrategy):
         self.model = self.new_model()
         self.aggregator = Aggregator.of(self.cfg)
         self.extras: dict[str, Any] = {}
-        self.privacy = plan(self.cfg, self.sample_size(self.num_seen) / max(1, self.num_seen))
-        self.private_rounds = 0  # rounds aggregated under `dp`: what the accountant composes
+        # the rounds aggregated under `dp`, each's (q, σ): what the accountant composes
+        self.ledger = Ledger(plan(self.cfg, self.sample_size(self.num_seen) / max(1, self.num_seen)), self.num_seen)
         self.secure = self.cfg.secure_aggregation != "none"
-        if self.secure:  # a setup no round of this run can have is refused before the run, not at round 1
-            secagg.SecAggSetup.for_nodes(
-                self.sample_size(self.num_seen),
-                self.cfg.secagg_threshold or None,
-                clip=self.cfg.secagg_clip,
-                bits=self.cfg.secagg_bits,
-            )
+        if self.secure:  # a setup no round of this run's size can have is refused before the run, not at round 1
+            self.secure_setup(self.sample_size(self.num_seen))
         if self.secure and type(self).train_round is not FedAvg.train_round and "secured" not in vars(type(self)):
             raise ValueError(
                 f"secure-aggregation: strategy {self.cfg.strategy!r} trains in its own train_round, which sends "
@@ -64,8 +62,34 @@ class FedAvg(ServerStrategy):
                 "name what it secures itself (`secured`: FedAttn's)"
             )
 
+    @property
+    def privacy(self) -> privacy.Plan:
+        return self.ledger.plan
+
+    @privacy.setter
+    def privacy(self, plan: privacy.Plan) -> None:
+        self.ledger.plan = plan
+
+    @property
+    def private_rounds(self) -> int:
+        return len(self.ledger)
+
+    def secure_setup(self, count: int) -> secagg.SecAggSetup:
+        """The secure-aggregation setup of a round of `count` nodes; a ValueError when none can be."""
+        cfg = self.cfg
+        return secagg.SecAggSetup.for_nodes(
+            count, cfg.secagg_threshold or None, clip=cfg.secagg_clip, bits=cfg.secagg_bits
+        )
+
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         self.before_training(server_round)
+        if self.secure and self.samples_privately(self.num_seen) and not self.maskable(len(nodes)):
+            # Too few drawn to mask (a Poisson sample varies): the round releases the noise alone, as
+            # if its nodes all failed, which the fixed denominator bounds; none is seen unmasked.
+            log.info(
+                "round %d: %d node(s) drawn, too few to mask; the round adds its noise alone", server_round, len(nodes)
+            )
+            return self.aggregate([])
         if self.secure:
             return self.train_securely(server_round, nodes)[0]
         request = self.request(self.training, server_round, protocol.to_record(self.model))
@@ -96,10 +120,13 @@ class FedAvg(ServerStrategy):
         outcome = secure_round(self, SECAGG, nodes, server_round, sent, size, weight_cap, sigma, side)
         delta, (loss, clipped, zeroed) = records.unflatten(outcome.mean, shapes), outcome.mean[-len(records.TAIL) :]
         self.extras = outcome.row()
+        if self.samples_privately(self.num_seen):  # results keep how many dropped, not who was drawn
+            self.extras["secagg_dropped"] = len(outcome.dropped)
         if self.privacy.active:  # every node weighs 1: a mean times the count is a count
-            self.private_rounds += 1
+            values = (size - len(records.TAIL)) * len(outcome.survivors)
+            self.ledger.record(values * SHARE_CLIPPED if sigma > 0 else 0.0)
             zeroed_count = round(float(zeroed) * len(outcome.survivors))
-            self.extras |= self.privacy.row(self.private_rounds) | zeroed_row(zeroed_count, self.privacy.mode)
+            self.extras |= self.ledger.row() | zeroed_row(zeroed_count, self.privacy.mode)
         if self.privacy.mode in ("central", "distributed"):
             count = len(outcome.survivors)
             total = {key: d * count for key, d in delta.items()}
@@ -124,7 +151,7 @@ class FedAvg(ServerStrategy):
         weights = [self.aggregator.weight(r.metrics["num-examples"], n.num_train) for n, r in done]
         self.extras = {}
         if self.privacy.active:
-            self.private_rounds += 1
+            self.ledger.record()
             zeroed = sum(r.metrics.get("dp-zeroed", 0) == 1 for _, r in done)  # a node's claim counts once
             self.extras = self.aggregate_private([r.arrays for _, r in done]) | zeroed_row(zeroed, self.privacy.mode)
         elif done:
@@ -144,24 +171,33 @@ class FedAvg(ServerStrategy):
         if self.privacy.mode == "local":
             if states:
                 self.model.load_state_dict(self.aggregator(states, [1.0] * len(states), self.model.state_dict()).state)
-            return self.privacy.row(self.private_rounds)
+            return self.ledger.row()
         rng = privacy.noise_generator(self.cfg.dp_noise_seed, self.private_rounds)
         sampled = self.sample_size(self.num_seen)
         state, clipped = privacy.central_mean(states, self.model.state_dict(), sampled, self.privacy, rng)
         self.model.load_state_dict(state)
-        return self.privacy.row(self.private_rounds, clipped)
+        return self.ledger.row(clipped)
 
     def stop_before(self, server_round: int) -> str:
         """Under `dp` with σ given and `dp-epsilon` as a cap: stop before the round that would
         spend more."""
-        return self.privacy.stop_before(self.private_rounds + 1)
+        return self.ledger.stop_before()
+
+    def maskable(self, count: int) -> bool:
+        """Whether a round of `count` nodes can be masked (at least 2, the threshold's worth)."""
+        try:
+            self.secure_setup(count)
+        except ValueError:
+            return False
+        return True
 
     def state(self) -> dict[str, Any]:
-        return super().state() | ({"private_rounds": self.private_rounds} if self.privacy.active else {})
+        return super().state() | (self.ledger.state() if self.privacy.active else {})
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
-        self.private_rounds = int(state.get("private_rounds", 0))
+        if self.privacy.active:
+            self.ledger.load(state)
 
     def round_extras(self) -> dict[str, Any]:
         """Under a robust rule: the rule that ran, why it is not the one the run names (or what
