@@ -156,6 +156,14 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
     return atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2, default=str).encode()))
 
 
+def footprint(folder: Path) -> str:
+    """What a node's state folder takes on its disk, for its operator: the total, and the runs
+    it keeps models of (at most `keep-models`)."""
+    files = [f for f in folder.rglob("*") if f.is_file()] if folder.is_dir() else []
+    runs = [f for f in (folder / MODELS).iterdir() if f.is_dir()] if (folder / MODELS).is_dir() else []
+    return f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB, the models of {len(runs)} runs"
+
+
 def nodes_keeping_models(root: str | Path | None) -> tuple[Path, list[str]]:
     """The state folder and the keys of the nodes in it that keep models."""
     where = Path(root or default_root()).expanduser()

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from florist.client.personal import footprint
 from florist.client.state import NodeState
 from florist.common import devices
 from florist.common.data import ClientData
@@ -361,6 +362,7 @@ def join(
     key = node_key or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "edge"
     state = NodeState(state_dir, key)
     announce(key, client, superlink, tls=bool(root_certificates))
+    print(f"florist join: state folder {state.folder}: {footprint(state.folder)}", flush=True)
     warn_if_shared(data_dir, "data folder")
     warn_if_shared(state.folder.parent, "state folder")
     log_path = fresh_log(private_folder(state.folder))

@@ -79,6 +79,7 @@ def test_twenty_messages_leave_one_cache_entry_per_image_size_and_the_last_runs_
     assert len(_entries(tmp_path)) == 2  # one per image size, whatever the seeds and fractions
     [key] = personal.nodes_keeping_models(tmp_path / "state")[1]
     assert len(personal.kept_models(tmp_path / "state", key)) == 3  # the node's count, not the server's 100
+    assert personal.footprint(tmp_path / "state" / key).endswith("MB, the models of 3 runs")  # florist join's line
 
 
 def test_the_cache_stays_within_its_bound_least_recently_read_out_first_said_in_the_log(tmp_path, caplog):
