@@ -1,0 +1,105 @@
+"""An anonymous party cannot fill `florist superlink --insecure` with registrations (issue 53):
+its nodes are capped by --max-nodes, registrations that never connect expire, keys larger than
+a real one are refused, and the log grows by a line a minute, not a line per call."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from fleet_flood import _channel, status_mib
+from flwr.proto.fleet_pb2 import RegisterNodeFleetRequest
+from flwr.proto.fleet_pb2_grpc import FleetStub
+
+from florist.common.flower_internals.registrations import PeerRate, address
+from florist.deploy.certs import make_node_key
+from florist.deploy.spawning import flower_env, free_port
+
+MAX_NODES, EXPIRY, FLOOD = 50, 3.0, 2_000
+
+
+def _real_key() -> bytes:
+    """A public key as Flower's SuperNode registers one: P-384, PEM SubjectPublicKeyInfo."""
+    public = ec.generate_private_key(ec.SECP384R1()).public_key()
+    return public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def _register(stub: FleetStub, key: bytes) -> str:
+    try:
+        stub.RegisterNode(RegisterNodeFleetRequest(public_key=key), timeout=30)
+        return "OK"
+    except grpc.RpcError as error:
+        return error.code().name
+
+
+def _wait_for(port: int, process: subprocess.Popen, log, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, log.read_text()
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"no SuperLink on port {port}")
+
+
+def _live_nodes(env: dict) -> list[dict]:
+    listed = subprocess.run(
+        ["flwr", "supernode", "list", "flood", "--format", "json"], env=env, capture_output=True, text=True
+    )
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    nodes = json.loads(listed.stdout)["nodes"]
+    return [n for n in nodes if n["status"] in ("registered", "online", "offline")]
+
+
+def test_a_registration_flood_leaves_at_most_max_nodes_and_a_short_log_and_a_real_key_registers(tmp_path):
+    fleet, control = free_port(), free_port()
+    env = flower_env(tmp_path / "home")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "config.toml").write_text(
+        f'[superlink]\ndefault = "flood"\n\n[superlink.flood]\naddress = "127.0.0.1:{control}"\ninsecure = true\n'
+    )
+    log = tmp_path / "superlink.log"
+    args = ["--insecure", "--fleet-api-address", f"127.0.0.1:{fleet}", "--host", "127.0.0.1", "--port", str(control)]
+    limits = ["--max-nodes", str(MAX_NODES), "--registration-expiry", str(EXPIRY)]
+    with open(log, "wb") as out:
+        link = subprocess.Popen(
+            [sys.executable, "-m", "florist", "superlink", *limits, *args], stdout=out, stderr=out, env=env
+        )
+    try:
+        _wait_for(fleet, link, log)
+        time.sleep(1.0)  # its first lines written
+        rss, logged = status_mib(link.pid, "VmRSS"), log.stat().st_size
+        stranger, _ = make_node_key(tmp_path / "keys", "stranger")  # any key signs Fleet calls
+        stub = FleetStub(_channel(f"127.0.0.1:{fleet}", stranger, None))
+        keys = [os.urandom(200) for _ in range(FLOOD)] + [b"taken" * 40] * 50 + [os.urandom(600)] * 5
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda key: _register(stub, key), keys))
+        assert answers[-5:] == ["INVALID_ARGUMENT"] * 5  # over the size of any real key
+        assert answers.count("RESOURCE_EXHAUSTED") >= FLOOD - answers.count("OK")  # the cap, not an error
+        assert len(_live_nodes(env)) <= MAX_NODES
+        growth = log.stat().st_size - logged
+        assert growth < 64 * 1024, log.read_text()[-3000:]  # a line a minute, not one per call
+        assert status_mib(link.pid, "VmRSS") - rss < 64
+        time.sleep(EXPIRY)  # the flood's registrations never connected: at the cap, they expire
+        assert _register(stub, _real_key()) == "OK"
+        assert len(_live_nodes(env)) <= MAX_NODES
+        assert "registrations that never connected" in log.read_text()
+    finally:
+        link.terminate()
+        link.wait(timeout=30)
+
+
+def test_a_remote_address_is_held_to_its_rate_whatever_its_port():
+    now = [0.0]
+    rate = PeerRate(per_minute=6, clock=lambda: now[0])
+    taken = [rate.take(address(f"ipv4:10.0.0.9:{port}")) for port in range(10)]
+    assert taken == [True] * 6 + [False] * 4 and rate.take("ipv4:10.0.0.8:1")  # another address has its own
+    now[0] = 10.0  # one registration a 10 s
+    assert rate.take("ipv4:10.0.0.9") and not rate.take("ipv4:10.0.0.9")
