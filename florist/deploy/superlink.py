@@ -59,10 +59,19 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _host(flower_args: list[str]) -> str:
+def _host(flower_args: list[str], flag: str = "--host", default: str = "127.0.0.1") -> str:
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--host", default="127.0.0.1")  # flower-superlink's default
-    return parser.parse_known_args(flower_args)[0].host
+    parser.add_argument(flag, default=default)  # flower-superlink's defaults
+    return getattr(parser.parse_known_args(flower_args)[0], flag.lstrip("-").replace("-", "_"))
+
+
+def open_fleet(flower_args: list[str]) -> str | None:
+    """The Fleet address, when it faces more than the loopback without node authentication:
+    whoever reaches it may register (within the caps) and receive every run's app and messages."""
+    fleet = _host(flower_args, "--fleet-api-address", "0.0.0.0:9092")
+    if "--enable-supernode-auth" in flower_args or _loopback(fleet.rpartition(":")[0]):
+        return None
+    return fleet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +109,12 @@ def run(flower_args: list[str], max_message_mb: float | None = None, nodes: Regi
         else:
             log.warning("this machine does not report who owns a socket: every local user can submit runs")
         log.info("gRPC messages over %.1f MiB are refused", limit / MIB)
+        if fleet := open_fleet(flower_args):
+            log.warning(
+                "the Fleet API on %s registers any node (without --enable-supernode-auth): whoever reaches it "
+                "receives every run's app and messages",
+                fleet,
+            )
         log.info(
             "at most %d nodes register, %g a minute from one address; registrations that never connect expire "
             "after %g s once the cap is reached",

@@ -3,23 +3,21 @@ its nodes are capped by --max-nodes, registrations that never connect expire, ke
 a real one are refused, and the log grows by a line a minute, not a line per call."""
 
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from fleet_flood import _channel, status_mib
-from flwr.proto.fleet_pb2 import RegisterNodeFleetRequest
-from flwr.proto.fleet_pb2_grpc import FleetStub
+from fleet_flood import register_all, status_mib
 
-from florist.common.flower_internals.registrations import PeerRate, address
+from florist.common.flower_internals.registrations import LOG_CHARS, OneLineRemote, PeerRate, address
 from florist.deploy.certs import make_node_key
 from florist.deploy.spawning import flower_env, free_port
+from florist.deploy.superlink import open_fleet
 
 MAX_NODES, EXPIRY, FLOOD = 50, 3.0, 2_000
 
@@ -28,14 +26,6 @@ def _real_key() -> bytes:
     """A public key as Flower's SuperNode registers one: P-384, PEM SubjectPublicKeyInfo."""
     public = ec.generate_private_key(ec.SECP384R1()).public_key()
     return public.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-
-
-def _register(stub: FleetStub, key: bytes) -> str:
-    try:
-        stub.RegisterNode(RegisterNodeFleetRequest(public_key=key), timeout=30)
-        return "OK"
-    except grpc.RpcError as error:
-        return error.code().name
 
 
 def _wait_for(port: int, process: subprocess.Popen, log, timeout: float = 60.0) -> None:
@@ -77,10 +67,8 @@ def test_a_registration_flood_leaves_at_most_max_nodes_and_a_short_log_and_a_rea
         time.sleep(1.0)  # its first lines written
         rss, logged = status_mib(link.pid, "VmRSS"), log.stat().st_size
         stranger, _ = make_node_key(tmp_path / "keys", "stranger")  # any key signs Fleet calls
-        stub = FleetStub(_channel(f"127.0.0.1:{fleet}", stranger, None))
         keys = [os.urandom(200) for _ in range(FLOOD)] + [b"taken" * 40] * 50 + [os.urandom(600)] * 5
-        with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda key: _register(stub, key), keys))
+        answers = register_all(f"127.0.0.1:{fleet}", keys, stranger)
         assert answers[-5:] == ["INVALID_ARGUMENT"] * 5  # over the size of any real key
         assert answers.count("RESOURCE_EXHAUSTED") >= FLOOD - answers.count("OK")  # the cap, not an error
         assert len(_live_nodes(env)) <= MAX_NODES
@@ -88,7 +76,7 @@ def test_a_registration_flood_leaves_at_most_max_nodes_and_a_short_log_and_a_rea
         assert growth < 64 * 1024, log.read_text()[-3000:]  # a line a minute, not one per call
         assert status_mib(link.pid, "VmRSS") - rss < 64
         time.sleep(EXPIRY)  # the flood's registrations never connected: at the cap, they expire
-        assert _register(stub, _real_key()) == "OK"
+        assert register_all(f"127.0.0.1:{fleet}", [_real_key()], stranger) == ["OK"]
         assert len(_live_nodes(env)) <= MAX_NODES
         assert "registrations that never connected" in log.read_text()
     finally:
@@ -103,3 +91,17 @@ def test_a_remote_address_is_held_to_its_rate_whatever_its_port():
     assert taken == [True] * 6 + [False] * 4 and rate.take("ipv4:10.0.0.8:1")  # another address has its own
     now[0] = 10.0  # one registration a 10 s
     assert rate.take("ipv4:10.0.0.9") and not rate.take("ipv4:10.0.0.9")
+
+
+def test_a_fleet_log_line_quoting_a_remote_key_is_cut_to_one_short_line():
+    record = logging.LogRecord(
+        "flwr", logging.ERROR, "", 0, "[RegisterNode][ApiError:1] key: %r", (b"x\n" * 4000,), None
+    )
+    assert OneLineRemote().filter(record)
+    assert len(record.getMessage()) <= LOG_CHARS and "\n" not in record.getMessage()
+
+
+def test_an_open_fleet_port_without_node_authentication_is_named():
+    assert open_fleet(["--insecure"]) == "0.0.0.0:9092"  # flower-superlink's default Fleet address
+    assert open_fleet(["--insecure", "--fleet-api-address", "127.0.0.1:9092"]) is None
+    assert open_fleet(["--ssl-certfile", "s.pem", "--enable-supernode-auth"]) is None
