@@ -21,6 +21,7 @@ import logging
 import math
 import threading
 import time
+import types
 from typing import Any
 
 log = logging.getLogger("flwr").getChild(__name__)
@@ -30,6 +31,9 @@ log = logging.getLogger("flwr").getChild(__name__)
 # auth does not take, 800): twice the largest EC one leaves room for any other encoding of it.
 MAX_PUBLIC_KEY = 512
 LOG_CHARS = 300
+# At the cap, the nodes are counted again (and the stale ones expired) at most this often: a full
+# count reads every node, which a flood of refused calls must not make it do per call.
+RECOUNT_SECONDS = 2.0
 PEERS = 65_536  # peers whose rate is remembered; the longest idle ones are forgotten first
 
 
@@ -79,12 +83,9 @@ def guard(max_nodes: int, per_minute: float, expire_seconds: float) -> None:
     from flwr.server.superlink.fleet.grpc_rere import fleet_servicer
     from flwr.supercore.constant import NodeStatus
 
-    register, rate, lock, tally = (
-        fleet_servicer.FleetServicer.RegisterNode,
-        PeerRate(per_minute),
-        threading.Lock(),
-        Tally(),
-    )
+    register, rate, tally = fleet_servicer.FleetServicer.RegisterNode, PeerRate(per_minute), Tally()
+    lock = threading.Lock()
+    count = types.SimpleNamespace(live=None, at=-math.inf)  # nodes held, counted in full only at the cap
 
     @functools.wraps(register)
     def bounded(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
@@ -100,14 +101,17 @@ def guard(max_nodes: int, per_minute: float, expire_seconds: float) -> None:
                 tally.refused(f"over {per_minute:g} a minute from one address")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"over {per_minute:g} registrations a minute from here")
         with lock:  # counted and registered together: concurrent calls cannot pass the cap side by side
-            state = self.state_factory.state()
-            live = state.get_node_info(statuses=[NodeStatus.REGISTERED, NodeStatus.ONLINE, NodeStatus.OFFLINE])
-            if len(live) >= max_nodes:
-                live = len(live) - expire(state, live, expire_seconds)
-                if live >= max_nodes:
-                    tally.refused(f"the SuperLink holds its --max-nodes {max_nodes}")
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the SuperLink holds its {max_nodes} nodes")
-            return register(self, request, context)
+            if count.live is None or (count.live >= max_nodes and time.monotonic() - count.at >= RECOUNT_SECONDS):
+                state = self.state_factory.state()
+                live = state.get_node_info(statuses=[NodeStatus.REGISTERED, NodeStatus.ONLINE, NodeStatus.OFFLINE])
+                expired = expire(state, live, expire_seconds) if len(live) >= max_nodes else 0
+                count.live, count.at = len(live) - expired, time.monotonic()
+            if count.live >= max_nodes:
+                tally.refused(f"the SuperLink holds its --max-nodes {max_nodes}")
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the SuperLink holds its {max_nodes} nodes")
+            response = register(self, request, context)
+            count.live += 1
+            return response
 
     fleet_servicer.FleetServicer.RegisterNode = bounded
 
