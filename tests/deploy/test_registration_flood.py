@@ -13,9 +13,11 @@ import time
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from fleet_flood import register_all, status_mib
+from processes import node_configs, submit
 
 from florist.common.flower_internals.registrations import LOG_CHARS, OneLineRemote, PeerRate, address
 from florist.deploy.certs import make_node_key
+from florist.deploy.federation import LocalFederation
 from florist.deploy.spawning import flower_env, free_port
 from florist.deploy.superlink import open_fleet
 
@@ -105,3 +107,13 @@ def test_an_open_fleet_port_without_node_authentication_is_named():
     assert open_fleet(["--insecure"]) == "0.0.0.0:9092"  # flower-superlink's default Fleet address
     assert open_fleet(["--insecure", "--fleet-api-address", "127.0.0.1:9092"]) is None
     assert open_fleet(["--ssl-certfile", "s.pem", "--enable-supernode-auth"]) is None
+
+
+def test_a_node_of_the_federation_still_trains_after_a_registration_flood(tmp_path):
+    """The flood's registrations never connect: the run samples its online node only."""
+    with LocalFederation(tmp_path / "fed", node_configs(1, tmp_path)) as fed:
+        stranger, _ = make_node_key(tmp_path / "stranger", "stranger")
+        answers = register_all(fed.fleet_address, [os.urandom(200) for _ in range(500)], stranger)
+        assert answers == ["OK"] * 500  # under the default --max-nodes
+        results = submit(fed, tmp_path / "out", **{"num-server-rounds": 1, "local-epochs": 1})
+        assert results["complete"] and results["summary"]["seen"]["num_clients"] == 1
