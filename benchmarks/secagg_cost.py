@@ -180,7 +180,7 @@ def federate(num_nodes: int, mode: str, args: argparse.Namespace) -> Federated:
         "min-nodes": num_nodes,
         "min-train-nodes": num_nodes,
         "eval-every": 0,
-        "keep-models": False,
+        "keep-models": 0,
         "secure-aggregation": MODES[mode],
         "results-dir": str(args.out / f"{num_nodes}-{mode}"),
     }

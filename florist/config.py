@@ -138,8 +138,9 @@ class RunConfig(Settings):
     bind_node_keys: bool = setting(False, server=True)
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = setting(False)
-    # each node keeps the model it scored with, per run, in its state folder (client/personal.py)
-    keep_models: bool = setting(True, node=True)
+    # each node keeps the model it scored with, per run, in its state folder (client/personal.py): its last
+    # N runs' (0: none); a node that does not trust its server takes only its own --node-config's count
+    keep_models: int = setting(5, node=True)
     # ... under this folder (as <root>/<node key>/models/<run id>/) instead: simulate and compare put them in
     # the results folder (<results-dir>/nodes); a node that does not trust its server keeps its own choice
     models_root: str = setting("", node=True)
@@ -193,6 +194,10 @@ class RunConfig(Settings):
         return [
             (self.strategy in SECTIONS, f"unknown strategy {self.strategy!r}; choose one of {', '.join(SECTIONS)}"),
             (self.num_server_rounds >= 0, "num-server-rounds must be >= 0"),
+            (
+                self.keep_models >= 0,
+                f"keep-models must be >= 0 (the runs a node keeps models of), got {self.keep_models}",
+            ),
             (_parses(parse_partition, self.partition), f"partition must be {PARTITIONS}, got {self.partition!r}"),
             (not (dataset_problem := _problem(scenarios.parse_dataset, self.dataset)), dataset_problem),
             (_parses(scenarios.parse_shift, self.shift), f"shift must be {scenarios.SHIFTS}, got {self.shift!r}"),

@@ -79,7 +79,7 @@ def make_node(tmp_path):
         if data is None:
             data = scenarios.client_data(4, 5, cfg)
         state = NodeState(tmp_path / "state", key, cfg.strategy)
-        return Node(key, seen, run_id, server_round, cfg, data, state, node_config)
+        return Node(key, seen, run_id, server_round, cfg, data, state, node_config, flower_run_id=run_id)
 
     return make
 

@@ -135,3 +135,28 @@ def test_florist_simulate_runtime_in_process_gives_the_simulations_results(fedav
     assert [(c["client"], c["accuracy"]) for c in results["clients"]] == [
         (c["client"], c["accuracy"]) for c in fedavg_run["clients"]
     ]
+
+
+def reported_loss(value: float):
+    """A mod with a parameter of its own, as `LocalDpMod` is: every `train` reply reports `value`
+    as its loss. Built in a function, so Ray's workers get it by value, as they get a user's."""
+
+    class ReportedLoss:
+        def __call__(self, msg: Message, context: Context, call_next):
+            reply = call_next(msg, context)
+            if msg.metadata.message_type == "train" and reply.has_content():
+                reply.content["metrics"]["train-loss"] = value
+            return reply
+
+    return ReportedLoss()
+
+
+@pytest.mark.parametrize("runner", [simulate, run_in_process])
+def test_build_client_app_with_a_mod_works_wherever_app_does(tmp_path, runner):
+    """`app` pickles by name; an app with mods must reach Ray's workers with the registry too."""
+    cfg = RunConfig.from_mapping(
+        {"num-server-rounds": 1, "partition": "iid", "min-nodes": 3, "results-dir": str(tmp_path)}
+    )
+    results = runner(cfg, 3, client_app=build_client_app(mods=[reported_loss(123.0)]))
+    assert results["complete"] and not results.get("failures")
+    assert [r["train_loss"] for r in results["rounds"]] == [123.0]

@@ -85,25 +85,31 @@ def exchanges() -> dict[str, Exchange]:
     return declared
 
 
-def build_client_app(mods: Sequence[Callable] = (), *, cls: type[ClientApp] = ClientApp) -> ClientApp:
-    """florist's ClientApp with `mods` (Flower mods, run inside florist's own: e.g. for tests
-    that inject failures)."""
+def build_client_app(mods: Sequence[Callable] = ()) -> ClientApp:
+    """florist's ClientApp with `mods` (Flower mods, run inside florist's own: e.g. a mod with
+    parameters of its own, or a test's injected failure)."""
     handlers: Mapping[Exchange, messages.Handler] = {e: HANDLERS[t] for t, e in exchanges().items()}
-    return messages.build_client_app(handlers, STRATEGIES, mods, cls=cls, bounded=BOUNDED_UNDER_NODE_DP)
+    built = messages.build_client_app(handlers, STRATEGIES, mods, cls=RebuiltClientApp, bounded=BOUNDED_UNDER_NODE_DP)
+    built.mods_given = tuple(mods)
+    return built
 
 
-class NamedClientApp(ClientApp):
-    """florist's own ClientApp, `app` below, which pickles as its name. Flower's simulation
-    sends the app with every message to a Ray worker, and cloudpickle copies the handlers'
-    closures by value, scanning all of `sys.modules` for each module they use: 20-30 ms of the
-    driver's CPU per message, which held a 16-client round on 2 cores near one core's speed."""
+class RebuiltClientApp(ClientApp):
+    """florist's ClientApp, which pickles as the call that builds it: its mods and this module's
+    name. Flower's simulation sends the app with every message to a Ray worker; by value,
+    cloudpickle would copy the handlers' closures without importing this module, so the worker
+    would never learn the registry's strategies (and would scan all of `sys.modules` for each
+    module the closures use: 20-30 ms of the driver's CPU per message, which held a 16-client
+    round on 2 cores near one core's speed). Only the mods travel by value."""
+
+    mods_given: tuple[Callable, ...] = ()
 
     def __reduce__(self):
-        return (_named_app, ())
+        return (_rebuilt, (self.mods_given,))
 
 
-def _named_app() -> ClientApp:
-    return app
+def _rebuilt(mods: tuple[Callable, ...]) -> ClientApp:
+    return build_client_app(mods) if mods else app
 
 
-app = build_client_app(cls=NamedClientApp)
+app = build_client_app()

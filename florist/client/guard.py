@@ -11,11 +11,15 @@ working directory holds one of that name, as `datasets.load_dataset` reads it).
 
 Caps. However the server sets up its run, one message does not make a node allocate more than
 `node-max-classes` classes, take more than `node-max-steps` local optimizer steps, train in
-batches of more than `node-max-batch-size` samples, or work longer than `node-max-seconds`
-(the message's time-to-live, which stops the handler, `client/deadline.py`); a request beyond
+batches of more than `node-max-batch-size` samples, decode images larger than `node-max-pixels`
+(H×W of `image-size`), or work longer than `node-max-seconds` (the message's time-to-live,
+which stops the handler, `client/deadline.py`); a request beyond
 a cap is refused in one line naming the key that raises it, before anything is allocated or
-trained. Flower's default time-to-live (12 h, what a message gets whose sender set none) is
-not a request: such a message is cut at the cap.
+trained. Nor do its messages together fill its disk: the decoded data are cached once per
+folder and image size, within `node-max-cache-mb` (`common/datacache.py`), and the models it
+keeps are its last `keep-models` runs' (`client/personal.py`). Flower's default time-to-live
+(12 h, what a message gets whose sender set none) is not a request: such a message is cut at
+the cap.
 
 Hardware. A node's resources are its own: the server's `torch-threads` is cut to
 `node-max-threads` (default: the cores the node may run on), and its `device` is ignored
@@ -78,6 +82,8 @@ class Limits:
     max_seconds: float = 3600.0
     max_batch_size: int = 4096
     max_threads: int = 0  # 0: the cores this process may run on
+    max_pixels: int = 1024 * 1024  # H×W of the server's image-size: decoded data grows with it, not with the files
+    max_cache_mb: float = 4096.0  # the machine's decoded-data cache, least recently used entries out first
 
     @classmethod
     def of(cls, node_config: Mapping[str, Any]) -> Limits:
@@ -104,6 +110,11 @@ class Limits:
     def check_batch_size(self, batch_size: int, who: str) -> None:
         if batch_size > self.max_batch_size:
             raise Refused(_over(who, f"batch-size {batch_size}", f"{self.max_batch_size}", "node-max-batch-size"))
+
+    def check_image_size(self, size: tuple[int, int] | None, who: str) -> None:
+        if size is not None and size[0] * size[1] > self.max_pixels:
+            asked = f"image-size {size[0]},{size[1]} ({size[0] * size[1]} pixels)"
+            raise Refused(_over(who, asked, f"{self.max_pixels} pixels", "node-max-pixels"))
 
     def threads(self, asked: int, who: str) -> int:
         """The torch threads this node runs a message with when the server asks for `asked`
@@ -135,6 +146,8 @@ UNLIMITED = {
     "max_seconds": math.inf,
     "max_batch_size": sys.maxsize,
     "max_threads": sys.maxsize,
+    "max_pixels": sys.maxsize,
+    "max_cache_mb": math.inf,
 }
 
 
@@ -178,10 +191,14 @@ def names_a_folder(dataset: str) -> bool:
 def own_paths(values: Mapping[str, Any], node_config: Mapping[str, Any], who: str) -> dict[str, Any]:
     """The server's settings `values` with the node's own `dataset` and `public-dir` in place
     of the server's; Refused when the server names a folder that the node config does not set."""
-    own = {key: node_config[key] for key in ("dataset", "public-dir", "models-root") if key in node_config}
+    own = {
+        key: node_config[key] for key in ("dataset", "public-dir", "models-root", "keep-models") if key in node_config
+    }
     values = dict(values) | own
     if trusts_server(node_config):
         return values
+    if "keep-models" not in own:  # how many models it keeps is the node's to say too: its default
+        values.pop("keep-models", None)
     if "models-root" not in own and values.get("models-root"):  # where it writes is the node's to say
         log.info("%s: the server's models-root is ignored; this node keeps its models in its state folder", who)
         values["models-root"] = ""

@@ -100,7 +100,7 @@ class Ledger:
         self.node, self.plan = node, own_plan(node)
         self.own = owns_privacy(node.node_config)
         # the run: Flower's under its own dp; else the run-id its trusted server keeps across a resume
-        self.run = node.flower_run if self.own else node.run_id
+        self.run = node.flower_run_id if self.own else node.run_id
         self.key = [self.run, node.server_round]
         self.files = NodeState(node.state.folder.parent, node.key, "privacy")  # beside every strategy's folder
 

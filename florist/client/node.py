@@ -61,7 +61,8 @@ class Node:
     state: NodeState
     node_config: dict
     flower_driven: bool = False  # one of Flower's own strategies sent the message
-    flower_run: int = 0  # Flower's id of this run (the node's context): what its privacy ledger keys releases by
+    # Flower's own id of the run, which no message config can change: what the privacy ledger and the kept models key by
+    flower_run_id: int = 0
     steps_taken: int = 0  # local optimizer steps this message has taken so far (`fit`)
 
     @property
@@ -195,8 +196,8 @@ def parse(
     cfg = cfg.for_node(node_config)
     key, seen, client = _identity(node_config, cfg)
     state = NodeState(node_config.get("state-dir"), key, cfg.strategy, context.state)
-    # flower_run: never the config's run-id, which a server could make new in every message
-    node = Node(key, seen, run_id, server_round, cfg, client, state, node_config, not florist, context.run_id)
+    flower = {"flower_driven": not florist, "flower_run_id": msg.metadata.run_id}
+    node = Node(key, seen, run_id, server_round, cfg, client, state, node_config, **flower)
     return node, Request(request, msg.content)
 
 
@@ -209,12 +210,14 @@ def _spec(strategies: Mapping[str, StrategySpec], name: str) -> StrategySpec:
 def _run_config(values: dict, node_config: dict, key: str) -> RunConfig:
     """The server's settings `values` as this node takes them: with its own folders and
     hardware (`guard.own_paths`, `guard.own_hardware`), and refused, before anything is
-    allocated, beyond its class or batch-size cap."""
+    allocated, beyond its class, batch-size or pixel cap."""
     who, limits = f"node {key}", guard.Limits.of(node_config)
     values = guard.own_privacy(guard.own_paths(values, node_config, who), node_config, who)
     cfg = RunConfig.from_mapping(guard.own_hardware(values, node_config, who))
     limits.check_classes(cfg.num_classes, who)
     limits.check_batch_size(cfg.batch_size, who)
+    if "image-size" not in node_config:  # the node's own, applied later, is its own to choose
+        limits.check_image_size(folders.parse_image_size(cfg.image_size), who)
     return cfg
 
 
@@ -238,28 +241,20 @@ def node_data(node_config: dict, cfg: RunConfig) -> data_lib.ClientData:
 def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.ClientData]:
     """(node key, seen, data) from the node config."""
     if "data-dir" in node_config:
-        client = _cached_folder(str(node_config["data-dir"]), cfg)
+        client = _cached_folder(str(node_config["data-dir"]), cfg, node_config)
         return node_key(node_config), not bool(node_config.get("unseen", False)), client
     pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
     client = scenarios.client_data(pid, num, cfg)
     return node_key(node_config), pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed), client
 
 
-def _cached_folder(data_dir: str, cfg: RunConfig) -> data_lib.ClientData:
-    """The node's folder, decoded once per machine (`common/datacache.py`) as the run says
-    (its classes, seed, split fractions and image options): keyed by its file listing and
-    those, so a changed file or setting is decoded again."""
+def _cached_folder(data_dir: str, cfg: RunConfig, node_config: dict) -> data_lib.ClientData:
+    """The node's folder, decoded once per machine (`common/datacache.py`) and per image options
+    (keyed by its file listing and those, so a changed file or option is decoded again), then
+    split in memory as the run says: a server's seeds and fractions add no cache entries."""
     root = Path(data_dir).expanduser()
     images = folders.ImageOptions.of(cfg)
-    key = {
-        "data-dir": str(root.absolute()),
-        "files": datacache.folder_fingerprint(root),
-        "num-classes": cfg.num_classes,
-        "seed": cfg.seed,
-        "val-fraction": cfg.val_fraction,
-        "test-fraction": cfg.test_fraction,
-    } | images.key()
-    return datacache.cached(
-        key,
-        lambda: folders.folder_client(data_dir, cfg.num_classes, cfg.seed, cfg.val_fraction, images, cfg.test_fraction),
-    )
+    key = {"data-dir": str(root.absolute()), "files": datacache.folder_fingerprint(root), "layout": "whole"}
+    limit = guard.Limits.of(node_config).max_cache_mb * 1e6
+    whole = datacache.cached(key | images.key(), lambda: folders.decode_folder(data_dir, images), limit)
+    return folders.split_folder(data_dir, whole, cfg.num_classes, cfg.seed, cfg.val_fraction, cfg.test_fraction)

@@ -1,7 +1,9 @@
 """The model a node earned: exactly what it scored with in its final evaluation of a run, kept
 in its state folder as `models/<run id>/`, so that runs never overwrite each other's and
 `florist predict` / `florist export` use the very weights (and, for kNN-Per, the very
-datastore) the run's accuracy was measured with.
+datastore) the run's accuracy was measured with. The run id is Flower's own (the message's
+metadata), not one a server writes in its config, and a node keeps its last `keep-models`
+runs' models, removing older ones: a server cannot fill the node's disk with folders.
 
 A kept model is a folder: `model.npz` (the network's state dict), `extras.npz` (what else the
 strategy predicts with: kNN-Per's datastore) and `manifest.json`, written last, so a folder
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,7 +97,7 @@ def keep(
     the final evaluation and the serve phase's (`Node.final_evaluation`), not at every
     `eval-every`: a thousand clients do not write (and fingerprint their data) every round, nor
     twice at the end when `eval-every` divides the rounds. Nothing is kept with
-    `keep-models = false`."""
+    `keep-models = 0`."""
     if not node.cfg.keep_models or not node.final_evaluation:
         return None
     d = node.data
@@ -102,7 +105,7 @@ def keep(
     manifest = {
         "format": FORMAT,
         "strategy": node.cfg.strategy,
-        "run_id": node.run_id,
+        "run_id": node.flower_run_id,
         "round": node.server_round,
         "node_key": node.key,
         "seen": node.seen,
@@ -118,7 +121,7 @@ def keep(
         "node_config": node.node_config,
     } | details
     root = Path(node.cfg.models_root).expanduser() / node.key if node.cfg.models_root else node.state.folder
-    folder = root / MODELS / str(node.run_id)
+    folder = root / MODELS / str(node.flower_run_id)
     try:  # a copy for later: failing to write it must not fail the evaluation it comes from
         (folder / MANIFEST).unlink(missing_ok=True)  # the folder is not whole again until the new manifest lands
         weights = {k: v.cpu().numpy() for k, v in model.state_dict().items()}
@@ -127,15 +130,38 @@ def keep(
             atomic_write(folder / EXTRAS, lambda f: np.savez(f, **extras))
         else:
             (folder / EXTRAS).unlink(missing_ok=True)
-        return write_manifest(folder, manifest)
+        write_manifest(folder, manifest)
+        prune(root / MODELS, node.cfg.keep_models, node.key)
+        return folder / MANIFEST
     except OSError as err:
-        log.warning("node %s: its model of run %s is not kept (%s)", node.key, node.run_id, err)
+        log.warning("node %s: its model of run %s is not kept (%s)", node.key, node.flower_run_id, err)
         return None
+
+
+def prune(models: Path, count: int, node_key: str) -> None:
+    """Remove all but the `count` most recently written run folders under `models`, said in
+    the node's log (a folder without its manifest, one cut short, counts by its own time)."""
+
+    def written(folder: Path) -> float:
+        return max(folder.stat().st_mtime, (folder / MANIFEST).stat().st_mtime if (folder / MANIFEST).exists() else 0)
+
+    runs = sorted((f for f in models.iterdir() if f.is_dir()), key=written, reverse=True)
+    for old in runs[count:]:
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("node %s: removed its kept model of run %s (keep-models %d)", node_key, old.name, count)
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> Path:
     """`manifest.json`, replaced whole (its last write: it marks the folder whole)."""
     return atomic_write(folder / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=2, default=str).encode()))
+
+
+def footprint(folder: Path) -> str:
+    """What a node's state folder takes on its disk, for its operator: the total, and the runs
+    it keeps models of (at most `keep-models`)."""
+    files = [f for f in folder.rglob("*") if f.is_file()] if folder.is_dir() else []
+    runs = [f for f in (folder / MODELS).iterdir() if f.is_dir()] if (folder / MODELS).is_dir() else []
+    return f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB, the models of {len(runs)} runs"
 
 
 def nodes_keeping_models(root: str | Path | None) -> tuple[Path, list[str]]:

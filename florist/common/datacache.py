@@ -9,6 +9,10 @@ used: a changed input is a new entry. `meta.json`, written last, records each fi
 modification time and SHA-256; a file whose size or time differ from its record is hashed
 again, and one whose hash differs (a truncated or edited file) is rebuilt with a warning,
 never read.
+
+The cache is bounded (`cached`'s `limit_bytes`, a node's `node-max-cache-mb`): an entry's
+folder time is when a process last read it, and a new entry pushes the least recently read
+ones out until the whole fits, each said in the log.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -28,7 +33,7 @@ import numpy as np
 from florist.common.data import ClientData
 from florist.common.storage import atomic_write, cache_dir
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("flwr").getChild(__name__)  # in the node's log, beside Flower's
 VERSION = 2  # of the entries and of how data is decoded into them (2: one image shape per dataset); in every key
 ARRAYS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
 
@@ -60,9 +65,10 @@ def entry(key: dict[str, Any]) -> Path:
     return cache_dir() / "data" / hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def cached(key: dict[str, Any], build: Callable[[], ClientData]) -> ClientData:
+def cached(key: dict[str, Any], build: Callable[[], ClientData], limit_bytes: float = math.inf) -> ClientData:
     """The data built from `key`: from this process's memory, else the disk cache, else
-    `build()`, saved for the next process and read back memory-mapped like every later read."""
+    `build()`, saved for the next process and read back memory-mapped like every later read;
+    a new entry makes room for itself within `limit_bytes` (`evict`)."""
     folder = entry(key)
     if folder not in _MEMORY:
         client = load(folder)
@@ -70,9 +76,12 @@ def cached(key: dict[str, Any], build: Callable[[], ClientData]) -> ClientData:
             built = build()
             try:
                 _save(folder, built)
+                evict(folder.parent, limit_bytes, folder)
             except OSError as err:  # a full or read-only disk costs speed, not the run
                 log.warning("cannot keep decoded data in %s (%s); it will be decoded again next time", folder, err)
             client = load(folder) or built
+        else:
+            os.utime(folder)  # read now: the last to leave
         if len(_MEMORY) >= 256:  # memory maps cost little, but a long-lived process need not keep all
             _MEMORY.pop(next(iter(_MEMORY)))
         _MEMORY[folder] = client
@@ -80,6 +89,34 @@ def cached(key: dict[str, Any], build: Callable[[], ClientData]) -> ClientData:
 
 
 _MEMORY: dict[Path, ClientData] = {}
+
+
+def evict(root: Path, limit_bytes: float, keep: Path) -> None:
+    """Remove the least recently read entries under `root` (but `keep`, the one just written)
+    until they total at most `limit_bytes`, each said in the log."""
+    if math.isinf(limit_bytes):
+        return
+    entries = [(f.stat().st_mtime, f, size_of(f)) for f in root.iterdir() if f.is_dir() and not f.name.startswith(".")]
+    total = sum(size for _, _, size in entries)
+    for _, folder, size in sorted(entries, key=lambda e: e[0]):
+        if total <= limit_bytes:
+            break
+        if folder != keep:
+            shutil.rmtree(folder, ignore_errors=True)
+            total -= size
+            log.info(
+                "data cache over %g MB: removed %s (%g MB, the least recently read)",
+                limit_bytes / 1e6,
+                folder,
+                size / 1e6,
+            )
+    if total > limit_bytes:
+        log.warning("data cache: the entry %s alone is over its %g MB", keep, limit_bytes / 1e6)
+
+
+def size_of(folder: Path) -> int:
+    """The bytes of the files under `folder`."""
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def remembered(key: dict[str, Any], build: Callable[[], dict]) -> dict:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from florist.common.data import ClientData, split_indices, val_split
+from florist.common import splitting
+from florist.common.data import ClientData
 from florist.common.settings import coerce
 
 log = logging.getLogger(__name__)
@@ -178,76 +179,63 @@ def folder_client(
     images: ImageOptions = ImageOptions(),
     test_fraction: float = TEST_FRACTION,
 ) -> ClientData:
-    """A node's own data in one of the `LAYOUTS` (images decoded with `images`, to one shape
-    for train and test: `survey`).
+    """A node's own data in one of the `LAYOUTS`, decoded (`decode_folder`) and split
+    (`split_folder`)."""
+    return split_folder(data_dir, decode_folder(data_dir, images), num_classes, seed, val_fraction, test_fraction)
 
-    With a test set (test.npz, test/), the validation split is carved out of the training set
-    (`data.val_split`); without one (class folders directly in the folder, or train/ alone),
-    validation and test both come out of it by `val_fraction` and `test_fraction`, as a
-    simulated client's do (`data.split_indices`). Seeded with `seed`. Every problem is
-    reported with the file it was found in and what was expected.
-    """
+
+def decode_folder(data_dir: str | Path, images: ImageOptions = ImageOptions()) -> ClientData:
+    """A node's folder decoded (with `images`, to one shape for train and test: `survey`) and
+    not yet split: `x_train` holds every training sample, `x_test` the folder's own test set
+    (None without one), no validation. What the run's seed, fractions and classes change is
+    left to `split_folder`, so a node decodes (and caches) its folder once per image options,
+    whatever a server sends. Every problem is reported with the file it was found in."""
     root = Path(data_dir).expanduser()
     if not root.is_dir():
         raise FileNotFoundError(f"data-dir {str(root)!r} does not exist or is not a folder; expected {LAYOUTS}")
     if (root / "train.npz").exists():
-        x_train, y_train = read_npz(root / "train.npz", num_classes)
-        x_test, y_test = read_npz(root / "test.npz", num_classes)
-        return _carve(root / "train.npz", x_train, y_train, x_test, y_test, num_classes, seed, val_fraction)
-    trees = [root / "train", root / "test"] if (root / "test").is_dir() else [root / "train"]
-    if not trees[0].is_dir():
-        if not any(_image_or_folder(f) for f in root.iterdir()) or (root / "test").is_dir():
-            what = "test/ but no train/" if (root / "test").is_dir() else "neither train.npz nor a train/ folder"
-            raise FileNotFoundError(f"data-dir {str(root)!r} holds {what} (nor class folders); expected {LAYOUTS}")
-        trees = [root]
+        return ClientData(*read_npz(root / "train.npz"), None, None, *read_npz(root / "test.npz"), num_classes=0)
+    trees = _trees(root)
     listed = [image_files(tree) for tree in trees]
     shape = decoded_shape(survey(_opener(f) for files, _ in listed for f in files), images)
     ids = labels(*(classes for _, classes in listed))
-    decoded = [decode_files(t, f, y, num_classes, images, shape) for t, (f, _), y in zip(trees, listed, ids)]
+    decoded = [decode_files(t, f, y, None, images, shape) for t, (f, _), y in zip(trees, listed, ids)]
+    test = decoded[1][:2] if len(decoded) == 2 else (None, None)
     skipped = sum(d[2] for d in decoded)
-    if len(decoded) == 2:
-        (x_train, y_train, _), (x_test, y_test, _) = decoded
-        return _carve(trees[0], x_train, y_train, x_test, y_test, num_classes, seed, val_fraction, skipped)
-    x, y, _ = decoded[0]
-    if len(x) < 3:
-        raise ValueError(f"{trees[0]}: need at least 3 images (train, validation and test), got {len(x)}")
-    train, val, test = split_indices(len(x), val_fraction, test_fraction, seed)
-    return ClientData(*_take(x, y, train), *_take(x, y, val), *_take(x, y, test), num_classes, skipped_images=skipped)
+    return ClientData(*decoded[0][:2], None, None, *test, num_classes=0, skipped_images=skipped)
 
 
-def _carve(
-    where: Path,
-    x_train: np.ndarray,
-    y_train: np.ndarray | None,
-    x_test: np.ndarray,
-    y_test: np.ndarray | None,
+def _trees(root: Path) -> list[Path]:
+    """The image trees of `root`: train/ and test/, train/ alone, or `root` itself."""
+    trees = [root / "train", root / "test"] if (root / "test").is_dir() else [root / "train"]
+    if trees[0].is_dir():
+        return trees
+    if not any(_image_or_folder(f) for f in root.iterdir()) or (root / "test").is_dir():
+        what = "test/ but no train/" if (root / "test").is_dir() else "neither train.npz nor a train/ folder"
+        raise FileNotFoundError(f"data-dir {str(root)!r} holds {what} (nor class folders); expected {LAYOUTS}")
+    return [root]
+
+
+def split_folder(
+    data_dir: str | Path,
+    whole: ClientData,
     num_classes: int,
     seed: int,
     val_fraction: float,
-    skipped: int = 0,
+    test_fraction: float = TEST_FRACTION,
 ) -> ClientData:
-    """A node's data whose test set is its own: validation carved out of the training set."""
-    if x_test.shape[1:] != x_train.shape[1:]:
-        raise ValueError(
-            f"{where.parent}: test samples have shape {x_test.shape[1:]} but train samples {x_train.shape[1:]}"
-        )
-    if (y_train is None) != (y_test is None):
-        raise ValueError(f"{where.parent}: train and test must both be labelled or both unlabeled")
-    if len(x_train) < 2:
-        raise ValueError(f"{where}: need at least 2 training samples, got {len(x_train)}")
-    train, val = val_split(len(x_train), val_fraction, seed)
-    return ClientData(
-        *_take(x_train, y_train, train),
-        *_take(x_train, y_train, val),
-        x_test,
-        y_test,
-        num_classes,
-        skipped_images=skipped,
-    )
-
-
-def _take(x: np.ndarray, y: np.ndarray | None, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    return x[idx], None if y is None else y[idx]
+    """`decode_folder`'s data split in memory: with a test set of its own, the validation
+    split is carved out of the training set (`data.val_split`); without one (class folders
+    directly in the folder, or train/ alone), validation and test both come out of it by
+    `val_fraction` and `test_fraction`, as a simulated client's do (`data.split_indices`).
+    Seeded with `seed`; labels checked against `num_classes`."""
+    root = Path(data_dir).expanduser()
+    npz = (root / "train.npz").exists()
+    train_from = root / "train.npz" if npz else _trees(root)[0]
+    check_labels(str(train_from), whole.y_train, num_classes)
+    if whole.x_test is not None:
+        check_labels(str(root / "test.npz" if npz else root / "test"), whole.y_test, num_classes)
+    return splitting.split_client(train_from, whole, num_classes, seed, val_fraction, test_fraction)
 
 
 def _image_or_folder(path: Path) -> bool:
@@ -275,7 +263,7 @@ def folder_public(public_dir: str | Path, num_classes: int) -> np.ndarray:
     return read_image_folder(root, num_classes)[0]
 
 
-def read_npz(path: Path, num_classes: int) -> tuple[np.ndarray, np.ndarray | None]:
+def read_npz(path: Path, num_classes: int | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; expected an .npz with array x (and y when labelled)")
     try:
@@ -341,7 +329,7 @@ def decode_files(
     path: Path,
     files: list[str],
     y: np.ndarray | None,
-    num_classes: int,
+    num_classes: int | None,
     options: ImageOptions,
     shape: tuple[int, int, int] | None,
 ) -> tuple[np.ndarray, np.ndarray | None, int]:
@@ -362,10 +350,10 @@ def image_array(image) -> np.ndarray:
 
 
 def check_arrays(
-    where: str, x: np.ndarray, y: np.ndarray | None, num_classes: int
+    where: str, x: np.ndarray, y: np.ndarray | None, num_classes: int | None
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Validate and normalise x to N×C×H×W (or N×D), uint8 images kept as they are and any
-    other number as float32, and y to int64 in [0, C)."""
+    other number as float32, and y to int64 in [0, C) (C None: checked later, `check_labels`)."""
     if x.dtype == object or not np.issubdtype(x.dtype, np.number):
         raise ValueError(f"{where}: x must be a numeric array of equal-shaped samples, got dtype {x.dtype}")
     if x.ndim not in (2, 3, 4):
@@ -384,10 +372,18 @@ def check_arrays(
         raise ValueError(f"{where}: y has shape {y.shape}; expected ({len(x)},) to match x")
     if not np.issubdtype(y.dtype, np.integer):
         raise ValueError(f"{where}: y must hold integer class labels, got dtype {y.dtype}")
+    if num_classes is not None:
+        check_labels(where, y, num_classes)
+    return x, y.astype(np.int64)
+
+
+def check_labels(where: str, y: np.ndarray | None, num_classes: int) -> None:
+    """Labels `y` (None: unlabeled) are class ids in [0, num_classes)."""
+    if y is None:
+        return
     bad = y[(y < 0) | (y >= num_classes)]
     if len(bad):  # which labels, only in the cause: a node's log shows it, its reply to the server does not
         found = ValueError(f"{where}: labels {sorted(set(bad.tolist()))[:5]} are outside [0, {num_classes})")
         raise ValueError(
             f"{where}: the labels do not fit num-classes {num_classes} (0 to {num_classes - 1})"
         ) from found
-    return x, y.astype(np.int64)

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from florist.client.personal import footprint
 from florist.client.state import NodeState
 from florist.common import devices
 from florist.common.data import ClientData
@@ -317,14 +318,16 @@ def fresh_log(folder: Path) -> Path:
     return path
 
 
-def announce(key: str, client: ClientData, superlink: str, tls: bool) -> None:
-    """What this node brings and where it dials, so a wrong folder or address shows at once."""
+def announce(key: str, client: ClientData, superlink: str, tls: bool, state_folder: Path) -> None:
+    """What this node brings and where it dials, so a wrong folder or address shows at once, and
+    what its state folder takes on the disk (its models are its last `keep-models` runs')."""
     labelled = "labelled" if client.labelled else "unlabeled"
     print(
         f"florist join: node {key!r}, {len(client.x_train) + len(client.x_val)} train / {len(client.x_test)} test "
         f"samples ({labelled}, shape {client.input_shape}) -> SuperLink {superlink}",
         flush=True,
     )
+    print(f"florist join: state folder {state_folder}: {footprint(state_folder)}", flush=True)
     if not tls:
         print(
             "florist join: warning: --insecure: traffic to the SuperLink is not encrypted and the SuperLink "
@@ -360,7 +363,7 @@ def join(
     client = check_locally(superlink, data_dir, num_classes, root_certificates, auth_key, device, insecure, images)
     key = node_key or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()) or "edge"
     state = NodeState(state_dir, key)
-    announce(key, client, superlink, tls=bool(root_certificates))
+    announce(key, client, superlink, bool(root_certificates), state.folder)
     warn_if_shared(data_dir, "data folder")
     warn_if_shared(state.folder.parent, "state folder")
     log_path = fresh_log(private_folder(state.folder))

@@ -8,6 +8,9 @@
 - Its gRPC servers (the Fleet API) refuse a message over `--max-message-mb` from its length
   prefix, before reading the body (`limit_messages`): an unauthenticated party can no longer make
   it buffer gigabytes. The default is sized from what florist sends (`message_limit`).
+- Its registrations are bounded (`registrations.guard`): at most `--max-nodes` nodes, a rate per
+  peer address, keys no larger than a real one, registrations that never connect expiring, and
+  Fleet log lines that quote a remote value cut to one short line.
 
 Where the installed Flower reads otherwise than 1.39.0, it runs the stock SuperLink and says, in
 one line, what is then open.
@@ -16,12 +19,14 @@ one line, what is then open.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import logging
 import os
 import sys
 from pathlib import Path
 
+from florist.common.flower_internals import registrations
 from florist.common.flower_internals import superlink as owner_guard
 
 log = logging.getLogger("flwr").getChild(__name__)
@@ -54,13 +59,32 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _host(flower_args: list[str]) -> str:
+def _host(flower_args: list[str], flag: str = "--host", default: str = "127.0.0.1") -> str:
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--host", default="127.0.0.1")  # flower-superlink's default
-    return parser.parse_known_args(flower_args)[0].host
+    parser.add_argument(flag, default=default)  # flower-superlink's defaults
+    return getattr(parser.parse_known_args(flower_args)[0], flag.lstrip("-").replace("-", "_"))
 
 
-def run(flower_args: list[str], max_message_mb: float | None = None) -> None:
+def open_fleet(flower_args: list[str]) -> str | None:
+    """The Fleet address, when it faces more than the loopback without node authentication:
+    whoever reaches it may register (within the caps) and receive every run's app and messages."""
+    fleet = _host(flower_args, "--fleet-api-address", "0.0.0.0:9092")
+    if "--enable-supernode-auth" in flower_args or _loopback(fleet.rpartition(":")[0]):
+        return None
+    return fleet
+
+
+@dataclasses.dataclass(frozen=True)
+class Registrations:
+    """How many nodes the SuperLink registers, how fast from one address, and how long a
+    registration that never connects is kept once the cap is reached."""
+
+    max_nodes: int = 10_000
+    per_minute: float = 60.0
+    expire_seconds: float = 600.0
+
+
+def run(flower_args: list[str], max_message_mb: float | None = None, nodes: Registrations = Registrations()) -> None:
     """Run the SuperLink with `flower_args` in this process until it exits."""
     limit = message_limit() if max_message_mb is None else int(max_message_mb * MIB)
     if limit < 1:
@@ -75,7 +99,8 @@ def run(flower_args: list[str], max_message_mb: float | None = None) -> None:
         )
     else:
         owner_guard.limit_messages(limit)
-        owner_guard.limit_public_keys()
+        registrations.guard(nodes.max_nodes, nodes.per_minute, nodes.expire_seconds)
+        logging.getLogger("flwr").addFilter(registrations.OneLineRemote())
         if not _loopback(host):
             log.warning("the Control API listens on %s: whoever reaches it there can submit runs", host)
         elif owner_guard.can_see_owners():
@@ -84,6 +109,19 @@ def run(flower_args: list[str], max_message_mb: float | None = None) -> None:
         else:
             log.warning("this machine does not report who owns a socket: every local user can submit runs")
         log.info("gRPC messages over %.1f MiB are refused", limit / MIB)
+        if fleet := open_fleet(flower_args):
+            log.warning(
+                "the Fleet API on %s registers any node (without --enable-supernode-auth): whoever reaches it "
+                "receives every run's app and messages",
+                fleet,
+            )
+        log.info(
+            "at most %d nodes register, %g a minute from one address; registrations that never connect expire "
+            "after %g s once the cap is reached",
+            nodes.max_nodes,
+            nodes.per_minute,
+            nodes.expire_seconds,
+        )
     from flwr.superlink.cli.flower_superlink import flower_superlink
 
     # Flower starts `flower-superexec` by name: this environment's, whether or not it is activated.

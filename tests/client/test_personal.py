@@ -55,7 +55,7 @@ def test_runs_keep_their_own_models_and_the_latest_is_found_by_default(make_node
 def test_nothing_is_kept_before_the_final_evaluation_or_with_keep_models_off(make_node, tmp_path):
     scored(make_node(FINAL, server_round=1))  # an eval-every evaluation mid-run
     scored(make_node(FINAL, server_round=2))  # the last round's own (eval-every 1): the final one comes next
-    scored(make_node(FINAL | {"keep-models": False}, server_round=3))
+    scored(make_node(FINAL | {"keep-models": 0}, server_round=3))
     with pytest.raises(FileNotFoundError, match="keeps no model in .*a run's final evaluation keeps one"):
         personal.find(tmp_path / "state", "partition-4")
 

@@ -95,6 +95,26 @@ def send(
         return list(pool.map(one, requests))
 
 
+def register_all(address: str, keys: list[bytes], private_key: Path, threads: int = 8) -> list[str]:
+    """`RegisterNode` for every key, `threads` at a time over one signed connection (one party,
+    one address): each call's answer, "OK" or a gRPC status name."""
+    channel = _channel(address, private_key, None)
+    stub = FleetStub(channel)
+
+    def one(key: bytes) -> str:
+        try:
+            stub.RegisterNode(RegisterNodeFleetRequest(public_key=key), timeout=30)
+            return "OK"
+        except grpc.RpcError as error:
+            return error.code().name
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(one, keys))
+    finally:
+        channel.close()
+
+
 # --- the target's memory --------------------------------------------------------------------
 def status_mib(pid: int, field: str) -> float:
     """`field` (VmRSS, VmHWM) of process `pid`, in MiB."""

@@ -14,7 +14,7 @@ it has not taken in any of them whole. That leaves 6x the largest measured rise 
 machine, and it is a fifteenth of what the same calls cost without a limit. The limit bounds each message, not
 how many arrive: 16 `RegisterNode` calls with keys just under it are each read whole (the peak is
 about calls x limit, and the allocator keeps those pages for reuse), but florist's SuperLink refuses
-a key over 4 KiB, so none is kept: a second attack leaves less than half its keys' size behind
+a key over 512 bytes, so none is kept: a second attack leaves less than half its keys' size behind
 (measured: +50 MiB of allocator cache against 304 MiB of keys; stock Flower keeps every key, about
 950 MiB per attack).
 """

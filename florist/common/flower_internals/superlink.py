@@ -34,9 +34,6 @@ log = logging.getLogger("flwr").getChild(__name__)
 
 NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST = 4, 20, 1  # linux/sock_diag.h, linux/netlink.h
 UID_AT = 4 + 48 + 12  # inet_diag_msg: family, state, timer, retrans; its sockid; expires, queues; then uid
-# The largest public key a SuperNode may register: an ECDSA P-384 key in OpenSSH form is about
-# 200 bytes, an RSA-4096 one about 750. Flower stores any it is sent, and quotes it in full.
-MAX_PUBLIC_KEY = 4096
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 
@@ -175,24 +172,3 @@ def limit_messages(max_bytes: int) -> None:
         return create(*args, **(kwargs | {"max_message_length": max_bytes}))
 
     flower_superlink.generic_create_grpc_server = limited
-
-
-def limit_public_keys(max_bytes: int = MAX_PUBLIC_KEY) -> None:
-    """From here on, the Fleet API refuses to register a public key over `max_bytes` (insecure
-    SuperLinks let anyone register: without this, each call could store a key the size of the
-    message limit, and Flower keeps every one)."""
-    import grpc
-    from flwr.server.superlink.fleet.grpc_rere import fleet_servicer
-
-    register = fleet_servicer.FleetServicer.RegisterNode
-
-    @functools.wraps(register)
-    def bounded(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-        if len(request.public_key) > max_bytes:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a public key of {len(request.public_key)} bytes; SuperNode keys are at most {max_bytes}",
-            )
-        return register(self, request, context)
-
-    fleet_servicer.FleetServicer.RegisterNode = bounded

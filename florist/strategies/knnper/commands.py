@@ -65,6 +65,6 @@ def datastore_add(args: argparse.Namespace) -> int:
         run = grown["kept"].kept.manifest["run_id"]
         said.append(f"kept model of run {run}: {grown['kept'].before} -> {grown['kept'].after} entries")
     else:
-        said.append("no kept kNN-Per model (keep-models = false, or none evaluated yet)")
+        said.append("no kept kNN-Per model (keep-models = 0, or none evaluated yet)")
     print(f"node {args.node_key}: added the train split of {args.data_dir} (never its test split): {'; '.join(said)}")
     return 0
