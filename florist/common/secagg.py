@@ -307,9 +307,12 @@ def server_collect_masked(
     return state, (list(survivors), dropped)
 
 
-def server_aggregate(state: ServerState, replies: dict[int, dict[int, bytes]]) -> Aggregate:
+def server_aggregate(
+    state: ServerState, replies: dict[int, dict[int, bytes]], weights: dict[int, tuple[float, float]] | None = None
+) -> Aggregate:
     """Stage 4 in: rebuild each survivor's self-mask seed and each dropped node's mask key from the
-    shares (owner -> share, per answering survivor), remove the masks, and divide the weighted sum by
+    shares (owner -> share, per answering survivor), remove the masks, check the sums (`check_sums`;
+    `weights`: each survivor's least and most weight, default (0, W)), and divide the weighted sum by
     the weight sum: Σ w·x / Σ w."""
     _known(replies, state.survivors, STAGES[3])
     t = state.setup.threshold
@@ -324,12 +327,34 @@ def server_aggregate(state: ServerState, replies: dict[int, dict[int, bytes]]) -
             total -= _mask(secret, total.size)
     total = np.mod(total, MODULUS)
     levels, clip = 2**state.setup.bits, state.setup.clip
+    check_sums(state.setup, total, [(weights or {}).get(n, (0.0, state.setup.max_weight)) for n in state.survivors])
     q_weight, clipped = int(total[0]), int(total[1])
     sums = dequantize([total[HEADER:]], clip, levels)[0] - (len(state.survivors) - 1) * clip
-    if q_weight == 0:  # only crafted vectors sum to no weight: every node's weight rounds to at least 1
-        raise ValueError("secure aggregation: the survivors' weights sum to 0")
     weight_sum = q_weight / levels * state.setup.max_weight
     return Aggregate(sums * (levels / q_weight), weight_sum, clipped, state.survivors, dropped)
+
+
+def check_sums(setup: SecAggSetup, total: np.ndarray, weights: list[tuple[float, float]]) -> None:
+    """Refuse unmasked sums that honest nodes cannot produce: one node that adds to its masked vector
+    moves the sum anywhere in the field (1 − n·2^b in the weight slot shrinks the divisor to one
+    step; 2^31 on the values moves every value by half the field). Each node quantizes its weight to
+    [max(1, q(least)), q(most)] (`weights`: per survivor), its clipped count and each value to
+    [0, 2^b]: sums outside n such ranges are refused in one line. A shift that keeps every sum in
+    range is not seen (docs/secure-aggregation.md)."""
+    levels, n = 2**setup.bits, len(weights)
+    low = sum(max(1, round(w / setup.max_weight * levels)) for w, _ in weights)
+    high = sum(round(w / setup.max_weight * levels) for _, w in weights)
+    if not low <= int(total[0]) <= high:
+        expected = f"{low}" if low == high else f"between {low} and {high}"
+        raise ValueError(
+            f"secure aggregation: the unmasked weight sum is {int(total[0])} steps where the {n} survivors'"
+            f" weights make {expected}: a node altered its masked vector; nothing is aggregated"
+        )
+    if (beyond := int(np.count_nonzero(total[1:] > n * levels))) > 0:
+        raise ValueError(
+            f"secure aggregation: {beyond} unmasked value(s) lie beyond the {n} survivors' range [0, {n * levels}]"
+            " steps: a node altered its masked vector; nothing is aggregated"
+        )
 
 
 def _rebuild(owner: int, shares: list[bytes], t: int) -> bytes:

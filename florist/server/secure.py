@@ -56,6 +56,7 @@ def secure_round(
     max_weight: float,
     dp_sigma: float = 0.0,
     side: Mapping[str, torch.Tensor] | None = None,
+    fixed: bool = False,
 ) -> Outcome:
     """Run the four stages (`exchanges`: setup, share keys, train and mask, unmask) with `nodes`,
     sending `model` to train (one for all, or each node its own: FedAvg's, FedAttn's with the
@@ -63,7 +64,10 @@ def secure_round(
     (`dp = "distributed"`): the noise multiplier the nodes' noise shares make up; each value's
     range then holds a dp-clipped update plus RANGE_STDS of a node's noise share. `side`: what
     each node also sends in the clear (FedAttn's representation, biases and gradient), as a
-    reference of keys, shapes and dtypes; a node whose side does not match drops out of the round."""
+    reference of keys, shapes and dtypes; a node whose side does not match drops out of the round.
+    `fixed` (under `dp`): every node weighs `max_weight`, and the unmasked weight sum must say so;
+    otherwise each weighs at most its train split as it reported at discovery. Unmasked sums no
+    honest survivors can make stop the round, nothing aggregated (secagg.check_sums)."""
     cfg = strategy.cfg
     try:
         setup = secagg.SecAggSetup.for_nodes(
@@ -77,7 +81,8 @@ def secure_round(
             share = privacy.share_std(dp_sigma, cfg.dp_clip, setup.threshold)
             setup = dataclasses.replace(setup, clip=max(setup.clip, cfg.dp_clip + RANGE_STDS * share))
         models = (lambda _: model) if isinstance(model, ArrayRecord) else model
-        return _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side)
+        weights = {n.node_id: (max_weight, max_weight) if fixed else (0.0, min(n.num_train, max_weight)) for n in nodes}
+        return _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side, weights)
     except ValueError as err:  # BelowThreshold, a setup this round cannot have, a secret that does not rebuild
         kept = f"rounds 1-{server_round - 1} are" if server_round > 1 else "its start is"
         raise RuntimeError(
@@ -86,7 +91,7 @@ def secure_round(
         ) from None
 
 
-def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side) -> Outcome:
+def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side, weights) -> Outcome:
     keys_x, shares_x, train_x, unmask_x = exchanges
     ids = {n.node_id: i for i, n in enumerate(sorted(nodes, key=lambda n: n.node_id), 1)}
     info = {ids[n.node_id]: n for n in nodes}
@@ -122,7 +127,7 @@ def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_si
     state, (survivors, dropped) = secagg.server_collect_masked(state, {i: v for i, (v, _) in trained.items()})
     unmask = records.unmask_values(survivors, dropped)
     shares = ask(unmask_x, dict.fromkeys(survivors, unmask), lambda _, content, source: records.by_id(content, source))
-    result = secagg.server_aggregate(state, shares)
+    result = secagg.server_aggregate(state, shares, {i: weights[n.node_id] for i, n in info.items()})
     return Outcome(
         result.mean,
         result.clipped,

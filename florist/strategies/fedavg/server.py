@@ -89,7 +89,9 @@ class FedAvg(ServerStrategy):
         weight_cap = 1.0 if self.privacy.active else self.weight_cap(nodes)
         sigma = self.privacy.sigma if self.privacy.mode == "distributed" else 0.0
         sent = sent or protocol.to_record(self.model)
-        outcome = secure_round(self, SECAGG, nodes, server_round, sent, size, weight_cap, sigma, side)
+        outcome = secure_round(
+            self, SECAGG, nodes, server_round, sent, size, weight_cap, sigma, side, self.privacy.active
+        )
         delta, (loss, clipped, zeroed) = records.unflatten(outcome.mean, shapes), outcome.mean[-len(records.TAIL) :]
         self.extras = outcome.row()
         if self.privacy.active:  # every node weighs 1: a mean times the count is a count

@@ -1,0 +1,68 @@
+"""A hostile node under secure aggregation (issue 51), against florist's real ClientApp and
+ServerApp: what it adds to its masked vector comes out of the unmasked sum; a sum no honest
+survivors can make stops the round in one line with the model as it was, never aggregated."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import Array, Context, Message
+
+from florist.apps.client import build_client_app
+from florist.common import secagg_records as records
+from florist.common.secagg import MODULUS
+from florist.config import RunConfig
+from florist.runners.inprocess import run_in_process
+
+NODES, BITS = 4, 22
+
+
+def config(tmp_path, **extra) -> RunConfig:
+    values = {"num-server-rounds": 2, "unseen-fraction": 0.0, "min-nodes": NODES, "secure-aggregation": "secaggplus"}
+    return RunConfig.from_mapping(values | {"results-dir": str(tmp_path)} | extra)
+
+
+def shifts(partition: int, at: slice, amount: int, from_round: int = 2):
+    """A mod: node `partition` adds `amount` (mod 2^32) to the values `at` of its masked vector from
+    `from_round` on: the masks hide the change as they hide the update."""
+
+    def mod(msg: Message, context: Context, call_next):
+        reply = call_next(msg, context)
+        late = int(msg.metadata.group_id) >= from_round and context.node_config["partition-id"] == partition
+        if msg.metadata.message_type == "train.secagg" and late:
+            vector = reply.content.array_records[records.SECAGG][records.MASKED].numpy().astype(np.int64)
+            vector[at] += amount
+            reply.content.array_records[records.SECAGG][records.MASKED] = Array(
+                np.mod(vector, MODULUS).astype(np.uint32)
+            )
+        return reply
+
+    return mod
+
+
+ATTACKS = {
+    # the weight slot made 1 step: the server divides the clipped sum by 2^-22 and central dp's noise vanishes
+    "weight header under central dp": (
+        {"dp": "central", "dp-noise-multiplier": 1.0, "dp-clip": 0.5},
+        slice(0, 1),
+        1 - NODES * 2**BITS,
+        "the unmasked weight sum is 1 steps where the 4 survivors' weights make 16777216",
+    ),
+    # half the field on every value: each global weight moves by 2^31 steps of 2c/2^b
+    "2^31 on every value": ({}, slice(2, None), 2**31, "value(s) lie beyond the 4 survivors' range [0, 16777216]"),
+}
+
+
+@pytest.mark.parametrize("attack", ATTACKS, ids=list(ATTACKS))
+def test_a_node_that_alters_its_masked_vector_stops_the_round_in_one_line_with_the_model_unchanged(attack, tmp_path):
+    extra, at, amount, expected = ATTACKS[attack]
+    app = build_client_app([shifts(1, at, amount)])
+    with pytest.raises(RuntimeError) as stopped:
+        run_in_process(config(tmp_path, **extra), NODES, client_app=app)
+    line = str(stopped.value)
+    assert "\n" not in line and line.startswith("round 2: secure aggregation: ") and expected in line
+    assert "nothing is aggregated" in line and f"--resume {tmp_path}" in line
+    kept = json.loads((tmp_path / "results.json").read_text())  # round 1 checkpointed, round 2 never
+    assert not kept["complete"] and [r["round"] for r in kept["rounds"]] == [1]
