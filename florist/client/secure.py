@@ -6,8 +6,8 @@ The secrets live in the node's run state (`NodeState.remember`: Flower's context
 SuperNode keeps whichever process answers the next message), tagged with the round, so that a
 message of another round never meets them. The training stage trains as the strategy's own handler
 does, then sends, in place of the model, its update (trained minus sent, every floating tensor,
-flattened in key order) masked with the train loss behind it: the server learns the weighted mean
-of both, nothing of one node."""
+flattened in key order) masked, with the train loss behind it unless under dp: the server learns
+the weighted mean of both, nothing of one node."""
 
 from __future__ import annotations
 
@@ -36,10 +36,9 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     trained = reply.array_records[protocol.ARRAYS].to_torch_state_dict()
     metrics = reply.metric_records[protocol.METRICS]
     loss = float(metrics["train-loss"]) * state.setup.clip / records.LOSS_RANGE
-    zeroed = float(metrics.get("dp-zeroed", 0))
-    vector, weight = masked_update(node, sent, trained, (loss, zeroed), metrics["num-examples"])
-    if node.cfg.dp == "distributed":
-        vector[: -len(records.TAIL)] += distributed_noise(node, sigma, state.setup.threshold, len(vector))
+    vector, weight = masked_update(node, sent, trained, loss, metrics["num-examples"])
+    if node.cfg.dp == "distributed":  # no tail under dp: every value is the update's
+        vector += distributed_noise(node, sigma, state.setup.threshold, len(vector))
     state, masked, _ = secagg.node_mask(state, ciphertexts, vector, min(weight, state.setup.max_weight))
     keep(node, state)
     content = protocol.content(metrics={}, side=reply.array_records.get(protocol.SIDE))
@@ -48,22 +47,21 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
 
 
 def masked_update(
-    node: Node, sent: Mapping, trained: Mapping, report: tuple[float, float], examples: float
+    node: Node, sent: Mapping, trained: Mapping, loss: float, examples: float
 ) -> tuple[np.ndarray, float]:
-    """(what the node masks, its weight): the update as one float64 vector with records.TAIL behind
-    it: the train loss and the dp-zeroed flag (`report`) and whether dp-clip cut it. Under
+    """(what the node masks, its weight): the update as one float64 vector with records.tail
+    behind it (the scaled train `loss`, without dp only). Under
     `dp = "central"` or `"distributed"` the node clips its own update to dp-clip (the server never
     sees it), and under any `dp` every node weighs 1, as DP-FedAvg's sensitivity needs; otherwise
     its example count, at most its train split (the num-train it reported at discovery, the
     server's cap in the clear: kNN-Per's phase 2 also trains on validation) and, by the caller, at
     most max-weight."""
     delta = privacy.update(trained, sent)
-    cut = False
     if node.cfg.dp in ("central", "distributed"):
-        delta, cut = privacy.clip(delta, node.cfg.dp_clip)
+        delta, _ = privacy.clip(delta, node.cfg.dp_clip)
     weight = 1.0 if node.cfg.dp != "none" else float(min(examples, len(node.data.x_train)))  # as discovery said
-    loss, zeroed = report
-    return np.concatenate([records.flatten(delta), [loss, float(cut), zeroed]]), weight
+    tail = [loss] * len(records.tail(node.cfg.dp))
+    return np.concatenate([records.flatten(delta), tail]), weight
 
 
 def distributed_noise(node: Node, sigma: float, threshold: int, length: int) -> np.ndarray:
@@ -80,7 +78,7 @@ def distributed_noise(node: Node, sigma: float, threshold: int, length: int) -> 
             "its dp settings need: refusing to train"
         )
     rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))
-    return rng.normal(0.0, privacy.share_std(sigma, node.cfg.dp_clip, threshold), length - len(records.TAIL))
+    return rng.normal(0.0, privacy.share_std(sigma, node.cfg.dp_clip, threshold), length)
 
 
 def keep(node: Node, state: secagg.NodeState) -> None:

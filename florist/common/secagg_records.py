@@ -22,11 +22,14 @@ from florist.common.secagg import KeyPair, SecAggSetup
 
 SECAGG = "secagg"  # the ConfigRecord of every stage's request and reply; the masked vector's ArrayRecord
 MASKED = "masked"  # the masked vector's key in that ArrayRecord (uint32)
-# A masked vector's tail after the update's values: the train loss, and (under dp) whether the node clipped
-# its update (central) and whether it sent none, its training diverged (`dp-zeroed`); the server gets their
-# weighted means, which is all it learns of them.
-TAIL = ("train-loss", "dp-clipped", "dp-zeroed")
 LOSS_RANGE = 100.0  # the train loss travels as loss · c / LOSS_RANGE: within [-c, c] up to this loss
+
+
+def tail(dp: str) -> tuple[str, ...]:
+    """What a masked vector carries after the update's values: the train loss, of which the server
+    learns the weighted mean; under any `dp` nothing: an exact sum of losses (or of the clipped and
+    diverged flags) is data-dependent and un-noised, which no ε accounts for."""
+    return ("train-loss",) if dp == "none" else ()
 
 
 def put(content: RecordDict, **values: object) -> RecordDict:

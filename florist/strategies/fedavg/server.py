@@ -76,28 +76,31 @@ class FedAvg(ServerStrategy):
     def before_training(self, server_round: int) -> None:
         """What a strategy does to its models before a round trains them (kNN-Per's phases)."""
 
-    def train_securely(self, server_round: int, nodes: list[NodeInfo], sent=None, side=None) -> tuple[float, Outcome]:
+    def train_securely(
+        self, server_round: int, nodes: list[NodeInfo], sent=None, side=None
+    ) -> tuple[float | None, Outcome]:
         """The round under `secure-aggregation`: the nodes' weighted mean update, learnt through
-        SecAgg+'s four exchanges, added to the model sent (the mean train loss comes the same way).
+        SecAgg+'s four exchanges, added to the model sent (the mean train loss comes the same way,
+        without dp only: None under it).
         Under `dp`, every node weighs 1; `central` noises the unmasked sum (the nodes clipped their
         updates to dp-clip) and divides by the nodes sampled, as DP-FedAvg does in the clear;
         `distributed` divides the same way a sum the nodes noised, each with its share. `sent`
         and `side`: each node's own model, and what it sends in the clear (`secure_round`)."""
         start = self.model.state_dict()
         shapes = {key: tuple(t.shape) for key, t in start.items() if t.is_floating_point()}
-        size = sum(math.prod(shape) for shape in shapes.values()) + len(records.TAIL)
+        tail = records.tail(self.cfg.dp)
+        size = sum(math.prod(shape) for shape in shapes.values()) + len(tail)
         weight_cap = 1.0 if self.privacy.active else self.weight_cap(nodes)
         sigma = self.privacy.sigma if self.privacy.mode == "distributed" else 0.0
         sent = sent or protocol.to_record(self.model)
         outcome = secure_round(
             self, SECAGG, nodes, server_round, sent, size, weight_cap, sigma, side, self.privacy.active
         )
-        delta, (loss, clipped, zeroed) = records.unflatten(outcome.mean, shapes), outcome.mean[-len(records.TAIL) :]
+        delta = records.unflatten(outcome.mean, shapes)
         self.extras = outcome.row()
-        if self.privacy.active:  # every node weighs 1: a mean times the count is a count
+        if self.privacy.active:  # no dp_zeroed, dp_clipped nor loss: un-noised sums, not sent (records.tail)
             self.private_rounds += 1
-            zeroed_count = round(float(zeroed) * len(outcome.survivors))
-            self.extras |= self.privacy.row(self.private_rounds) | zeroed_row(zeroed_count)
+            self.extras |= self.privacy.row(self.private_rounds)
         if self.privacy.mode in ("central", "distributed"):
             count = len(outcome.survivors)
             total = {key: d * count for key, d in delta.items()}
@@ -105,9 +108,9 @@ class FedAvg(ServerStrategy):
                 rng = privacy.noise_generator(self.cfg.dp_noise_seed, self.private_rounds)
                 total = privacy.add_noise(total, self.privacy.sigma * self.privacy.clip, rng)
             delta = {key: d / self.sample_size(self.num_seen) for key, d in total.items()}
-            self.extras["dp_clipped"] = round(float(clipped) * count)
         self.model.load_state_dict(privacy.applied(start, delta))
-        return float(loss) * records.LOSS_RANGE / outcome.value_range, outcome
+        loss = float(outcome.mean[-1]) * records.LOSS_RANGE / outcome.value_range if tail else None
+        return loss, outcome
 
     def weight_cap(self, nodes: list[NodeInfo]) -> float:
         """W, the most a node weighs in a secure round: `secagg-max-weight`, else `max-node-examples`,
