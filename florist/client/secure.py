@@ -28,7 +28,7 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     from the others kept, and, in place of the trained model, its update masked (`masked_update`);
     what the handler sends beside the model (`side`: FedAttn's Z, M and gradient) goes as it is."""
     state = recall(node)
-    ciphertexts = records.by_id(request.content, f"node {node.key}: the server's shares")
+    ciphertexts, commitments = records.routed_of(request.content, f"node {node.key}: the server's shares")
     sigma = records.noise_of(request.content, f"node {node.key}: the server's train request")
     sent = node.received_model(request).state_dict()
     # The node's own model, unchecked against MAX_MAGNITUDE: whatever it holds, the update is clipped
@@ -39,10 +39,12 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     vector, weight = masked_update(node, sent, trained, loss, metrics["num-examples"])
     if node.cfg.dp == "distributed":  # no tail under dp: every value is the update's
         vector += distributed_noise(node, sigma, state.setup.threshold, len(vector))
-    state, masked, _ = secagg.node_mask(state, ciphertexts, vector, min(weight, state.setup.max_weight))
+    weight = min(weight, state.setup.max_weight)
+    state, masked, _ = secagg.node_mask(state, ciphertexts, vector, weight, commitments)
     keep(node, state)
     content = protocol.content(metrics={}, side=reply.array_records.get(protocol.SIDE))
     content[records.SECAGG] = records.masked_record(masked)
+    content[records.REPORTED] = records.reported_record(list(state.reported))
     return content
 
 

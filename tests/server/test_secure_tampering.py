@@ -5,6 +5,7 @@ survivors can make stops the round in one line with the model as it was, never a
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -66,3 +67,68 @@ def test_a_node_that_alters_its_masked_vector_stops_the_round_in_one_line_with_t
     assert "nothing is aggregated" in line and f"--resume {tmp_path}" in line
     kept = json.loads((tmp_path / "results.json").read_text())  # round 1 checkpointed, round 2 never
     assert not kept["complete"] and [r["round"] for r in kept["rounds"]] == [1]
+
+
+def garbles_shares(partition: int):
+    """A mod: node `partition` sends random bytes in place of every ciphertext at share keys."""
+
+    def mod(msg: Message, context: Context, call_next):
+        reply = call_next(msg, context)
+        if msg.metadata.message_type == "query.secagg_shares" and context.node_config["partition-id"] == partition:
+            record = reply.content.config_records[records.SECAGG]
+            record["values"] = [os.urandom(len(v)) for v in record["values"]]
+        return reply
+
+    return mod
+
+
+def test_a_node_whose_shares_do_not_open_is_dropped_by_the_others_report_and_each_round_completes(tmp_path):
+    """Random ciphertexts made every honest node refuse to mask ("1 node(s) remain"), every round:
+    each now reports the sender, who alone is dropped."""
+    app = build_client_app([garbles_shares(2)])
+    results = run_in_process(config(tmp_path), NODES, client_app=app)
+    assert results["complete"]
+    rows = [(r["secagg_survivors"], r["secagg_dropped"], r["secagg_reported"]) for r in results["rounds"]]
+    assert rows == [(NODES - 1, ["partition-2"], ["partition-2"])] * 2
+    named = {(f["message_type"], f["node"].endswith("(partition-2)")) for f in results["failures"]}
+    assert named == {("query.secagg_shares", True)}
+
+
+def reveals_wrong_shares(partition: int):
+    """A mod: node `partition` flips a bit of every share it reveals at unmask."""
+
+    def mod(msg: Message, context: Context, call_next):
+        reply = call_next(msg, context)
+        if msg.metadata.message_type == "query.secagg_unmask" and context.node_config["partition-id"] == partition:
+            record = reply.content.config_records[records.SECAGG]
+            record["values"] = [v[:-1] + bytes([v[-1] ^ 1]) for v in record["values"]]
+        return reply
+
+    return mod
+
+
+def dies_in_round_2(partitions: set[int]):
+    """A mod: nodes of `partitions` fail round 2's masked upload (so that the run stops there)."""
+
+    def mod(msg: Message, context: Context, call_next):
+        late = int(msg.metadata.group_id) == 2 and context.node_config["partition-id"] in partitions
+        if msg.metadata.message_type == "train.secagg" and late:
+            raise RuntimeError("the node died")
+        return call_next(msg, context)
+
+    return mod
+
+
+def test_a_node_that_reveals_wrong_shares_is_named_and_left_out_of_later_rounds_and_of_a_resumed_run(tmp_path):
+    """Wrong Shamir shares at unmask stopped the run, on every resume: the owners' commitments now
+    name the sender; its round completes without its shares, and it trains no more, resumed or not."""
+    app = build_client_app([reveals_wrong_shares(2), dies_in_round_2({1, 3})])
+    with pytest.raises(RuntimeError, match="round 2: secure aggregation stopped"):
+        run_in_process(config(tmp_path), NODES, client_app=app)
+    kept = json.loads((tmp_path / "results.json").read_text())["rounds"]
+    assert [(r["secagg_survivors"], r["secagg_cheaters"]) for r in kept] == [(NODES, ["partition-2"])]
+    failures = json.loads((tmp_path / "results.json").read_text())["failures"]
+    assert any(f["message_type"] == "query.secagg_unmask" and "commitments" in f["reason"] for f in failures)
+    resumed = run_in_process(config(tmp_path, **{"resume-from": str(tmp_path)}), NODES)  # honest from here on
+    assert resumed["complete"] and [r["secagg_survivors"] for r in resumed["rounds"]] == [NODES, NODES - 1]
+    assert resumed["rounds"][1]["secagg_dropped"] == []  # partition-2 not asked at all

@@ -49,6 +49,7 @@ class FedAvg(ServerStrategy):
         self.extras: dict[str, Any] = {}
         self.privacy = plan(self.cfg, self.sample_size(self.num_seen) / max(1, self.num_seen))
         self.private_rounds = 0  # rounds aggregated under `dp`: what the accountant composes
+        self.cheaters: set[str] = set()  # keys of nodes secure aggregation caught revealing wrong shares
         self.secure = self.cfg.secure_aggregation != "none"
         if self.secure:  # a setup no round of this run can have is refused before the run, not at round 1
             secagg.SecAggSetup.for_nodes(
@@ -85,7 +86,9 @@ class FedAvg(ServerStrategy):
         Under `dp`, every node weighs 1; `central` noises the unmasked sum (the nodes clipped their
         updates to dp-clip) and divides by the nodes sampled, as DP-FedAvg does in the clear;
         `distributed` divides the same way a sum the nodes noised, each with its share. `sent`
-        and `side`: each node's own model, and what it sends in the clear (`secure_round`)."""
+        and `side`: each node's own model, and what it sends in the clear (`secure_round`). A node
+        caught cheating (`Outcome.cheaters`) takes part in no later round, of this run or a resumed one."""
+        nodes = [n for n in nodes if n.key not in self.cheaters]
         start = self.model.state_dict()
         shapes = {key: tuple(t.shape) for key, t in start.items() if t.is_floating_point()}
         tail = records.tail(self.cfg.dp)
@@ -98,6 +101,9 @@ class FedAvg(ServerStrategy):
         )
         delta = records.unflatten(outcome.mean, shapes)
         self.extras = outcome.row()
+        if outcome.cheaters:
+            self.cheaters |= {n.key for n in outcome.cheaters}
+            log.warning("secure aggregation: left out of later rounds: %s", ", ".join(sorted(self.cheaters)))
         if self.privacy.active:  # no dp_zeroed, dp_clipped nor loss: un-noised sums, not sent (records.tail)
             self.private_rounds += 1
             self.extras |= self.privacy.row(self.private_rounds)
@@ -154,11 +160,13 @@ class FedAvg(ServerStrategy):
         return self.privacy.stop_before(self.private_rounds + 1)
 
     def state(self) -> dict[str, Any]:
-        return super().state() | ({"private_rounds": self.private_rounds} if self.privacy.active else {})
+        cheaters = {"secagg_cheaters": sorted(self.cheaters)} if self.cheaters else {}
+        return super().state() | ({"private_rounds": self.private_rounds} if self.privacy.active else {}) | cheaters
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
         self.private_rounds = int(state.get("private_rounds", 0))
+        self.cheaters = set(state.get("secagg_cheaters", []))
 
     def round_extras(self) -> dict[str, Any]:
         """Under a robust rule: the rule that ran, why it is not the one the run names (or what
