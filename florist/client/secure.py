@@ -40,7 +40,7 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     if node.cfg.dp == "distributed":  # no tail under dp: every value is the update's
         vector += distributed_noise(node, sigma, state.setup.threshold, len(vector))
     weight = min(weight, state.setup.max_weight)
-    state, masked, _ = secagg.node_mask(state, ciphertexts, vector, weight, commitments)
+    state, masked, _ = secagg.node_mask(state, ciphertexts, vector, weight, commitments, node.cfg.dp == "none")
     keep(node, state)
     content = protocol.content(metrics={}, side=reply.array_records.get(protocol.SIDE))
     content[records.SECAGG] = records.masked_record(masked)

@@ -189,14 +189,16 @@ def node_mask(
     update: np.ndarray,
     weight: float,
     commitments: dict[int, bytes] | None = None,
+    count: bool = True,
 ) -> tuple[NodeState, np.ndarray, int]:
     """Stage 3: keep the shares the others sent (sender -> ciphertext), then quantize
     [weight, clipped, weight/W · update] and add the self mask and, per sender, a pairwise mask
     (+ towards a smaller id, − towards a larger: they cancel in the sum). A sender whose ciphertext
     does not open, or whose shares break its `commitments` (sender -> `commit`), is reported
     (`NodeState.reported`, for the server to treat as dropped) and not masked with: one node's bad
-    shares no longer stop every other. Returns the new state, the masked vector (uint32) and how
-    many values were clipped."""
+    shares no longer stop every other. `count` False (under dp): the clipped count sent is 0, an
+    exact count being data-dependent and un-noised. Returns the new state, the masked vector (uint32)
+    and how many values were clipped."""
     _expect(state, STAGES[2])
     if strangers := sorted(set(ciphertexts) - set(state.public_keys) | set(ciphertexts) & {state.node_id}):
         raise ValueError(f"secure aggregation: node {state.node_id} got shares from unknown node(s) {strangers}")
@@ -206,6 +208,7 @@ def node_mask(
     reported = tuple(sorted(src for src, pair in opened.items() if pair is None))
     _enough(STAGES[2], len(shares), state.setup.threshold)
     vector, clipped = _quantize(state.setup, update, weight)
+    vector[1] *= count
     vector += _mask(state.seed, vector.size)
     peers = tuple(sorted(set(ciphertexts) - set(reported)))
     for peer, seed in sorted(_agreed(state.mask_key, {p: state.public_keys[p][0] for p in peers}).items()):

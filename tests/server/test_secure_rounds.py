@@ -247,13 +247,14 @@ def test_under_dp_a_node_whose_training_diverges_sends_no_change_and_is_counted(
 
 def test_under_dp_a_masked_vector_carries_the_update_alone(plain, tmp_path, monkeypatch):
     """Issue 51: the exact sums of train losses and of clipped and diverged flags are data-dependent and
-    un-noised; under dp the masked tail is empty (and the results say no train loss, no counts)."""
+    un-noised; under dp the masked tail is empty and the clipped count 0 (the results say no train
+    loss, no counts)."""
     size = len(next(iter(plain[1].values())))
     extra = {"secure-aggregation": "secaggplus", "dp": "distributed", "dp-noise-multiplier": 1.0, "dp-clip": 0.5}
     results, received, _ = watched_run(tmp_path, monkeypatch, **extra)
     vectors = [c.array_records["secagg"]["masked"].numpy() for _, t, _, c in received if t == "train.secagg"]
     assert len(vectors) == 2 * NODES and {v.shape for v in vectors} == {(HEADER + size,)}
-    assert all(r["train_loss"] is None and "dp_clipped" not in r for r in results["rounds"])
+    assert all(r["train_loss"] is None and {"dp_clipped", "secagg_clipped"}.isdisjoint(r) for r in results["rounds"])
 
 
 def test_distributed_dp_nodes_noise_their_shares_so_the_unmasked_sum_carries_central_noise(tmp_path, monkeypatch):

@@ -104,9 +104,10 @@ class FedAvg(ServerStrategy):
         if outcome.cheaters:
             self.cheaters |= {n.key for n in outcome.cheaters}
             log.warning("secure aggregation: left out of later rounds: %s", ", ".join(sorted(self.cheaters)))
-        if self.privacy.active:  # no dp_zeroed, dp_clipped nor loss: un-noised sums, not sent (records.tail)
+        if self.privacy.active:  # no dp_zeroed, dp_clipped, loss nor clipped count: un-noised sums, not sent
             self.private_rounds += 1
             self.extras |= self.privacy.row(self.private_rounds)
+            del self.extras["secagg_clipped"]
         if self.privacy.mode in ("central", "distributed"):
             count = len(outcome.survivors)
             total = {key: d * count for key, d in delta.items()}
