@@ -836,10 +836,16 @@ def replay_secure(fed: Federated, message_type: str, target: int, answer: Answer
 
 
 def accepted_securely(fed: Federated, message_type: str, node: int, reply: Message) -> bool:
-    """Whether the server takes `reply` at its secure stage, and the round completes."""
-    _, failures, stop = replay_secure(
-        fed, message_type, node, sending(reply.error if reply.has_error() else reply.content)
-    )
+    """Whether the server takes `reply` at its secure stage, and the round completes. A share-keys
+    reply answered afresh commits to fresh shares, while the others' recorded unmask replies reveal
+    the recorded ones: it goes with the recorded commitments, which the server checks those against."""
+    content = reply.content if not reply.has_error() else None
+    if content is not None and message_type == SECURE_STAGES[1] and secure_records.SECAGG in content.config_records:
+        content = copy.deepcopy(content)
+        kept = fed.grid.wire["train", node, message_type][1].config_records[secure_records.SECAGG]
+        for key in ("commit-ids", "commits"):
+            content.config_records[secure_records.SECAGG][key] = kept[key]
+    _, failures, stop = replay_secure(fed, message_type, node, sending(reply.error if content is None else content))
     return not failures and not stop
 
 
