@@ -58,7 +58,7 @@ def check_sums(setup: SecAggSetup, total: np.ndarray, weights: list[tuple[float,
     if not low <= int(total[0]) <= high:
         expected = f"{low}" if low == high else f"between {low} and {high}"
         raise ValueError(
-            f"secure aggregation: the unmasked weight sum is {int(total[0])} steps where the {n} survivors'"
+            f"secure aggregation: the unmasked weight sum is {int(total[0])} step(s) where the {n} survivors'"
             f" weights make {expected}: a node altered its masked vector; nothing is aggregated"
         )
     if (beyond := int(np.count_nonzero(total[1:] > n * levels))) > 0:

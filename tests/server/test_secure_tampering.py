@@ -1,6 +1,8 @@
 """A hostile node under secure aggregation (issue 51), against florist's real ClientApp and
-ServerApp: what it adds to its masked vector comes out of the unmasked sum; a sum no honest
-survivors can make stops the round in one line with the model as it was, never aggregated."""
+ServerApp: what it adds to its masked vector comes out of the unmasked sum, so a sum no honest
+survivors can make stops the round in one line with the model as it was, never aggregated; shares
+that do not open drop their sender alone, on the others' reports; a wrong share revealed at unmask
+names its sender, who trains no more in the run, resumed or not."""
 
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ ATTACKS = {
         {"dp": "central", "dp-noise-multiplier": 1.0, "dp-clip": 0.5},
         slice(0, 1),
         1 - NODES * 2**BITS,
-        "the unmasked weight sum is 1 steps where the 4 survivors' weights make 16777216",
+        "the unmasked weight sum is 1 step(s) where the 4 survivors' weights make 16777216",
     ),
     # half the field on every value: each global weight moves by 2^31 steps of 2c/2^b
     "2^31 on every value": ({}, slice(2, None), 2**31, "value(s) lie beyond the 4 survivors' range [0, 16777216]"),
