@@ -6,8 +6,8 @@ The secrets live in the node's run state (`NodeState.remember`: Flower's context
 SuperNode keeps whichever process answers the next message), tagged with the round, so that a
 message of another round never meets them. The training stage trains as the strategy's own handler
 does, then sends, in place of the model, its update (trained minus sent, every floating tensor,
-flattened in key order) masked with the train loss behind it: the server learns the weighted mean
-of both, nothing of one node."""
+flattened in key order) masked, with the train loss behind it unless under dp: the server learns
+the weighted mean of both, nothing of one node."""
 
 from __future__ import annotations
 
@@ -30,43 +30,43 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     from the others kept, and, in place of the trained model, its update masked (`masked_update`);
     what the handler sends beside the model (`side`: FedAttn's Z, M and gradient) goes as it is."""
     state = recall(node)
-    ciphertexts = records.by_id(request.content, f"node {node.key}: the server's shares")
+    ciphertexts, commitments = records.routed_of(request.content, f"node {node.key}: the server's shares")
     sigma = records.noise_of(request.content, f"node {node.key}: the server's train request")
     sent = node.received_model(request).state_dict()
     # The node's own model, unchecked against MAX_MAGNITUDE: whatever it holds, the update is clipped
     # (dp-clip, or each value to secagg-clip) before it leaves; a non-finite value is refused by node_mask.
     trained = reply.array_records[protocol.ARRAYS].to_torch_state_dict()
     metrics = reply.metric_records[protocol.METRICS]
-    # under dp = "local" the reply carries neither (nothing of the data leaves un-noised): 0 in their slots
+    # under dp the reply carries no train loss (`local`) and the masked vector no tail: 0 when absent
     loss = float(metrics.get("train-loss", 0.0)) * state.setup.clip / records.LOSS_RANGE
-    zeroed = float(metrics.get("dp-zeroed", 0))
-    vector, weight = masked_update(node, sent, trained, (loss, zeroed), metrics["num-examples"])
-    if node.cfg.dp == "distributed":
+    vector, weight = masked_update(node, sent, trained, loss, metrics["num-examples"])
+    if node.cfg.dp == "distributed":  # no tail under dp: every value is the update's
         vector = distributed_release(node, vector, sigma, state.setup.threshold)
-    state, masked, _ = secagg.node_mask(state, ciphertexts, vector, min(weight, state.setup.max_weight))
+    weight = min(weight, state.setup.max_weight)
+    state, masked, _ = secagg.node_mask(state, ciphertexts, vector, weight, commitments, node.cfg.dp == "none")
     keep(node, state)
     content = protocol.content(metrics={}, side=reply.array_records.get(protocol.SIDE))
     content[records.SECAGG] = records.masked_record(masked)
+    content[records.REPORTED] = records.reported_record(list(state.reported))
     return content
 
 
 def masked_update(
-    node: Node, sent: Mapping, trained: Mapping, report: tuple[float, float], examples: float
+    node: Node, sent: Mapping, trained: Mapping, loss: float, examples: float
 ) -> tuple[np.ndarray, float]:
-    """(what the node masks, its weight): the update as one float64 vector with records.TAIL behind
-    it: the train loss and the dp-zeroed flag (`report`) and whether dp-clip cut it. Under
+    """(what the node masks, its weight): the update as one float64 vector with records.tail
+    behind it (the scaled train `loss`, without dp only). Under
     `dp = "central"` or `"distributed"` the node clips its own update to dp-clip (the server never
     sees it), and under any `dp` every node weighs 1, as DP-FedAvg's sensitivity needs; otherwise
     its example count, at most its train split (the num-train it reported at discovery, the
     server's cap in the clear: kNN-Per's phase 2 also trains on validation) and, by the caller, at
     most max-weight."""
     delta = privacy.update(trained, sent)
-    cut = False
     if node.cfg.dp in ("central", "distributed"):
-        delta, cut = privacy.clip(delta, node.cfg.dp_clip)
+        delta, _ = privacy.clip(delta, node.cfg.dp_clip)
     weight = 1.0 if node.cfg.dp != "none" else float(min(examples, len(node.data.x_train)))  # as discovery said
-    loss, zeroed = report
-    return np.concatenate([records.flatten(delta), [loss, float(cut), zeroed]]), weight
+    tail = [loss] * len(records.tail(node.cfg.dp))
+    return np.concatenate([records.flatten(delta), tail]), weight
 
 
 def distributed_release(node: Node, vector: np.ndarray, sigma: float, threshold: int) -> np.ndarray:
@@ -84,13 +84,12 @@ def distributed_release(node: Node, vector: np.ndarray, sigma: float, threshold:
             f"{book.plan.sigma:.4g} its dp settings need: refusing to train"
         )
     book.plan = dataclasses.replace(book.plan, sigma=sigma)  # what it draws with, and counts
-    values = len(vector) - len(records.TAIL)
 
     def draw(plan: privacy.Plan) -> dict[str, np.ndarray]:
         rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))
-        noised = vector.copy()
-        noised[:values] += rng.normal(0.0, privacy.share_std(plan.sigma, node.cfg.dp_clip, threshold), values)
-        return {"vector": noised}
+        return {
+            "vector": vector + rng.normal(0.0, privacy.share_std(plan.sigma, node.cfg.dp_clip, threshold), len(vector))
+        }
 
     return book.release(draw)["vector"]
 

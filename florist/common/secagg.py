@@ -8,14 +8,17 @@ they work wherever a round does. The cryptography is Flower's SecAgg+ primitives
 ECDH key agreement, Fernet encryption, quantization) and ChaCha20 for the masks: none is new here.
 A node sends y = [q(w), clipped, q(w/W · x)] + self mask ± a pairwise mask per other node, mod
 2^32; the server learns Σ w·x / Σ w. Every node is every other's neighbour (a full graph, SecAgg's
-original form; SecAgg+'s sparse graph is not built yet). docs/secure-aggregation.md has the
-stages as a table, what the server learns and the dropout rule; `simulate` runs them in order.
+original form; SecAgg+'s sparse graph is not built yet). Each node commits to its shares, so that a
+wrong one revealed is traced to its sender, and reports a peer whose shares it cannot open
+(florist/common/secagg_checks.py). docs/secure-aggregation.md has the stages as a table, what the
+server learns, what one node can corrupt and the dropout rule; `simulate` runs them in order.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +31,10 @@ from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, 
 from flwr.common.secure_aggregation.quantization import dequantize, quantize
 from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_concat, share_keys_plaintext_separate
 from flwr.supercore.primitives import asymmetric
+
+from florist.common import secagg_checks as checks
+
+log = logging.getLogger("flwr").getChild(__name__)
 
 MODULUS = 2**32  # the field every masked value lives in (Flower's default modulus): a uint32 each
 HEADER = 2  # a masked vector's first values: the quantized weight, the clipped count
@@ -93,6 +100,7 @@ class NodeState:
     seed: bytes = b""  # the self-mask seed: Shamir-shared, rebuilt if the node survives
     shares: dict[int, KeyPair] = field(default_factory=dict)  # owner -> (seed share, mask-key share) held
     peers: tuple[int, ...] = ()  # the nodes this node masked with
+    reported: tuple[int, ...] = ()  # those whose shares it could not open or that broke their commitments
 
     def to_record(self) -> dict[str, object]:
         """Flat values a ConfigRecord holds (a node's context state: every message may run in a fresh process)."""
@@ -102,7 +110,7 @@ class NodeState:
             pairs = flat.pop(name)
             flat |= {f"{name}.ids": list(pairs), f"{name}.0": [a for a, _ in pairs.values()]}
             flat[f"{name}.1"] = [b for _, b in pairs.values()]
-        return flat | {"own_keys": list(self.own_keys), "peers": list(self.peers)}
+        return flat | {"own_keys": list(self.own_keys), "peers": list(self.peers), "reported": list(self.reported)}
 
     @classmethod
     def from_record(cls, flat: dict) -> NodeState:
@@ -110,7 +118,8 @@ class NodeState:
         pairs = {n: dict(zip(flat[f"{n}.ids"], zip(flat[f"{n}.0"], flat[f"{n}.1"]))) for n in ("public_keys", "shares")}
         setup = SecAggSetup(**{f.name: flat[f.name] for f in dataclasses.fields(SecAggSetup)})
         scalars = {k: flat[k] for k in ("node_id", "stage", "mask_key", "crypt_key", "seed")}
-        return cls(setup=setup, own_keys=tuple(flat["own_keys"]), peers=tuple(flat["peers"]), **scalars, **pairs)
+        ids = {k: tuple(flat[k]) for k in ("own_keys", "peers", "reported")}
+        return cls(setup=setup, **ids, **scalars, **pairs)
 
 
 @dataclass(frozen=True)
@@ -119,8 +128,10 @@ class ServerState:
 
     setup: SecAggSetup
     public_keys: dict[int, KeyPair]  # the nodes that answered setup
-    sharers: tuple[int, ...] = ()  # the nodes that shared their keys: every survivor masked with each
-    survivors: tuple[int, ...] = ()  # the nodes whose masked vector came
+    sharers: tuple[int, ...] = ()  # the nodes that shared their keys
+    commitments: dict[int, dict[int, bytes]] = field(default_factory=dict)  # owner -> holder -> commitment
+    survivors: tuple[int, ...] = ()  # the nodes whose masked vector counts
+    peers: dict[int, tuple[int, ...]] = field(default_factory=dict)  # survivor -> the nodes it masked with
     masked_sum: np.ndarray | None = None  # their sum mod 2^32 (int64)
 
 
@@ -132,7 +143,8 @@ class Aggregate:
     weight_sum: float  # sum of the survivors' weights, each rounded to W/2^bits
     clipped: int  # values clipped over all survivors (each node counts at most 2^bits)
     survivors: tuple[int, ...]
-    dropped: tuple[int, ...]  # shared keys, sent no masked vector: their masks were removed
+    dropped: tuple[int, ...]  # shared keys, sent no masked vector (or were reported): their masks were removed
+    cheaters: tuple[int, ...] = ()  # sent shares at unmask their owner's commitments refute: left out
 
 
 # ---- node side ----------------------------------------------------------------------------------
@@ -146,9 +158,13 @@ def node_setup(node_id: int, setup: SecAggSetup) -> tuple[NodeState, KeyPair]:
     return NodeState(node_id, setup, STAGES[0], *keys, own_keys=own), own
 
 
-def node_share_keys(state: NodeState, public_keys: dict[int, KeyPair]) -> tuple[NodeState, dict[int, bytes]]:
+def node_share_keys(
+    state: NodeState, public_keys: dict[int, KeyPair]
+) -> tuple[NodeState, dict[int, bytes], dict[int, bytes]]:
     """Stage 2: Shamir-share the mask key and a fresh self-mask seed, t of n, and encrypt each node's
-    pair of shares for it (a key agreed from the encryption keys): recipient -> ciphertext."""
+    pair of shares for it (a key agreed from the encryption keys): recipient -> ciphertext; and a
+    commitment to each pair (`commit`, holder -> 64 bytes, this node's own too), which lets each
+    holder check what it opens and the server check what a holder reveals at unmask."""
     _expect(state, STAGES[1])
     t, me = state.setup.threshold, state.node_id
     if public_keys.get(me) != state.own_keys:
@@ -162,46 +178,63 @@ def node_share_keys(state: NodeState, public_keys: dict[int, KeyPair]) -> tuple[
     pairs = dict(zip(ids, zip(create_shares(seed, t, len(ids)), create_shares(state.mask_key, t, len(ids)))))
     agreed = _agreed(state.crypt_key, {peer: public_keys[peer][1] for peer in ids if peer != me})
     sent = {peer: encrypt(key, share_keys_plaintext_concat(me, peer, *pairs[peer])) for peer, key in agreed.items()}
-    shares = {me: pairs[me]}
-    return dataclasses.replace(state, stage=STAGES[1], public_keys=dict(public_keys), seed=seed, shares=shares), sent
+    shares, commitments = {me: pairs[me]}, {holder: checks.commit(me, holder, pair) for holder, pair in pairs.items()}
+    state = dataclasses.replace(state, stage=STAGES[1], public_keys=dict(public_keys), seed=seed, shares=shares)
+    return state, sent, commitments
 
 
 def node_mask(
-    state: NodeState, ciphertexts: dict[int, bytes], update: np.ndarray, weight: float
+    state: NodeState,
+    ciphertexts: dict[int, bytes],
+    update: np.ndarray,
+    weight: float,
+    commitments: dict[int, bytes] | None = None,
+    count: bool = True,
 ) -> tuple[NodeState, np.ndarray, int]:
     """Stage 3: keep the shares the others sent (sender -> ciphertext), then quantize
     [weight, clipped, weight/W · update] and add the self mask and, per sender, a pairwise mask
-    (+ towards a smaller id, − towards a larger: they cancel in the sum). Returns the new state,
-    the masked vector (uint32) and how many values were clipped."""
+    (+ towards a smaller id, − towards a larger: they cancel in the sum). A sender whose ciphertext
+    does not open, or whose shares break its `commitments` (sender -> `commit`), is reported
+    (`NodeState.reported`, for the server to treat as dropped) and not masked with: one node's bad
+    shares no longer stop every other. `count` False (under dp): the clipped count sent is 0, an
+    exact count being data-dependent and un-noised. Returns the new state, the masked vector (uint32)
+    and how many values were clipped."""
     _expect(state, STAGES[2])
     if strangers := sorted(set(ciphertexts) - set(state.public_keys) | set(ciphertexts) & {state.node_id}):
         raise ValueError(f"secure aggregation: node {state.node_id} got shares from unknown node(s) {strangers}")
     keys = _agreed(state.crypt_key, {src: state.public_keys[src][1] for src in ciphertexts})
-    shares = state.shares | {src: _open(state.node_id, src, keys[src], text) for src, text in ciphertexts.items()}
+    opened = {src: _opened(state.node_id, src, keys[src], text, commitments) for src, text in ciphertexts.items()}
+    shares = state.shares | {src: pair for src, pair in opened.items() if pair is not None}
+    reported = tuple(sorted(src for src, pair in opened.items() if pair is None))
     _enough(STAGES[2], len(shares), state.setup.threshold)
     vector, clipped = _quantize(state.setup, update, weight)
+    vector[1] *= count
     vector += _mask(state.seed, vector.size)
-    for peer, seed in sorted(_agreed(state.mask_key, {p: state.public_keys[p][0] for p in ciphertexts}).items()):
+    peers = tuple(sorted(set(ciphertexts) - set(reported)))
+    for peer, seed in sorted(_agreed(state.mask_key, {p: state.public_keys[p][0] for p in peers}).items()):
         pairwise = _mask(seed, vector.size)
         vector += pairwise if state.node_id > peer else -pairwise
     masked = np.mod(vector, MODULUS).astype(np.uint32)
-    return dataclasses.replace(state, stage=STAGES[2], shares=shares, peers=tuple(sorted(ciphertexts))), masked, clipped
+    state = dataclasses.replace(state, stage=STAGES[2], shares=shares, peers=peers, reported=reported)
+    return state, masked, clipped
 
 
 def node_unmask(state: NodeState, survivors: list[int], dropped: list[int]) -> tuple[NodeState, dict[int, bytes]]:
-    """Stage 4: the seed share of each survivor and the mask-key share of each dropped node (owner ->
-    share), once: never both shares of one node, which would let the server unmask it."""
+    """Stage 4: the seed share of each survivor and the mask-key share of each dropped node it holds
+    one of (owner -> share), once: never both shares of one node, which would let the server
+    unmask it. The dropped may include nodes it reported (it holds no share of theirs)."""
     _expect(state, STAGES[3])
     me, t, alive, gone = state.node_id, state.setup.threshold, set(survivors), set(dropped)
     if alive & gone:
         raise ValueError(f"secure aggregation: node {me} was asked for both shares of {sorted(alive & gone)}: refusing")
-    if me not in alive or alive | gone != {me, *state.peers}:
+    mine = {me, *state.peers}
+    if me not in alive or not alive <= mine or not mine <= alive | gone or not gone <= set(state.public_keys):
         raise ValueError(
             f"secure aggregation: node {me} masked with {sorted(state.peers)}; asked about survivors"
             f" {sorted(alive)} and dropped {sorted(gone)}: refusing"
         )
     _enough(STAGES[3], len(alive), t)
-    reply = {n: state.shares[n][0] for n in alive} | {n: state.shares[n][1] for n in gone}
+    reply = {n: state.shares[n][0] for n in alive} | {n: state.shares[n][1] for n in gone if n in state.shares}
     return dataclasses.replace(state, stage=STAGES[3]), reply
 
 
@@ -212,16 +245,20 @@ def _expect(state: NodeState, stage: str) -> None:
         raise ValueError(f"secure aggregation: node {state.node_id} asked for '{stage}' after '{state.stage}'")
 
 
-def _open(me: int, src: int, key: bytes, ciphertext: bytes) -> KeyPair:
-    """The (seed share, mask-key share) `src` encrypted for node `me`, checked to be from and for whom it says."""
+def _opened(me: int, src: int, key: bytes, ciphertext: bytes, commitments: dict[int, bytes] | None) -> KeyPair | None:
+    """The (seed share, mask-key share) `src` encrypted for node `me`, checked to be from and for whom it
+    says and (with `commitments`) to be what `src` committed to; None, logged, when it is not."""
     try:
-        plain = decrypt(key, ciphertext)
-    except InvalidToken:
-        raise ValueError(f"secure aggregation: node {me} cannot decrypt the shares of node {src}") from None
-    real_src, dst, seed_share, key_share = share_keys_plaintext_separate(plain)
-    if (real_src, dst) != (src, me):
-        raise ValueError(f"secure aggregation: node {me} got shares from {real_src} for {dst} as {src}'s")
-    return seed_share, key_share
+        real_src, dst, seed_share, key_share = share_keys_plaintext_separate(decrypt(key, ciphertext))
+    except (InvalidToken, ValueError, IndexError):
+        real_src, dst, seed_share, key_share = None, None, b"", b""
+    pair = (seed_share, key_share)
+    if (real_src, dst) != (src, me) or (
+        commitments is not None and commitments.get(src) != checks.commit(src, me, pair)
+    ):
+        log.warning("secure aggregation: node %s cannot open the shares of node %s: it reports it", me, src)
+        return None
+    return pair
 
 
 def _quantize(setup: SecAggSetup, update: np.ndarray, weight: float) -> tuple[np.ndarray, int]:
@@ -271,28 +308,37 @@ def server_keys(setup: SecAggSetup, replies: dict[int, KeyPair]) -> tuple[Server
 
 
 def server_route_shares(
-    state: ServerState, replies: dict[int, dict[int, bytes]]
-) -> tuple[ServerState, dict[int, dict[int, bytes]]]:
-    """Stage 3 out: each node that shared gets, from every other that did, the ciphertext addressed to
-    it (recipient -> sender -> ciphertext); the server cannot read them."""
+    state: ServerState, replies: dict[int, tuple[dict[int, bytes], dict[int, bytes]]]
+) -> tuple[ServerState, dict[int, dict[int, tuple[bytes, bytes]]]]:
+    """Stage 3 out: each node that shared (its ciphertexts and commitments, by holder) gets, from
+    every other that did, the ciphertext addressed to it and the sender's commitment to what it
+    holds (recipient -> sender -> (ciphertext, commitment)); the server cannot read the ciphertexts,
+    and keeps the commitments to check the shares revealed at unmask."""
     _known(replies, state.public_keys, STAGES[1])
     sharers = tuple(sorted(replies))
     _enough(STAGES[1], len(sharers), state.setup.threshold)
-    for src in sharers:
-        if set(replies[src]) != set(state.public_keys) - {src}:
-            raise ValueError(
-                f"secure aggregation: node {src} sent shares for {sorted(replies[src])}, not for all others"
-            )
-    routed = {dst: {src: replies[src][dst] for src in sharers if src != dst} for dst in sharers}
-    return dataclasses.replace(state, sharers=sharers), routed
+    for src, (sent, commitments) in replies.items():
+        if set(sent) != set(state.public_keys) - {src} or set(commitments) != set(state.public_keys):
+            raise ValueError(f"secure aggregation: node {src} sent shares for {sorted(sent)}, not for all others")
+    routed = {
+        dst: {src: (replies[src][0][dst], replies[src][1][dst]) for src in sharers if src != dst} for dst in sharers
+    }
+    commitments = {src: replies[src][1] for src in sharers}
+    return dataclasses.replace(state, sharers=sharers, commitments=commitments), routed
 
 
 def server_collect_masked(
-    state: ServerState, vectors: dict[int, np.ndarray]
+    state: ServerState, vectors: dict[int, np.ndarray], reported: dict[int, list[int]] | None = None
 ) -> tuple[ServerState, tuple[list[int], list[int]]]:
-    """Stage 4 out: the sum of the masked vectors, and the request every survivor gets: (survivors, dropped)."""
+    """Stage 4 out: the sum of the masked vectors, and the request every survivor gets: (survivors,
+    dropped). A node another `reported` (sender -> the nodes whose shares it could not open) is
+    dropped, its vector left out; the masks towards it are removed where they were added."""
     _known(vectors, state.sharers, STAGES[2])
+    reported = {n: set(reported.get(n, ())) & set(state.sharers) if reported else set() for n in vectors}
+    accused = set().union(*reported.values())
+    vectors = {n: v for n, v in vectors.items() if n not in accused}
     survivors = tuple(sorted(vectors))
+    _enough(STAGES[2], len(survivors), state.setup.threshold)
     _enough(STAGES[2], len(survivors), state.setup.threshold)
     total = np.zeros(len(vectors[survivors[0]]), dtype=np.int64)
     for nid in survivors:
@@ -303,20 +349,31 @@ def server_collect_masked(
             )
         total += v
     dropped = [n for n in state.sharers if n not in vectors]
-    state = dataclasses.replace(state, survivors=survivors, masked_sum=np.mod(total, MODULUS))
+    peers = {n: tuple(sorted(set(state.sharers) - {n} - reported[n])) for n in survivors}
+    state = dataclasses.replace(state, survivors=survivors, peers=peers, masked_sum=np.mod(total, MODULUS))
     return state, (list(survivors), dropped)
 
 
-def server_aggregate(state: ServerState, replies: dict[int, dict[int, bytes]]) -> Aggregate:
+def server_aggregate(
+    state: ServerState, replies: dict[int, dict[int, bytes]], weights: dict[int, tuple[float, float]] | None = None
+) -> Aggregate:
     """Stage 4 in: rebuild each survivor's self-mask seed and each dropped node's mask key from the
-    shares (owner -> share, per answering survivor), remove the masks, and divide the weighted sum by
+    shares (owner -> share, per answering survivor), remove the masks, check the sums (`secagg_checks.check_sums`;
+    `weights`: each survivor's least and most weight, default (0, W)), and divide the weighted sum by
     the weight sum: Σ w·x / Σ w."""
     _known(replies, state.survivors, STAGES[3])
     t = state.setup.threshold
+    dropped = tuple(n for n in state.sharers if n not in state.survivors)
+    cheaters = tuple(
+        h
+        for h, reply in sorted(replies.items())
+        if not checks.as_committed(state.commitments, state.survivors, h, reply)
+    )
+    replies = {h: reply for h, reply in replies.items() if h not in cheaters}
     _enough(STAGES[3], len(replies), t)
     total = state.masked_sum.copy()
-    dropped = tuple(n for n in state.sharers if n not in state.survivors)
-    for owner in state.sharers:
+    masked_with = {n for peers in state.peers.values() for n in peers}
+    for owner in (n for n in state.sharers if n in state.survivors or n in masked_with):  # a node all reported: no mask
         secret = _rebuild(owner, [reply[owner] for reply in replies.values() if owner in reply], t)
         if owner in dropped:
             _remove_pairwise(total, owner, secret, state)
@@ -324,12 +381,13 @@ def server_aggregate(state: ServerState, replies: dict[int, dict[int, bytes]]) -
             total -= _mask(secret, total.size)
     total = np.mod(total, MODULUS)
     levels, clip = 2**state.setup.bits, state.setup.clip
+    checks.check_sums(
+        state.setup, total, [(weights or {}).get(n, (0.0, state.setup.max_weight)) for n in state.survivors]
+    )
     q_weight, clipped = int(total[0]), int(total[1])
     sums = dequantize([total[HEADER:]], clip, levels)[0] - (len(state.survivors) - 1) * clip
-    if q_weight == 0:  # only crafted vectors sum to no weight: every node's weight rounds to at least 1
-        raise ValueError("secure aggregation: the survivors' weights sum to 0")
     weight_sum = q_weight / levels * state.setup.max_weight
-    return Aggregate(sums * (levels / q_weight), weight_sum, clipped, state.survivors, dropped)
+    return Aggregate(sums * (levels / q_weight), weight_sum, clipped, state.survivors, dropped, cheaters)
 
 
 def _rebuild(owner: int, shares: list[bytes], t: int) -> bytes:
@@ -348,6 +406,8 @@ def _remove_pairwise(total: np.ndarray, dropped: int, mask_key: bytes, state: Se
     except ValueError:
         raise ValueError(f"secure aggregation: the shares of node {dropped} do not rebuild its key") from None
     for survivor, seed in seeds.items():
+        if dropped not in state.peers[survivor]:  # it reported the dropped node: it added no mask towards it
+            continue
         pairwise = _mask(seed, total.size)
         total += -pairwise if survivor > dropped else pairwise
 
@@ -392,9 +452,18 @@ def simulate(
 
     keys = stage(STAGES[0], dict.fromkeys(updates, setup), node_setup)
     server, keys = server_keys(setup, keys)
-    sent = stage(STAGES[1], dict.fromkeys(keys, keys), lambda n, got: node_share_keys(states[n], got))
+
+    def share(n: int, got: dict[int, KeyPair]) -> tuple[NodeState, tuple[dict[int, bytes], dict[int, bytes]]]:
+        state, sent, commitments = node_share_keys(states[n], got)
+        return state, (sent, commitments)
+
+    def mask(n: int, got: dict[int, tuple[bytes, bytes]]) -> tuple[NodeState, np.ndarray]:
+        texts, commitments = {s: c for s, (c, _) in got.items()}, {s: h for s, (_, h) in got.items()}
+        return node_mask(states[n], texts, updates[n], weights[n], commitments)[:2]
+
+    sent = stage(STAGES[1], dict.fromkeys(keys, keys), share)
     server, routed = server_route_shares(server, sent)
-    masked = stage(STAGES[2], routed, lambda n, got: node_mask(states[n], got, updates[n], weights[n])[:2])
-    server, request = server_collect_masked(server, masked)
+    masked = stage(STAGES[2], routed, mask)
+    server, request = server_collect_masked(server, masked, {n: list(states[n].reported) for n in masked})
     shares = stage(STAGES[3], dict.fromkeys(masked, request), lambda n, got: node_unmask(states[n], *got))
     return server_aggregate(server, shares)

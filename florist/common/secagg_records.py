@@ -22,11 +22,15 @@ from florist.common.secagg import KeyPair, SecAggSetup
 
 SECAGG = "secagg"  # the ConfigRecord of every stage's request and reply; the masked vector's ArrayRecord
 MASKED = "masked"  # the masked vector's key in that ArrayRecord (uint32)
-# A masked vector's tail after the update's values: the train loss, and (under dp) whether the node clipped
-# its update (central) and whether it sent none, its training diverged (`dp-zeroed`); the server gets their
-# weighted means, which is all it learns of them.
-TAIL = ("train-loss", "dp-clipped", "dp-zeroed")
+REPORTED = "secagg-reported"  # a train reply's ConfigRecord: the nodes whose shares it could not open
 LOSS_RANGE = 100.0  # the train loss travels as loss · c / LOSS_RANGE: within [-c, c] up to this loss
+
+
+def tail(dp: str) -> tuple[str, ...]:
+    """What a masked vector carries after the update's values: the train loss, of which the server
+    learns the weighted mean; under any `dp` nothing: an exact sum of losses (or of the clipped and
+    diverged flags) is data-dependent and un-noised, which no ε accounts for."""
+    return ("train-loss",) if dp == "none" else ()
 
 
 def put(content: RecordDict, **values: object) -> RecordDict:
@@ -64,6 +68,50 @@ def by_id(content: RecordDict, source: str) -> dict[int, bytes]:
     if not all(isinstance(v, bytes) for v in values):
         raise ProtocolError(f"{source}: {SECAGG} 'values' are not all byte strings")
     return dict(zip(ids, values))
+
+
+def commitments_values(commitments: Mapping[int, bytes]) -> dict[str, list]:
+    """A share-keys reply's commitments (`secagg.commit`), by holder, beside its ciphertexts."""
+    return {"commit-ids": [int(i) for i in commitments], "commits": list(commitments.values())}
+
+
+def commitments_of(content: RecordDict, source: str) -> dict[int, bytes]:
+    """The commitments `commitments_values` wrote: distinct whole-number ids, each a 64-byte digest pair."""
+    got = read(content, source, **{"commit-ids": list, "commits": list})
+    ids, commits = got["commit-ids"], got["commits"]
+    if len(ids) != len(commits) or not all(type(i) is int for i in ids) or len(set(ids)) != len(ids):
+        raise ProtocolError(f"{source}: {SECAGG} 'commit-ids' are not distinct whole numbers, one per commitment")
+    if not all(isinstance(c, bytes) and len(c) == 64 for c in commits):
+        raise ProtocolError(f"{source}: {SECAGG} 'commits' are not all 64-byte digests")
+    return dict(zip(ids, commits))
+
+
+def routed_values(routed: Mapping[int, tuple[bytes, bytes]]) -> dict[str, list]:
+    """A train request's shares: each sender's ciphertext for the node and its commitment to them."""
+    return id_values({i: text for i, (text, _) in routed.items()}) | {"commits": [c for _, c in routed.values()]}
+
+
+def routed_of(content: RecordDict, source: str) -> tuple[dict[int, bytes], dict[int, bytes]]:
+    """(ciphertexts, commitments) by sender, as `routed_values` wrote them."""
+    texts = by_id(content, source)
+    commits = read(content, source, commits=list)["commits"]
+    if len(commits) != len(texts) or not all(isinstance(c, bytes) for c in commits):
+        raise ProtocolError(f"{source}: {SECAGG} 'commits' are not {len(texts)} byte strings")
+    return texts, dict(zip(texts, commits))
+
+
+def reported_record(reported: list[int]) -> ConfigRecord:
+    """A train reply's `secagg-reported`: the senders whose shares the node could not open."""
+    return ConfigRecord({"ids": [int(i) for i in reported]})
+
+
+def reported_of(content: RecordDict, source: str) -> list[int]:
+    """The ids `reported_record` wrote (none when it is absent)."""
+    record = content.config_records.get(REPORTED)
+    ids = [] if record is None else record.get("ids", [])
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise ProtocolError(f"{source}: {REPORTED} 'ids' are not whole numbers")
+    return ids
 
 
 def setup_values(node_id: int, setup: SecAggSetup) -> dict[str, object]:

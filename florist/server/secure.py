@@ -35,9 +35,11 @@ class Outcome:
     mean: np.ndarray  # Σ w·x / Σ w of the survivors' flat vectors (float64)
     clipped: int  # values clipped to [-secagg-clip, secagg-clip], over all survivors
     survivors: list[NodeInfo]
-    dropped: list[NodeInfo]  # shared their keys, sent no masked vector
+    dropped: list[NodeInfo]  # shared their keys, sent no masked vector or were reported by another
     value_range: float  # c: the setup's range of each value, [-c, c]
     sides: dict[int, dict[str, torch.Tensor]]  # by Flower node id: what each survivor sent in the clear beside
+    reported: list[NodeInfo] = dataclasses.field(default_factory=list)  # another could not open their shares
+    cheaters: list[NodeInfo] = dataclasses.field(default_factory=list)  # revealed shares they were not sent
 
     def row(self) -> dict[str, Any]:
         """The round's results fields."""
@@ -45,6 +47,8 @@ class Outcome:
             "secagg_survivors": len(self.survivors),
             "secagg_dropped": [n.key for n in self.dropped],
             "secagg_clipped": self.clipped,
+            "secagg_reported": [n.key for n in self.reported],
+            "secagg_cheaters": [n.key for n in self.cheaters],
         }
 
 
@@ -58,6 +62,7 @@ def secure_round(
     max_weight: float,
     dp_sigma: float = 0.0,
     side: Mapping[str, torch.Tensor] | None = None,
+    fixed: bool = False,
 ) -> Outcome:
     """Run the four stages (`exchanges`: setup, share keys, train and mask, unmask) with `nodes`,
     sending `model` to train (one for all, or each node its own: FedAvg's, FedAttn's with the
@@ -65,7 +70,10 @@ def secure_round(
     (`dp = "distributed"`): the noise multiplier the nodes' noise shares make up; each value's
     range then holds a dp-clipped update plus RANGE_STDS of a node's noise share. `side`: what
     each node also sends in the clear (FedAttn's representation, biases and gradient), as a
-    reference of keys, shapes and dtypes; a node whose side does not match drops out of the round."""
+    reference of keys, shapes and dtypes; a node whose side does not match drops out of the round.
+    `fixed` (under `dp`): every node weighs `max_weight`, and the unmasked weight sum must say so;
+    otherwise each weighs at most its train split as it reported at discovery. Unmasked sums no
+    honest survivors can make stop the round, nothing aggregated (secagg.check_sums)."""
     cfg = strategy.cfg
     try:
         setup = secagg.SecAggSetup.for_nodes(
@@ -79,7 +87,8 @@ def secure_round(
             share = privacy.share_std(dp_sigma, cfg.dp_clip, setup.threshold)
             setup = dataclasses.replace(setup, clip=max(setup.clip, cfg.dp_clip + RANGE_STDS * share))
         models = (lambda _: model) if isinstance(model, ArrayRecord) else model
-        return _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side)
+        weights = {n.node_id: (max_weight, max_weight) if fixed else (0.0, min(n.num_train, max_weight)) for n in nodes}
+        return _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side, weights)
     except ValueError as err:  # BelowThreshold, a setup this round cannot have, a secret that does not rebuild
         kept = f"rounds 1-{server_round - 1} are" if server_round > 1 else "its start is"
         raise RuntimeError(
@@ -88,7 +97,7 @@ def secure_round(
         ) from None
 
 
-def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side) -> Outcome:
+def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side, weights) -> Outcome:
     keys_x, shares_x, train_x, unmask_x = exchanges
     ids = {n.node_id: i for i, n in enumerate(sorted(nodes, key=lambda n: n.node_id), 1)}
     info = {ids[n.node_id]: n for n in nodes}
@@ -116,15 +125,25 @@ def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_si
     reference = {records.MASKED: torch.zeros(size + secagg.HEADER, dtype=torch.uint32)}
     trained = ask(
         train_x,
-        {i: records.id_values(c) | {"dp-sigma": float(dp_sigma)} for i, c in routed.items()},
+        {i: records.routed_values(c) | {"dp-sigma": float(dp_sigma)} for i, c in routed.items()},
         lambda _, content, source: _masked(content, source, reference, side),
         arrays=models,
         expect={records.SECAGG: reference} | ({protocol.SIDE: side} if side else {}),
     )
-    state, (survivors, dropped) = secagg.server_collect_masked(state, {i: v for i, (v, _) in trained.items()})
+    reports = {i: r for i, (_, _, r) in trained.items()}
+    state, (survivors, dropped) = secagg.server_collect_masked(
+        state, {i: v for i, (v, _, _) in trained.items()}, reports
+    )
     unmask = records.unmask_values(survivors, dropped)
     shares = ask(unmask_x, dict.fromkeys(survivors, unmask), lambda _, content, source: records.by_id(content, source))
-    result = secagg.server_aggregate(state, shares)
+    result = secagg.server_aggregate(state, shares, {i: weights[n.node_id] for i, n in info.items()})
+    fail = strategy.exchanger.fail
+    for i in sorted(set().union(*map(set, reports.values())) & set(state.sharers)):
+        by = ", ".join(info[r].key for r, them in sorted(reports.items()) if i in them)
+        fail(info[i].node_id, shares_x.message_type, server_round, f"its shares could not be opened by {by}: dropped")
+    for i in result.cheaters:
+        why = "revealed shares unlike their owners' commitments: left out of this and every later round"
+        fail(info[i].node_id, unmask_x.message_type, server_round, why)
     return Outcome(
         result.mean,
         result.clipped,
@@ -132,6 +151,8 @@ def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_si
         [info[i] for i in result.dropped],
         setup.clip,
         {info[i].node_id: trained[i][1] for i in result.survivors},
+        [info[i] for i in sorted(set().union(*map(set, reports.values())) & set(state.sharers))],
+        [info[i] for i in result.cheaters],
     )
 
 
@@ -143,23 +164,27 @@ def _own_keys(node: int, content: RecordDict, source: str) -> secagg.KeyPair:
     return keys[node]
 
 
-def _shares_for(public: set[int]) -> Callable[[int, RecordDict, str], dict[int, bytes]]:
-    def read(node: int, content: RecordDict, source: str) -> dict[int, bytes]:
-        """A share-keys reply: one ciphertext for each other node that sent keys."""
-        sent = records.by_id(content, source)
-        if set(sent) != public - {node}:
+def _shares_for(public: set[int]) -> Callable[[int, RecordDict, str], tuple[dict[int, bytes], dict[int, bytes]]]:
+    def read(node: int, content: RecordDict, source: str) -> tuple[dict[int, bytes], dict[int, bytes]]:
+        """A share-keys reply: one ciphertext for each other node that sent keys, and a commitment
+        to the shares of each node, its own included."""
+        sent, commitments = records.by_id(content, source), records.commitments_of(content, source)
+        if set(sent) != public - {node} or set(commitments) != public:
             raise protocol.ProtocolError(
-                f"{source}: sent shares for {len(sent)} nodes, not the {len(public) - 1} others"
+                f"{source}: sent shares for {len(sent)} nodes, not the {len(public) - 1} others, or"
+                f" commitments for {len(commitments)}, not {len(public)}"
             )
-        return sent
+        return sent, commitments
 
     return read
 
 
 def _masked(
     content: RecordDict, source: str, reference: Mapping[str, torch.Tensor], side: Mapping[str, torch.Tensor] | None
-) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
-    """A train-and-mask reply's masked vector (one uint32 array of the expected length) and what it
-    sent in the clear beside it, as `side` says (nothing when `side` is None)."""
+) -> tuple[np.ndarray, dict[str, torch.Tensor], list[int]]:
+    """A train-and-mask reply's masked vector (one uint32 array of the expected length), what it
+    sent in the clear beside it, as `side` says (nothing when `side` is None), and the nodes it
+    reported (whose shares it could not open)."""
     vector = protocol.arrays_of(content, reference, source, key=records.SECAGG)[records.MASKED].numpy()
-    return vector, (protocol.arrays_of(content, side, source, key=protocol.SIDE) if side else {})
+    sides = protocol.arrays_of(content, side, source, key=protocol.SIDE) if side else {}
+    return vector, sides, records.reported_of(content, source)

@@ -4,6 +4,7 @@ sharing its keys does not stop the round while t remain (and below t the round s
 clipped values are counted, and a node refuses what would unmask it."""
 
 import base64
+import os
 
 import numpy as np
 import pytest
@@ -104,9 +105,10 @@ def test_below_the_threshold_the_round_stops_naming_how_many_remain_and_the_thre
     )
 
 
-def by_hand(updates, weights, setup):
+def by_hand(updates, weights, setup, tamper=lambda stage, nid, payload: payload):
     """The four stages called one by one, each node's state going through a ConfigRecord between
-    them as it does through a node's context state: (aggregate, clipped count per node)."""
+    them as it does through a node's context state: (aggregate, clipped count per node). `tamper`
+    may change what a node sends at a stage (its shares, or its unmask reply)."""
     states, keys = {}, {}
     for nid in updates:
         state, keys[nid] = secagg.node_setup(nid, setup)
@@ -114,17 +116,60 @@ def by_hand(updates, weights, setup):
     server, keys = secagg.server_keys(setup, keys)
     sent = {}
     for nid in keys:
-        state, sent[nid] = secagg.node_share_keys(NodeState.from_record(dict(states[nid])), keys)
+        state, texts, commitments = secagg.node_share_keys(NodeState.from_record(dict(states[nid])), keys)
+        sent[nid] = tamper("share keys", nid, texts), commitments
         states[nid] = ConfigRecord(state.to_record())
     server, routed = secagg.server_route_shares(server, sent)
     vectors, clipped = {}, {}
-    for nid in routed:
+    for nid, got in routed.items():
         state = NodeState.from_record(dict(states[nid]))
-        state, vectors[nid], clipped[nid] = secagg.node_mask(state, routed[nid], updates[nid], weights[nid])
+        texts, commitments = {s: c for s, (c, _) in got.items()}, {s: h for s, (_, h) in got.items()}
+        state, vectors[nid], clipped[nid] = secagg.node_mask(state, texts, updates[nid], weights[nid], commitments)
         states[nid] = ConfigRecord(state.to_record())
-    server, request = secagg.server_collect_masked(server, vectors)
-    shares = {nid: secagg.node_unmask(NodeState.from_record(dict(states[nid])), *request)[1] for nid in vectors}
+    reported = {nid: list(NodeState.from_record(dict(states[nid])).reported) for nid in vectors}
+    server, request = secagg.server_collect_masked(server, vectors, reported)
+    shares = {
+        nid: tamper("unmask", nid, secagg.node_unmask(NodeState.from_record(dict(states[nid])), *request)[1])
+        for nid in request[0]
+    }
     return secagg.server_aggregate(server, shares), clipped
+
+
+def test_a_node_that_reveals_a_wrong_share_is_named_and_the_round_completes_without_its_shares():
+    """Issue 51: a wrong Shamir share at unmask stopped the round ("do not rebuild"), every round:
+    each owner committed to its shares at share keys, so the server traces the wrong one to its sender."""
+    updates, weights = round_inputs(5, 100, 8.0)
+    setup = SecAggSetup.for_nodes(5)
+
+    def lie(stage, nid, payload):
+        return (
+            {o: share[:-1] + bytes([share[-1] ^ 1]) for o, share in payload.items()}
+            if (stage, nid) == ("unmask", 2)
+            else payload
+        )
+
+    result, _ = by_hand(updates, weights, setup, lie)
+    assert (result.survivors, result.dropped, result.cheaters) == ((1, 2, 3, 4, 5), (), (2,))
+    assert np.abs(result.mean - weighted_mean(updates, weights, updates)).max() <= bound(setup, weights, updates)
+
+
+def test_a_node_whose_shares_do_not_open_is_dropped_and_the_others_round_completes():
+    """Issue 51: random ciphertexts from one node made every other refuse to mask; now each reports
+    it, the server drops it alone and removes no mask the reporters never added."""
+    updates, weights = round_inputs(5, 100, 8.0)
+    setup = SecAggSetup.for_nodes(5)
+
+    def garble(stage, nid, payload):
+        return (
+            {dst: os.urandom(len(text)) for dst, text in payload.items()}
+            if (stage, nid) == ("share keys", 3)
+            else payload
+        )
+
+    result, _ = by_hand(updates, weights, setup, garble)
+    assert (result.survivors, result.dropped, result.cheaters) == ((1, 2, 4, 5), (3,), ())
+    others = [1, 2, 4, 5]
+    assert np.abs(result.mean - weighted_mean(updates, weights, others)).max() <= bound(setup, weights, others)
 
 
 def test_clipped_values_are_counted_by_each_node_and_summed_for_the_server():
@@ -151,7 +196,7 @@ def masked_node(nid=1, num_nodes=3):
     pairs = [secagg.node_setup(n, setup) for n in range(1, num_nodes + 1)]
     keys = {n: own for n, (_, own) in enumerate(pairs, 1)}
     shared = {n: secagg.node_share_keys(state, keys) for n, (state, _) in enumerate(pairs, 1)}
-    routed = {src: sent[nid] for src, (_, sent) in shared.items() if src != nid}
+    routed = {src: sent[nid] for src, (_, sent, _) in shared.items() if src != nid}
     return secagg.node_mask(shared[nid][0], routed, np.ones(4), 1.0)[0]
 
 
@@ -192,7 +237,9 @@ def test_an_update_the_field_cannot_hold_is_refused_in_one_line():
             secagg._quantize(state.setup, update, weight)
 
 
-def test_a_node_refuses_shares_it_cannot_open_or_from_a_node_it_has_no_keys_of():
+def test_a_node_reports_shares_it_cannot_open_and_refuses_a_node_it_has_no_keys_of():
+    """Issue 51: a node that cannot open a peer's shares (or finds them unlike the peer's commitment)
+    reports the peer and masks without it, where it refused to mask at all."""
     setup = SecAggSetup.for_nodes(3)
     pairs = [secagg.node_setup(n, setup) for n in (1, 2, 3)]
     keys = {n: own for n, (_, own) in enumerate(pairs, 1)}
@@ -200,8 +247,11 @@ def test_a_node_refuses_shares_it_cannot_open_or_from_a_node_it_has_no_keys_of()
     state = shared[1][0]
     with pytest.raises(ValueError, match=r"node 1 got shares from unknown node\(s\) \[9\]"):
         secagg.node_mask(state, {2: shared[2][1][1], 9: b"x"}, np.ones(4), 1.0)
-    with pytest.raises(ValueError, match="node 1 cannot decrypt the shares of node 3"):
-        secagg.node_mask(state, {2: shared[2][1][1], 3: shared[2][1][3]}, np.ones(4), 1.0)  # 2's, meant for 3
+    commitments = {src: shared[src][2][1] for src in (2, 3)}
+    for text_of_3 in (shared[2][1][3], b"x" * 100, shared[3][1][1]):  # 2's, meant for 3; garbage; 3's own
+        bad = commitments | ({3: bytes(64)} if text_of_3 == shared[3][1][1] else {})  # the last: a broken commitment
+        masked = secagg.node_mask(state, {2: shared[2][1][1], 3: text_of_3}, np.ones(4), 1.0, bad)[0]
+        assert (masked.reported, masked.peers, sorted(masked.shares)) == ((3,), (2,), [1, 2])
 
 
 def test_a_node_refuses_to_share_under_a_threshold_that_is_no_majority_of_the_keys_it_was_sent():

@@ -111,9 +111,11 @@ def secagg_keys(node: Node, request: Request) -> RecordDict:
 def secagg_shares(node: Node, request: Request) -> RecordDict:
     """Share keys: Shamir shares of this node's secrets, each other node's encrypted for it."""
     public = records.keys_of(request.content, f"node {node.key}: the server's keys")
-    state, sent = secagg.node_share_keys(secure.recall(node), public)
+    state, sent, commitments = secagg.node_share_keys(secure.recall(node), public)
     secure.keep(node, state)
-    return records.put(protocol.content(metrics={}), **records.id_values(sent))
+    return records.put(
+        protocol.content(metrics={}), **records.id_values(sent), **records.commitments_values(commitments)
+    )
 
 
 def secure_training(trainers: Mapping[str, Callable[[Node, Request], RecordDict]]) -> Callable:

@@ -52,6 +52,7 @@ class FedAvg(ServerStrategy):
         self.extras: dict[str, Any] = {}
         # the rounds aggregated under `dp`, each's (q, σ): what the accountant composes
         self.ledger = Ledger(plan(self.cfg, self.sample_size(self.num_seen) / max(1, self.num_seen)), self.num_seen)
+        self.cheaters: set[str] = set()  # keys of nodes secure aggregation caught revealing wrong shares
         self.secure = self.cfg.secure_aggregation != "none"
         if self.secure:  # a setup no round of this run's size can have is refused before the run, not at round 1
             self.secure_setup(self.sample_size(self.num_seen))
@@ -106,27 +107,35 @@ class FedAvg(ServerStrategy):
         self, server_round: int, nodes: list[NodeInfo], sent=None, side=None
     ) -> tuple[float | None, Outcome]:
         """The round under `secure-aggregation`: the nodes' weighted mean update, learnt through
-        SecAgg+'s four exchanges, added to the model sent (the mean train loss comes the same way).
+        SecAgg+'s four exchanges, added to the model sent (the mean train loss comes the same way,
+        without dp only: None under it).
         Under `dp`, every node weighs 1; `central` noises the unmasked sum (the nodes clipped their
         updates to dp-clip) and divides by the nodes sampled, as DP-FedAvg does in the clear;
         `distributed` divides the same way a sum the nodes noised, each with its share. `sent`
-        and `side`: each node's own model, and what it sends in the clear (`secure_round`)."""
+        and `side`: each node's own model, and what it sends in the clear (`secure_round`). A node
+        caught cheating (`Outcome.cheaters`) takes part in no later round, of this run or a resumed one."""
+        nodes = [n for n in nodes if n.key not in self.cheaters]
         start = self.model.state_dict()
         shapes = {key: tuple(t.shape) for key, t in start.items() if t.is_floating_point()}
-        size = sum(math.prod(shape) for shape in shapes.values()) + len(records.TAIL)
+        tail = records.tail(self.cfg.dp)
+        size = sum(math.prod(shape) for shape in shapes.values()) + len(tail)
         weight_cap = 1.0 if self.privacy.active else self.weight_cap(nodes)
         sigma = self.privacy.sigma if self.privacy.mode == "distributed" else 0.0
         sent = sent or protocol.to_record(self.model)
-        outcome = secure_round(self, SECAGG, nodes, server_round, sent, size, weight_cap, sigma, side)
-        delta, (loss, clipped, zeroed) = records.unflatten(outcome.mean, shapes), outcome.mean[-len(records.TAIL) :]
+        outcome = secure_round(
+            self, SECAGG, nodes, server_round, sent, size, weight_cap, sigma, side, self.privacy.active
+        )
+        delta = records.unflatten(outcome.mean, shapes)
         self.extras = outcome.row()
         if self.samples_privately(self.num_seen):  # results keep how many dropped, not who was drawn
             self.extras["secagg_dropped"] = len(outcome.dropped)
-        if self.privacy.active:  # every node weighs 1: a mean times the count is a count
-            values = (size - len(records.TAIL)) * len(outcome.survivors)
-            self.ledger.record(values * SHARE_CLIPPED if sigma > 0 else 0.0)
-            zeroed_count = round(float(zeroed) * len(outcome.survivors))
-            self.extras |= self.ledger.row() | zeroed_row(zeroed_count, self.privacy.mode)
+        if outcome.cheaters:
+            self.cheaters |= {n.key for n in outcome.cheaters}
+            log.warning("secure aggregation: left out of later rounds: %s", ", ".join(sorted(self.cheaters)))
+        if self.privacy.active:  # no dp_zeroed, dp_clipped, loss nor clipped count: un-noised sums, not sent
+            self.ledger.record(size * len(outcome.survivors) * SHARE_CLIPPED if sigma > 0 else 0.0)
+            self.extras |= self.ledger.row()
+            del self.extras["secagg_clipped"]
         if self.privacy.mode in ("central", "distributed"):
             count = len(outcome.survivors)
             total = {key: d * count for key, d in delta.items()}
@@ -134,11 +143,9 @@ class FedAvg(ServerStrategy):
                 rng = privacy.noise_generator(self.cfg.dp_noise_seed, self.private_rounds)
                 total = privacy.add_noise(total, self.privacy.sigma * self.privacy.clip, rng)
             delta = {key: d / self.sample_size(self.num_seen) for key, d in total.items()}
-            self.extras["dp_clipped"] = round(float(clipped) * count)
         self.model.load_state_dict(privacy.applied(start, delta))
-        if self.privacy.mode == "local":  # its nodes sent no train loss
-            return None, outcome
-        return float(loss) * records.LOSS_RANGE / outcome.value_range, outcome
+        loss = float(outcome.mean[-1]) * records.LOSS_RANGE / outcome.value_range if tail else None
+        return loss, outcome
 
     def weight_cap(self, nodes: list[NodeInfo]) -> float:
         """W, the most a node weighs in a secure round: `secagg-max-weight`, else `max-node-examples`,
@@ -192,12 +199,14 @@ class FedAvg(ServerStrategy):
         return True
 
     def state(self) -> dict[str, Any]:
-        return super().state() | (self.ledger.state() if self.privacy.active else {})
+        cheaters = {"secagg_cheaters": sorted(self.cheaters)} if self.cheaters else {}
+        return super().state() | (self.ledger.state() if self.privacy.active else {}) | cheaters
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
         if self.privacy.active:
             self.ledger.load(state)
+        self.cheaters = set(state.get("secagg_cheaters", []))
 
     def round_extras(self) -> dict[str, Any]:
         """Under a robust rule: the rule that ran, why it is not the one the run names (or what
