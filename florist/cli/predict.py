@@ -28,6 +28,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     data = predict.add_mutually_exclusive_group(required=True)
     data.add_argument(
         "--data",
+        type=options.path,
         metavar="PATH",
         help="samples: an .npz (array x, optional y), one image (png, jpg, ...), or a data folder as `florist join "
         "--data-dir` reads it, of which its test split (test.npz or test/) is predicted; a folder with neither: its "

@@ -1,0 +1,23 @@
+"""`deploy-local` when a run leaves no results.json: the ServerApp's own words, never "the run
+failed (flwr run exited 0)" (issue 54): `flwr run --stream` exits 0 when the ServerApp raised."""
+
+import sys
+from pathlib import Path
+
+from florist.runners.deployment import no_results, stream
+
+LOG = "INFO :      Starting\nERROR :     florist: error: dataset '/x/myshapes': no such folder (a local folder)\n"
+
+
+def test_the_stream_is_echoed_and_the_servers_last_stop_kept(tmp_path, capfd):
+    rc, error = stream([sys.executable, "-c", f"print({LOG!r}, end='')"], {}, tmp_path)
+    assert (rc, error) == (0, "dataset '/x/myshapes': no such folder (a local folder)")
+    assert capfd.readouterr().out == LOG
+
+
+def test_a_stop_without_results_says_why_not_the_exit_status():
+    said = no_results(0, "dataset '/x/myshapes': no such folder (a local folder)", Path("logs"))
+    assert said == "dataset '/x/myshapes': no such folder (a local folder)"
+    unexplained = no_results(0, None, Path("logs"))
+    assert "exited 0" not in unexplained and "before it saved any results" in unexplained
+    assert no_results(1, None, Path("logs")).startswith("`flwr run` exited 1: see its output above")
