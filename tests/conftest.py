@@ -154,7 +154,8 @@ def make_node(tmp_path):
 @pytest.fixture
 def refuses_in_one_line(tmp_path, capsys):
     """`refuses_in_one_line(argv, expected)`: `florist simulate --runtime in-process ARGV` stops
-    within 5 s, exit 2, in one line (and the `--help` hint) holding `expected`, no traceback."""
+    before any work (within 15 s: seconds, more on a loaded machine; a run's work takes minutes),
+    exit 2, in one line (and the `--help` hint) holding `expected`, no traceback."""
     import time
 
     from florist.cli import main
@@ -163,7 +164,7 @@ def refuses_in_one_line(tmp_path, capsys):
         began = time.monotonic()
         code = main(["simulate", "--runtime", "in-process", *argv, "--results-dir", str(tmp_path / "r")])
         err = capsys.readouterr().err
-        assert code == 2 and time.monotonic() - began < 5, err
+        assert code == 2 and time.monotonic() - began < 15, err
         lines = err.strip().splitlines()
         assert len(lines) <= 2 and "Traceback" not in err and expected in lines[0], err
 
