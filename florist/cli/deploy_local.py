@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     display = FederationDisplay()
     results = deploy_local(launch(args), federation(args), display)
-    print_summary(results, stderr_console(), display.wall())
+    print_summary(results, stderr_console(), display.wall(), table=False)  # the streamed log ends with the table
     return 0
 
 

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from florist.common.flower_internals import superlink as owner_guard
+from florist.deploy.spawning import colours_for_terminals_only
 
 log = logging.getLogger("flwr").getChild(__name__)
 
@@ -62,6 +63,7 @@ def _host(flower_args: list[str]) -> str:
 
 def run(flower_args: list[str], max_message_mb: float | None = None) -> None:
     """Run the SuperLink with `flower_args` in this process until it exits."""
+    colours_for_terminals_only()
     limit = message_limit() if max_message_mb is None else int(max_message_mb * MIB)
     if limit < 1:
         raise ValueError(f"--max-message-mb must be positive, got {max_message_mb}")

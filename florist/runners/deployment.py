@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,12 +74,14 @@ def deploy_local(launch: Launch, federation: Federation, events: Events) -> dict
 
 
 ERROR = "florist: error: "  # how the ServerApp logs a stop it explains (apps/server.py's OneLineStops)
+COLOURS = re.compile(r"\x1b\[[0-9;]*m")  # Flower colours its log lines whatever they go to
 
 
 def stream(command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str | None]:
-    """Run `flwr run --stream`, echoing its log to stdout; its exit status, and the last stop the
-    ServerApp explained in its log (None without one), which `flwr run` does not tell by its status."""
-    error = None
+    """Run `flwr run --stream`, echoing its log to stdout (plain where that is no terminal: a log
+    file); its exit status, and the last stop the ServerApp explained in its log (None without
+    one), which `flwr run` does not tell by its status."""
+    error, plain = None, not sys.stdout.isatty()
     with subprocess.Popen(
         command,
         env=env,
@@ -91,7 +94,7 @@ def stream(command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str
     ) as run:
         try:
             for line in run.stdout:
-                sys.stdout.write(line)
+                sys.stdout.write(COLOURS.sub("", line) if plain else line)
                 sys.stdout.flush()
                 if ERROR in line:
                     error = line[line.index(ERROR) + len(ERROR) :].strip()
