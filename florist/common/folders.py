@@ -206,9 +206,9 @@ def folder_client(
     decoded = [decode_files(t, f, y, num_classes, images, shape) for t, (f, _), y in zip(trees, listed, ids)]
     skipped = sum(d[2] for d in decoded)
     if len(decoded) == 2:
-        (x_train, y_train, _), (x_test, y_test, _) = decoded
+        (x_train, y_train, *_), (x_test, y_test, *_) = decoded
         return _carve(trees[0], x_train, y_train, x_test, y_test, num_classes, seed, val_fraction, skipped)
-    x, y, _ = decoded[0]
+    x, y, *_ = decoded[0]
     if len(x) < 3:
         raise ValueError(f"{trees[0]}: need at least 3 images (train, validation and test), got {len(x)}")
     train, val, test = split_indices(len(x), val_fraction, test_fraction, seed)
@@ -298,9 +298,9 @@ def read_image_folder(
 
 def image_folder(
     path: Path, num_classes: int, options: ImageOptions = ImageOptions()
-) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """`read_image_folder`'s (x, y), and how many bad files it left out (`skip-bad-images`);
-    decoded to its own most common size (`survey`)."""
+) -> tuple[np.ndarray, np.ndarray | None, int, list[str]]:
+    """`read_image_folder`'s (x, y), how many bad files it left out (`skip-bad-images`) and the
+    file of each row; decoded to its own most common size (`survey`)."""
     files, classes = image_files(path)
     shape = decoded_shape(survey(_opener(f) for f in files), options)
     return decode_files(path, files, labels(classes)[0], num_classes, options, shape)
@@ -344,13 +344,15 @@ def decode_files(
     num_classes: int,
     options: ImageOptions,
     shape: tuple[int, int, int] | None,
-) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """(x, y, bad files left out) of `image_files`' listing of `path`, decoded to `shape`."""
+) -> tuple[np.ndarray, np.ndarray | None, int, list[str]]:
+    """(x, y, bad files left out, the file of each row) of `image_files`' listing of `path`,
+    decoded to `shape`."""
     decoder = ImageDecoder(str(path), options, shape)
     for index, file in enumerate(files):
         decoder.add(index, file, _opener(file))
     x, kept = decoder.stack()
-    return *check_arrays(str(path), x, None if y is None else y[kept], num_classes), len(decoder.skipped)
+    checked = check_arrays(str(path), x, None if y is None else y[kept], num_classes)
+    return *checked, len(decoder.skipped), [files[i] for i in kept]
 
 
 def image_array(image) -> np.ndarray:
