@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT_PREFIX, SLOW, remove_stale_roots
+from conftest import LONGEST_QUICK, ROOT_PREFIX, SLOW, remove_stale_roots
 from test_docs import RUNNABLE
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,6 +20,8 @@ def test_every_slow_entry_names_a_test_file_or_a_docs_page_that_exists():
         assert (REPO / path).is_file(), f"SLOW names {path}, which does not exist"
         if test:
             assert test[test.index("[") :] in pages, f"SLOW names {entry}, a page test_docs.py does not run"
+    for path in LONGEST_QUICK:
+        assert (REPO / path).is_file() and path not in SLOW, f"LONGEST_QUICK names {path}: gone, or slow"
 
 
 def test_only_the_roots_of_runs_that_are_gone_are_removed(tmp_path):
