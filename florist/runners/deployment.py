@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from florist.common.protocol import ESCAPE, one_line
 from florist.deploy.bundle import app_dir, bundle_hash
 from florist.deploy.federation import LocalFederation
 from florist.deploy.netns import Network, check_usable
@@ -74,7 +74,6 @@ def deploy_local(launch: Launch, federation: Federation, events: Events) -> dict
 
 
 ERROR = "florist: error: "  # how the ServerApp logs a stop it explains (apps/server.py's OneLineStops)
-COLOURS = re.compile(r"\x1b\[[0-9;]*m")  # Flower colours its log lines whatever they go to
 
 
 def stream(command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str | None]:
@@ -94,10 +93,10 @@ def stream(command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str
     ) as run:
         try:
             for line in run.stdout:
-                sys.stdout.write(COLOURS.sub("", line) if plain else line)
+                sys.stdout.write(ESCAPE.sub("", line) if plain else line)  # Flower colours whatever it logs to
                 sys.stdout.flush()
                 if ERROR in line:
-                    error = line[line.index(ERROR) + len(ERROR) :].strip()
+                    error = one_line(line[line.index(ERROR) + len(ERROR) :])
         except BaseException:  # Ctrl-C: the run goes with the federation
             run.kill()
             raise
