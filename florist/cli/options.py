@@ -40,11 +40,9 @@ def path(text: str) -> str:
 
 
 def dataset(text: str) -> str:
-    """A dataset as `path` makes it absolute where it names a folder here (or is written as a
-    path: `./x`, `~/x`, `/x`); an embedded name, `synthetic:...` or a hub id as typed."""
-    if text.startswith(("~", ".", "/")) or (text and os.path.isdir(os.path.expanduser(text))):
-        return path(text)
-    return text
+    """A dataset as `path` makes it absolute where it names a folder here; an embedded name,
+    `synthetic:...`, a hub id, or a folder that is not there (refused as typed) as it is."""
+    return path(text) if text and os.path.isdir(os.path.expanduser(text)) else text
 
 
 def absolute(values: dict[str, Any]) -> dict[str, Any]:
