@@ -143,6 +143,9 @@ def test_version_and_help_promise_only_what_exists(capsys):
         main(["--help"])
     help_text = capsys.readouterr().out
     assert "comparison" not in help_text and "compare" in help_text and "simulate" in help_text
+    # simulate runs in this process too, on any dataset (issue 54: it said Flower's runtime, the digits)
+    simulate = " ".join(help_text.split("\n    simulate ", 1)[1].split("\n    ", 2)[:2])
+    assert "in this process" in simulate and "embedded digits" not in simulate, simulate
 
 
 def test_a_strategys_commands_are_added_once_and_a_name_taken_twice_is_refused():

@@ -11,7 +11,7 @@ from florist.apps.registry import STRATEGIES
 from florist.cli.display import Bars
 from florist.cli.options import count, launch, resource_options, runtime_option, scenario_options, track_option
 from florist.runners import presets
-from florist.server.report import plural
+from florist.server.report import pct, plural
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -59,12 +59,13 @@ def run(args: argparse.Namespace) -> int:
     strategies, seeds = _names(args.strategies, "--strategies"), _seeds(args.seeds)
     paper = compare.Paper(preset.source(), preset.scale, preset.paper_values) if preset else None
     with RunBars() as bars:
-        out = compare.run_comparison(
+        rows = compare.run_comparison(
             launch(args, preset.run_config if preset else {}), Path(args.out), strategies, seeds, paper, bars
         )
-    print((out / "compare.md").read_text())
+    print(compare.text_table(rows))
     print(bars.tally())
-    print(f"compare.md, compare.json, compare.png and compare_rounds.png in {args.out}/")
+    beside = "; the paper's figures beside florist's in compare.md" if paper else ""
+    print(f"compare.md, compare.json, compare.png and compare_rounds.png in {args.out}/{beside}")
     return 0
 
 
@@ -111,10 +112,26 @@ class RunBars(Bars):
     def round(self, row: dict) -> None:
         self.progress.update(self.rounds, completed=row["round"])
 
+    def finished(self, results: dict, seconds: float | None) -> None:
+        """One line per run, above the bars on a terminal, alone where stderr is a file (no bars there)."""
+        self.console.print(finished_line(results, seconds), highlight=False, markup=False, soft_wrap=True)
+
     def __exit__(self, *exc: object) -> None:
         if self.progress is not None and exc[0] is None:  # every run done
             self.progress.update(self.runs, completed=self.done, description="runs")
         super().__exit__(*exc)
+
+
+def finished_line(results: dict, seconds: float | None) -> str:
+    """`florist: fedavg seed 1 done in 41.2 s: seen 93.8 %, unseen 95.2 %` (kept: `kept, ...`)."""
+    summary = results["summary"]
+    accuracy = ", ".join(
+        f"{group} {pct(summary[group]['mean_accuracy'])} %"
+        for group in ("seen", "unseen")
+        if summary[group]["num_clients"]
+    )
+    how = "kept from before" if seconds is None else f"done in {seconds:.1f} s"
+    return f"florist: {results['strategy']} seed {results['config']['seed']} {how}: {accuracy or 'no client scored'}"
 
 
 def _apply(args: argparse.Namespace, preset: presets.Preset | None) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from florist.cli.display import Display, print_summary, stderr_console
-from florist.cli.options import federation, federation_options, launch, run_options
+from florist.cli.options import federation, federation_options, launch, path, run_options
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +26,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     dep.add_argument(
         "--state-dir",
+        type=path,
         help="federation folder: database, certificates, keys, logs, node state (default: RESULTS_DIR/federation)",
     )
     dep.set_defaults(func=run)
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     display = FederationDisplay()
     results = deploy_local(launch(args), federation(args), display)
-    print_summary(results, stderr_console(), display.wall())
+    print_summary(results, stderr_console(), display.wall(), table=False)  # the streamed log ends with the table
     return 0
 
 

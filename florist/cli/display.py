@@ -72,18 +72,19 @@ def stderr_console():
     return Console(stderr=True)
 
 
-def print_summary(results: dict[str, Any], console, wall: float) -> None:
-    """The seen/unseen table (the rows report.md shows), the nodes left out of rounds, and where
-    the results are."""
+def print_summary(results: dict[str, Any], console, wall: float, table: bool = True) -> None:
+    """The seen/unseen table (the rows report.md shows; `table=False` where the run's streamed
+    log has just shown it), the nodes left out of rounds, and where the results are."""
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=summary_title(results))
-    for i, column in enumerate(SUMMARY_COLUMNS):
-        table.add_column(column, justify="right" if i >= FIGURES else "left")
-    for row in summary_rows(results):
-        table.add_row(*row)
-    console.print(table)
+    if table:
+        shown = Table(title=summary_title(results))
+        for i, column in enumerate(SUMMARY_COLUMNS):
+            shown.add_column(column, justify="right" if i >= FIGURES else "left")
+        for row in summary_rows(results):
+            shown.add_row(*row)
+        console.print(shown)
     failed: dict[tuple[str, str], list[int]] = {}
     for failure in results.get("failures", []):
         failed.setdefault((failure["node"], failure["reason"]), []).append(failure["round"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from florist.cli.options import executor_option, positive_float
+from florist.cli.options import executor_option, path, positive_float
 from florist.cli.signals import interrupt_on_signals
 from florist.cli.supernode import trust_app_option
 
@@ -20,8 +20,12 @@ def add(sub: argparse._SubParsersAction) -> None:
         "Without --root-certificates it dials only when told --insecure.",
     )
     join.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink's Fleet API address")
-    join.add_argument("--data-dir", required=True, help="train.npz + test.npz, or ImageFolder trees train/ and test/")
-    join.add_argument("--root-certificates", metavar="CA", help="CA certificate of the SuperLink (enables TLS)")
+    join.add_argument(
+        "--data-dir", type=path, required=True, help="train.npz + test.npz, or ImageFolder trees train/ and test/"
+    )
+    join.add_argument(
+        "--root-certificates", type=path, metavar="CA", help="CA certificate of the SuperLink (enables TLS)"
+    )
     join.add_argument(
         "--insecure",
         action="store_true",
@@ -29,9 +33,9 @@ def add(sub: argparse._SubParsersAction) -> None:
         "--root-certificates)",
     )
     join.add_argument(
-        "--auth-key", metavar="KEY", help="this node's private key (its .pub registered on the SuperLink)"
+        "--auth-key", type=path, metavar="KEY", help="this node's private key (its .pub registered on the SuperLink)"
     )
-    join.add_argument("--state-dir", help="node state folder (default: ~/.cache/florist/nodes)")
+    join.add_argument("--state-dir", type=path, help="node state folder (default: ~/.cache/florist/nodes)")
     join.add_argument("--node-key", help="stable name of this node (default: the host name)")
     join.add_argument("--num-classes", type=int, default=10, help="label range to check the data against (default: 10)")
     join.add_argument(

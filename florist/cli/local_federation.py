@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from florist.cli.display import Display
-from florist.cli.options import DEFAULT_NODES, federation, federation_options
+from florist.cli.options import DEFAULT_NODES, federation, federation_options, path
 from florist.cli.supernode import trust_app_option
 
 
@@ -23,6 +23,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     fed.add_argument("--partition", default="dirichlet:0.3", help="partition to put in the printed run line")
     fed.add_argument(
         "--state-dir",
+        type=path,
         default="florist-federation",
         help="federation folder: certificates, keys, logs, node state, and with --persistent the "
         "SuperLink's database (default: ./florist-federation)",

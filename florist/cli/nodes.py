@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 
+from florist.cli.options import path
+
 HEADER = ["NAME", "NODE ID", "FINGERPRINT", "STATUS", "LAST SEEN"]
 
 
@@ -24,6 +26,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     nodes.add_argument(
         "--certs",
         action="append",
+        type=path,
         metavar="DIR",
         help="a folder of public keys (*.pub there and in DIR/keys, e.g. `florist certs`' --out); repeatable",
     )

@@ -33,6 +33,25 @@ def positive_float(text: str) -> float:
     return value
 
 
+def path(text: str) -> str:
+    """A file or folder the user typed, made absolute where they typed it: the SuperLink, the
+    SuperNodes and `flwr run` that use it work in folders of their own."""
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def dataset(text: str) -> str:
+    """A dataset as `path` makes it absolute where it names a folder here; an embedded name,
+    `synthetic:...`, a hub id, or a folder that is not there (refused as typed) as it is."""
+    return path(text) if text and os.path.isdir(os.path.expanduser(text)) else text
+
+
+def absolute(values: dict[str, Any]) -> dict[str, Any]:
+    """Run-config values with the paths they hold made absolute (`dataset`, `tracking-dir`), from
+    a flag, --run-config or a preset alike."""
+    fixed = {"dataset": dataset, "tracking-dir": path}
+    return {k: fixed[k](v) if k in fixed and isinstance(v, str) and v else v for k, v in values.items()}
+
+
 def run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategy",
@@ -45,6 +64,7 @@ def run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results-dir", help="output folder (default: results)")
     parser.add_argument(
         "--resume",
+        type=path,
         metavar="DIR",
         help="continue the run whose results folder is DIR from its last "
         "finished round, with its own config (flags given beside must agree with it)",
@@ -75,6 +95,7 @@ def trackers(text: str) -> str:
 def scenario_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dataset",
+        type=dataset,
         help='digits | mnist5k (embedded; use model="lenet" on mnist5k) | '
         'synthetic:ALPHA,BETA (FedProx\'s; use model="mlp") | a Hugging Face id (uoft-cs/cifar10, '
         "flwrlabs/femnist, ...) | a local folder (parquet/csv/json files, or one subfolder of images per "
@@ -215,7 +236,7 @@ def launch(args: argparse.Namespace, beneath: dict[str, Any] | None = None) -> L
     if "runtime" in args:
         where = {"runtime": chosen_runtime(args), "ray_address": args.ray_address}
         where |= {"cpus_per_client": args.cpus_per_client, "gpus_per_client": args.gpus_per_client}
-    values = (beneath or {}) | given(args)
+    values = absolute((beneath or {}) | given(args))
     return Launch(values, args.num_nodes, DEFAULT_NODES[args.command], getattr(args, "resume", None), **where)
 
 
@@ -242,10 +263,13 @@ def kept_model(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--state-dir",
+        type=path,
         metavar="DIR",
         help="node state folder: the node's --state-dir (default: ~/.cache/florist/nodes; deploy-local's nodes: "
         "RESULTS_DIR/federation/node-state)",
     )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--run-id", type=int, metavar="R", help="the model of run R (default: the node's latest)")
-    which.add_argument("--model", metavar="DIR", help="a kept model's folder (<state>/<node>/models/<run id>)")
+    which.add_argument(
+        "--model", type=path, metavar="DIR", help="a kept model's folder (<state>/<node>/models/<run id>)"
+    )

@@ -20,14 +20,16 @@ def add(sub: argparse._SubParsersAction) -> None:
         "predict",
         help="classify samples with a node's personalized model (kept by its last run)",
         description="Apply the model a node kept from a run (the one its evaluation scored: kNN-Per with its "
-        "datastore, PeFLL's generated weights, ...) to samples. Prints `index,class,p_0,...` CSV rows (or writes "
-        "them with --out), and on stderr which model it used and, when the samples have labels, `accuracy: A "
-        "(K of N samples)` last. On the node's own test split (--split test) that is the accuracy the run reported.",
+        "datastore, PeFLL's generated weights, ...) to samples. Prints `index,class,p_0,...` CSV rows "
+        "(`index,file,class,...` for image files; or writes them with --out), and on stderr which model it used "
+        "and, when the samples have labels, `accuracy: A (K of N samples)` last. On the node's own test split "
+        "(--split test) that is the accuracy the run reported.",
     )
     options.kept_model(predict)
     data = predict.add_mutually_exclusive_group(required=True)
     data.add_argument(
         "--data",
+        type=options.path,
         metavar="PATH",
         help="samples: an .npz (array x, optional y), one image (png, jpg, ...), or a data folder as `florist join "
         "--data-dir` reads it, of which its test split (test.npz or test/) is predicted; a folder with neither: its "
@@ -42,7 +44,8 @@ def add(sub: argparse._SubParsersAction) -> None:
     predict.add_argument(
         "--out",
         metavar="FILE",
-        help="write the rows to FILE.csv (index,class,p_0,...) or FILE.json (the model, every sample's class, "
+        help="write the rows to FILE.csv (index,class,p_0,...; images: index,file,class,...) or FILE.json (the model, "
+        "every sample's file where it has one, class, "
         "probabilities and label, the exact accuracy) instead of printing them",
     )
     predict.set_defaults(func=run)

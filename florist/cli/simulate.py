@@ -1,5 +1,5 @@
-"""`florist simulate`: one strategy in Flower's simulation runtime, with a progress bar and the
-seen/unseen summary."""
+"""`florist simulate`: one strategy on simulated clients, in this process or Flower's simulation
+runtime (`--runtime`), with a progress bar and the seen/unseen summary."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from florist.server.report import number
 def add(sub: argparse._SubParsersAction) -> None:
     sim = sub.add_parser(
         "simulate",
-        help="run a strategy in Flower's simulation runtime on the embedded digits",
-        description="Run one strategy in Flower simulation (one process, Ray workers) and print the "
-        "seen/unseen summary. Writes results.json, report.md and plots to --results-dir.",
+        help="run a strategy on simulated clients, in this process or in Flower's simulation runtime (Ray)",
+        description="Run one strategy on --num-clients simulated clients of --dataset (the embedded digits by "
+        "default), called one after the other in this process or side by side in Flower's simulation runtime "
+        "(--runtime), and print the seen/unseen summary. Writes results.json, report.md and plots to --results-dir.",
     )
     run_options(sim)
     sim.add_argument(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from florist.cli.options import executor_option
+from florist.cli.options import executor_option, path
 
 TRUST_APP_HELP = (
     "run only this app bundle (its sha256, printed by `florist app-hash DIR` where DIR is what `flwr run` "
@@ -44,6 +44,7 @@ def add(sub: argparse._SubParsersAction) -> None:
     )
     node.add_argument(
         "--app-dir",
+        type=path,
         metavar="DIR",
         help="where florist is installed as a package (not run from a checkout): a folder with the files its app "
         "bundle is built from (pyproject.toml, README.md, florist/); a run of that exact bundle is served warm",

@@ -286,9 +286,9 @@ def read_image_folder(
 
 def image_folder(
     path: Path, num_classes: int, options: ImageOptions = ImageOptions()
-) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """`read_image_folder`'s (x, y), and how many bad files it left out (`skip-bad-images`);
-    decoded to its own most common size (`survey`)."""
+) -> tuple[np.ndarray, np.ndarray | None, int, list[str]]:
+    """`read_image_folder`'s (x, y), how many bad files it left out (`skip-bad-images`) and the
+    file of each row; decoded to its own most common size (`survey`)."""
     files, classes = image_files(path)
     shape = decoded_shape(survey(_opener(f) for f in files), options)
     return decode_files(path, files, labels(classes)[0], num_classes, options, shape)
@@ -332,13 +332,15 @@ def decode_files(
     num_classes: int | None,
     options: ImageOptions,
     shape: tuple[int, int, int] | None,
-) -> tuple[np.ndarray, np.ndarray | None, int]:
-    """(x, y, bad files left out) of `image_files`' listing of `path`, decoded to `shape`."""
+) -> tuple[np.ndarray, np.ndarray | None, int, list[str]]:
+    """(x, y, bad files left out, the file of each row) of `image_files`' listing of `path`,
+    decoded to `shape`."""
     decoder = ImageDecoder(str(path), options, shape)
     for index, file in enumerate(files):
         decoder.add(index, file, _opener(file))
     x, kept = decoder.stack()
-    return *check_arrays(str(path), x, None if y is None else y[kept], num_classes), len(decoder.skipped)
+    checked = check_arrays(str(path), x, None if y is None else y[kept], num_classes)
+    return *checked, len(decoder.skipped), [files[i] for i in kept]
 
 
 def image_array(image) -> np.ndarray:

@@ -35,6 +35,15 @@ def flower_env(flwr_home: Path | None = None) -> dict[str, str]:
     )
 
 
+def colours_for_terminals_only() -> None:
+    """Flower colours its log lines whatever they go to: a process of the federation whose
+    stderr is a file (its log) writes them plain."""
+    if not sys.stderr.isatty():
+        from flwr.common.logger import update_console_handler
+
+        update_console_handler(colored=False)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

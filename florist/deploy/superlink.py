@@ -28,6 +28,7 @@ from pathlib import Path
 
 from florist.common.flower_internals import registrations
 from florist.common.flower_internals import superlink as owner_guard
+from florist.deploy.spawning import colours_for_terminals_only
 
 log = logging.getLogger("flwr").getChild(__name__)
 
@@ -86,6 +87,7 @@ class Registrations:
 
 def run(flower_args: list[str], max_message_mb: float | None = None, nodes: Registrations = Registrations()) -> None:
     """Run the SuperLink with `flower_args` in this process until it exits."""
+    colours_for_terminals_only()
     limit = message_limit() if max_message_mb is None else int(max_message_mb * MIB)
     if limit < 1:
         raise ValueError(f"--max-message-mb must be positive, got {max_message_mb}")

@@ -36,6 +36,7 @@ from florist.common.pacing import Backoff
 from florist.deploy import forkserver
 from florist.deploy.bundle import TrustedApps
 from florist.deploy.executor import DEFAULT_APP, STOP_GRACE, THREAD_ENV
+from florist.deploy.spawning import colours_for_terminals_only
 
 log = logging.getLogger("flwr").getChild(__name__)
 
@@ -168,6 +169,7 @@ def run(
     the socket of a fork server that has it preloaded (`forkserver.py`); `app_dir` the app's
     publishable files, where the app is installed as a package (`executor.py --app-dir`);
     `trust_apps` the sha256 of every app bundle this box runs (none given: any)."""
+    colours_for_terminals_only()
     if executor not in EXECUTORS:
         raise ValueError(f"--executor must be one of {', '.join(EXECUTORS)}, got {executor!r}")
     guard_apps(trust_apps)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import textwrap
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,10 @@ FIGURES = ("mean_accuracy", "bottom_decile_accuracy")
 
 def run_comparison(
     launch: Launch, out: Path, strategies: list[str], seeds: list[int], paper: Paper | None, events: Events
-) -> Path:
+) -> dict[str, dict[str, Any]]:
     """Every strategy of `strategies` with every seed of `seeds` on the launch's scenario, all
     checked before the first starts, one after the other (`compare`); then the table in `out`
-    (`write`), the folder it returns."""
+    (`write`), whose rows it returns."""
     simulation.require_ray(launch.runtime)
     address = raycluster.address_of(launch.ray_address, launch.runtime)
     num_nodes = launch.num_nodes or launch.default_nodes
@@ -64,9 +65,10 @@ def run_comparison(
     def runner(cfg: RunConfig, num_nodes: int) -> dict[str, Any]:
         return run_simulated(launch.runtime, cfg, num_nodes, events.round, resources, address)
 
-    all_results = compare(runs, num_nodes, runner, lambda r: events.run(r.cfg.strategy, r.cfg.seed, r.action == "kept"))
-    write(out, all_results, scenario_line(configs[0], num_nodes), paper)
-    return out
+    all_results = compare(
+        runs, num_nodes, runner, lambda r: events.run(r.cfg.strategy, r.cfg.seed, r.action == "kept"), events.finished
+    )
+    return write(out, all_results, scenario_line(configs[0], num_nodes), paper)
 
 
 def scenario_line(cfg: RunConfig, num_nodes: int) -> str:
@@ -153,13 +155,21 @@ def _plan_one(cfg: RunConfig) -> Planned:
 
 
 def compare(
-    runs: list[Planned], num_nodes: int, runner: Runner, on_run: Callable[[Planned], None]
+    runs: list[Planned],
+    num_nodes: int,
+    runner: Runner,
+    on_run: Callable[[Planned], None],
+    on_done: Callable[[dict[str, Any], float | None], None] = lambda results, seconds: None,
 ) -> list[dict[str, Any]]:
-    """Run (or keep) every planned run; `on_run(run)` before each. Returns their results."""
+    """Run (or keep) every planned run; `on_run(run)` before each, `on_done(results, seconds)`
+    after (None seconds: kept). Returns their results."""
     all_results = []
     for run in runs:
         on_run(run)
-        all_results.append(run.results if run.results is not None else runner(run.cfg, num_nodes))
+        began = time.monotonic()
+        results = run.results if run.results is not None else runner(run.cfg, num_nodes)
+        on_done(results, None if run.results is not None else time.monotonic() - began)
+        all_results.append(results)
     return all_results
 
 
@@ -239,16 +249,10 @@ def markdown(rows: dict[str, dict[str, Any]], scenario: str, paper: Paper | None
         "Mean ± std over seeds of the per-run client means (%), costs per round; runs: those that scored "
         "clients, of those made (a figure from one run has no ±).",
         "",
-        "| strategy | runs | seen mean | seen bottom 10% | unseen mean | unseen bottom 10% | kB up | kB down | s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|---|" + "---:|" * (len(COLUMNS) - 1),
     ]
-    for strategy, row in rows.items():
-        cells = [_pct(row[f"{g}_{f}"]) for g in GROUPS for f in FIGURES]
-        lines.append(
-            f"| {strategy} | {_runs(row)} | "
-            + " | ".join(cells)
-            + f" | {row['kb_up']:,.1f} | {row['kb_down']:,.1f} | {row['seconds']:.2f} |"
-        )
+    lines += ["| " + " | ".join(cells) + " |" for cells in table_cells(rows)]
     if paper:
         lines += paper_lines(rows, paper)
     lines += [
@@ -259,6 +263,39 @@ def markdown(rows: dict[str, dict[str, Any]], scenario: str, paper: Paper | None
         "the highest seed](compare_rounds.png)",
     ]
     return "\n".join(lines) + "\n"
+
+
+COLUMNS = (
+    "strategy",
+    "runs",
+    "seen mean",
+    "seen bottom 10%",
+    "unseen mean",
+    "unseen bottom 10%",
+    "kB up",
+    "kB down",
+    "s",
+)
+
+
+def table_cells(rows: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """The table's cells, a list per strategy in COLUMNS' order."""
+    return [
+        [strategy, _runs(row), *(_pct(row[f"{g}_{f}"]) for g in GROUPS for f in FIGURES)]
+        + [f"{row['kb_up']:,.1f}", f"{row['kb_down']:,.1f}", f"{row['seconds']:.2f}"]
+        for strategy, row in rows.items()
+    ]
+
+
+def text_table(rows: dict[str, dict[str, Any]]) -> str:
+    """The table as plain text in aligned columns, for a terminal or a log file alike: the
+    strategy left, the figures right."""
+    lines = [list(COLUMNS), *table_cells(rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(COLUMNS))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+        for line in lines
+    )
 
 
 def _runs(row: dict[str, Any]) -> str:
@@ -290,7 +327,7 @@ def figure(rows: dict[str, dict[str, Any]], scenario: str):
     ax.set_xticks(x, list(rows), rotation=20)
     _title(ax, f"florist compare: {scenario}")
     ax.set(ylabel="client mean accuracy (%)", ylim=(0, 100))
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the axes: bars near 100 % ran under it
     ax.grid(alpha=0.3, axis="y")
     return fig
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+from florist.common.protocol import ESCAPE, one_line
 from florist.deploy.bundle import app_dir, bundle_hash
 from florist.deploy.federation import LocalFederation
 from florist.deploy.netns import Network, check_usable
@@ -59,15 +61,53 @@ def deploy_local(launch: Launch, federation: Federation, events: Events) -> dict
                 results_file.unlink(missing_ok=True)
             else:  # why the last attempt stopped is not why this one might
                 note_error(str(results_dir), None)
-            rc = subprocess.run(
-                fed.run_command(cfg.to_mapping(), app), env=fed.env, cwd=workdir, start_new_session=True
-            ).returncode
+            rc, error = stream(fed.run_command(cfg.to_mapping(), app), fed.env, workdir)
     except KeyboardInterrupt:
         saved = json.loads(results_file.read_text()) if results_file.exists() else None
         raise Interrupted(saved, results_dir) from None
     if rc != 0 or not results_file.exists():
-        raise RuntimeError(f"the run failed (flwr run exited {rc}); logs in {workdir / 'logs'}")
+        raise RuntimeError(no_results(rc, error, workdir / "logs"))
     results = json.loads(results_file.read_text())
     if not results.get("complete"):  # Flower's `flwr run` exits 0 when the ServerApp raised
         raise RuntimeError(results.get("error") or f"the run stopped before its end; logs in {workdir / 'logs'}")
     return results
+
+
+ERROR = "florist: error: "  # how the ServerApp logs a stop it explains (apps/server.py's OneLineStops)
+
+
+def stream(command: list[str], env: dict[str, str], cwd: Path) -> tuple[int, str | None]:
+    """Run `flwr run --stream`, echoing its log to stdout (plain where that is no terminal: a log
+    file); its exit status, and the last stop the ServerApp explained in its log (None without
+    one), which `flwr run` does not tell by its status."""
+    error, plain = None, not sys.stdout.isatty()
+    with subprocess.Popen(
+        command,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    ) as run:
+        try:
+            for line in run.stdout:
+                sys.stdout.write(ESCAPE.sub("", line) if plain else line)  # Flower colours whatever it logs to
+                sys.stdout.flush()
+                if ERROR in line:
+                    error = one_line(line[line.index(ERROR) + len(ERROR) :])
+        except BaseException:  # Ctrl-C: the run goes with the federation
+            run.kill()
+            raise
+    return run.returncode, error
+
+
+def no_results(rc: int, error: str | None, logs: Path) -> str:
+    """Why a run left no results.json, in one line: the ServerApp's own words where its log had
+    them. `flwr run` exits 0 even when the ServerApp raised, so its status alone says nothing."""
+    if rc != 0:
+        return f"`flwr run` exited {rc}: {error or 'see its output above'}; logs in {logs}"
+    if error:
+        return error
+    return f"the ServerApp stopped before it saved any results (its log is above); logs in {logs}"

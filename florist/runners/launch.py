@@ -51,7 +51,8 @@ class Events:
     (`compare`: which runs it keeps, resumes, starts); `started` once every check passed (work
     is under way from then on: a Ctrl-C stops it and says what was kept); then, as they come,
     `decoded`/`decoding` (a dataset's partitions), `federation` (the processes are up), `run`
-    (each run, of `runs`) and `round` (each finished round)."""
+    (each run, of `runs`), `round` (each finished round) and `finished` (each run of a comparison
+    done)."""
 
     def warning(self, text: str) -> None:
         """Something the preflight found doubtful; the run goes on."""
@@ -82,3 +83,6 @@ class Events:
 
     def round(self, row: dict[str, Any]) -> None:
         """A round finished; `row` is its line of results.json."""
+
+    def finished(self, results: dict[str, Any], seconds: float | None) -> None:
+        """A run of a comparison is done: its results, and the `seconds` it took (None: kept)."""

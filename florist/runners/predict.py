@@ -48,6 +48,7 @@ class Samples:
     y: np.ndarray | None
     source: str
     note: str = ""  # what a user should know about them (a node's data changed since the run)
+    files: list[str] | None = None  # the image file of each sample, where they came from files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,16 +119,22 @@ def read(path: str | Path, num_classes: int, cfg: RunConfig | None = None) -> Sa
             data = folders.folder_client(where, num_classes, cfg.seed, cfg.val_fraction, images, cfg.test_fraction)
             return Samples(data.x_test, data.y_test, f"{where}'s test split")
         elif (where / "test").is_dir():  # a test/ alone: all of it
-            return Samples(*folders.read_image_folder(where / "test", num_classes, images), f"{where / 'test'}")
+            return _image_files(where / "test", num_classes, images)
         else:
-            return Samples(*folders.read_image_folder(where, num_classes, images), str(where))
+            return _image_files(where, num_classes, images)
     elif not where.exists():
         raise FileNotFoundError(f"{where} does not exist; expected an .npz file, an image or a data folder")
     if where.suffix.lower() == ".npz":
         return Samples(*folders.read_npz(where, num_classes), str(where))
     if where.suffix.lower() in IMG_EXTENSIONS:
-        return Samples(_read_image(where, num_classes, images.size), None, str(where))
+        return Samples(_read_image(where, num_classes, images.size), None, str(where), files=[str(where)])
     raise ValueError(f"{where}: not an .npz file, an image ({', '.join(IMG_EXTENSIONS)}) or a folder")
+
+
+def _image_files(folder: Path, num_classes: int, images: folders.ImageOptions) -> Samples:
+    """A folder of images (class folders, labelled, or loose), each sample named by its file."""
+    x, y, _, files = folders.image_folder(folder, num_classes, images)
+    return Samples(x, y, str(folder), files=files)
 
 
 def _read_image(file: Path, num_classes: int, size: tuple[int, int] | None) -> np.ndarray:
@@ -157,13 +164,21 @@ def check_out(out: str | Path) -> Path:
 
 
 def csv_lines(prediction: Prediction) -> list[str]:
-    """`index,class,p_0,...,p_{C-1}`: a header and one row per sample, probabilities to 6 decimals."""
-    header = ",".join(["index", "class", *(f"p_{c}" for c in range(prediction.probs.shape[1]))])
+    """`index,class,p_0,...,p_{C-1}`: a header and one row per sample, probabilities to 6 decimals;
+    samples read from image files have their file after the index (`index,file,class,...`)."""
+    files = prediction.samples.files
+    header = ",".join(["index", *(["file"] if files else []), "class"])
+    header += "," + ",".join(f"p_{c}" for c in range(prediction.probs.shape[1]))
     rows = (
-        f"{i},{c}," + ",".join(f"{p:.6f}" for p in probs)
+        f"{i},{_csv_field(files[i]) + ',' if files else ''}{c}," + ",".join(f"{p:.6f}" for p in probs)
         for i, (c, probs) in enumerate(zip(prediction.classes.tolist(), prediction.probs, strict=True))
     )
     return [header, *rows]
+
+
+def _csv_field(text: str) -> str:
+    """`text` as one CSV field: quoted where a comma, quote or line break would split it."""
+    return '"' + text.replace('"', '""') + '"' if any(c in text for c in ',"\n\r') else text
 
 
 def describe(kept: Kept) -> dict[str, Any]:
@@ -175,9 +190,10 @@ def describe(kept: Kept) -> dict[str, Any]:
 
 def as_json(prediction: Prediction) -> dict[str, Any]:
     """Every sample's class and probabilities (and label), the model and the score, exactly."""
-    y = prediction.samples.y
+    y, files = prediction.samples.y, prediction.samples.files
     rows = [
-        {"index": i, "class": c, "probabilities": p} | ({} if y is None else {"label": int(y[i])})
+        {"index": i, **({"file": files[i]} if files else {}), "class": c, "probabilities": p}
+        | ({} if y is None else {"label": int(y[i])})
         for i, (c, p) in enumerate(
             zip(prediction.classes.tolist(), prediction.probs.astype(float).tolist(), strict=True)
         )

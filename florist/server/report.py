@@ -92,6 +92,7 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
         "|" + "|".join("---:" if i >= FIGURES else "---" for i in range(len(SUMMARY_COLUMNS))) + "|",
         *("| " + " | ".join(row) + " |" for row in summary_rows(results)),
         "",
+        *global_model_note(results),
         *best_round(results),
         *privacy_lines(results),
         f"Training time {sum(r['seconds'] for r in rounds):.1f} s; bytes up "
@@ -111,6 +112,33 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def global_model_note(results: dict[str, Any]) -> list[str]:
+    """Why the unseen clients' `(global model)` row can sit far below the seen one, even below
+    chance: those clients never trained the global model, and on a skewed partition their
+    classes may be ones the training clients hardly hold. Said where it happens."""
+    scores = {
+        seen: [
+            c["global_accuracy"]
+            for c in results["clients"]
+            if c["seen"] == seen and c.get("global_accuracy") is not None
+        ]
+        for seen in (True, False)
+    }
+    if not scores[True] or not scores[False]:
+        return []
+    seen, unseen = (sum(s) / len(s) for s in (scores[True], scores[False]))
+    chance = 1 / results["config"].get("num-classes", 10)
+    if unseen >= chance and unseen >= seen / 2:
+        return []
+    return [
+        f"The unseen clients' `(global model)` row ({pct(unseen)}%, chance {pct(chance)}%) scores the shared model "
+        "before any personalization, on clients that never trained it: on a skewed partition "
+        f"(`{results['config']['partition']}`) with few clients, their classes can be ones the training clients "
+        "hardly hold, which the shared model then never predicts; the personalized row is what such a client gets.",
+        "",
+    ]
 
 
 def best_round(results: dict[str, Any]) -> list[str]:

@@ -20,7 +20,7 @@ def test_a_handler_running_past_its_deadline_is_interrupted():
     start = time.monotonic()
     with pytest.raises(DeadlineExceeded, match="past its message's deadline"), deadline(message(ttl=0.3)):
         time.sleep(30)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 15  # 0.3 s; the margin is for a loaded machine
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
@@ -63,5 +63,5 @@ with d.deadline(SimpleNamespace(metadata=SimpleNamespace(created_at=time.time(),
 """
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and time.monotonic() - start < 20
+    assert done.returncode != 0 and time.monotonic() - start < 25  # not the 30 s sleep; imports are slow under load
     assert "Timeout" in done.stderr and "Thread" in done.stderr  # where it was stuck, for the node's log

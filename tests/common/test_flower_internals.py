@@ -104,7 +104,7 @@ def test_pacing_replaces_the_supernode_sleeps_and_object_pulls_start_fast(monkey
     assert sci._pull_and_store_message(receive=lambda: None) == 42 and backoff.delay() == 0.01  # quick polling again
     start = time.monotonic()
     sci.time.sleep(3)  # Flower's idle sleep after an empty pull
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 2  # the cap, 0.05 s; the margin is for a loaded machine
     assert sci.time.monotonic() > 0  # the rest of the time module is untouched
     assert inflatable_utils.pull_objects.__kwdefaults__["initial_backoff"] == 0.01
     assert inflatable_utils.pull_and_inflate_object_from_tree.__kwdefaults__["backoff_cap"] == 0.2
@@ -177,7 +177,7 @@ def test_pull_replies_gives_up_on_missing_objects_at_the_deadline_and_says_when_
         GridWithObjectsThatNeverArrive(), ["m"], start + 0.3, 0.0, lambda: started.append(time.monotonic())
     )
     assert replies == ["gave up on ['m']"] and len(started) == 1
-    assert 0.3 <= time.monotonic() - start < 3
+    assert 0.3 <= time.monotonic() - start < 10  # it gives up: without a deadline it would pull forever
 
 
 def test_pull_replies_past_its_deadline_still_gives_a_reply_at_least_its_minimum():
@@ -185,7 +185,7 @@ def test_pull_replies_past_its_deadline_still_gives_a_reply_at_least_its_minimum
     assert flower_internals.pull_replies(GridWithObjectsThatNeverArrive(), ["m"], start - 5, 0.3) == [
         "gave up on ['m']"
     ]
-    assert 0.3 <= time.monotonic() - start < 3
+    assert 0.3 <= time.monotonic() - start < 10  # it gives up: without a deadline it would pull forever
 
 
 def test_pull_replies_calls_any_other_grid_as_stock_flower_would_without_consulting_the_guard(monkeypatch):

@@ -49,8 +49,9 @@ def test_nodes_decode_a_folder_dataset_once_and_learn_as_in_process(folder, tmp_
     assert results["complete"] and len(results["rounds"]) == ROUNDS and not results["failures"]
     data_seconds = [[e["data_seconds_max"] for e in r["exchanges"]] for r in results["rounds"]]
     print("data_seconds_max per round:", data_seconds)
-    # Memory-mapped from the cache: ≤ 0.1 s here; a decode in a task's fresh process, `datasets` imported, 4.5-5 s.
-    assert all(s < 0.5 for later in data_seconds[1:] for s in later), data_seconds
+    # Memory-mapped from the cache: ≤ 0.1 s here; a decode in a task's fresh process, `datasets` imported, 4.5-5 s
+    # (the bound leaves room for a loaded machine).
+    assert all(s < 2.0 for later in data_seconds[1:] for s in later), data_seconds
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # decoded afresh, not read from the nodes' cache
     cfg = RunConfig.from_mapping(RUN | values | {"min-nodes": NODES, "results-dir": str(tmp_path / "inprocess")})
     alone = run_in_process(cfg, NODES)

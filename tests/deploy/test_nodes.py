@@ -98,7 +98,7 @@ def test_a_fourth_box_added_later_registers_trains_and_is_listed_by_name(tmp_pat
         fed.node_ports.append(free_port())
         fed.nodes.append(None)
         fed.start_node(3, private_key=fed.certs / "keys" / "partition-3")
-        fed.wait_for_nodes(4, timeout=60)
+        fed.wait_for_nodes(4, timeout=180)  # a node's start took over 60 s at load 18
         results = submit(fed, tmp_path / "out", **{"num-server-rounds": 1, "min-nodes": 4})
         assert results["complete"] and "partition-3" in {c["client"] for c in results["clients"]}
 

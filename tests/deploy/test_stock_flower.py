@@ -71,7 +71,7 @@ def claimed(tmp_path_factory) -> dict[str, str]:
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,  # importing flwr and florist: seconds, but a minute and more on a loaded machine
     )
     assert done.stdout == f"{CLAIMED}\n" and not done.stderr, done.stderr
     return env

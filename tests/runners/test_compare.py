@@ -2,6 +2,7 @@
 or resumed when started again."""
 
 import json
+import re
 
 import numpy as np
 
@@ -35,6 +36,15 @@ def _compare(out, *extra):
 
 def test_compare_writes_the_table_of_every_strategy_and_seed_and_keeps_finished_runs(tmp_path, capsys):
     assert _compare(tmp_path) == 0
+    out, err = capsys.readouterr()  # not a terminal: no bars, yet a line per run as it ends (issue 54)
+    done = re.findall(r"^florist: (\w+) seed (\d) done in [\d.]+ s: seen [\d.]+ %", err, re.M)
+    assert done == [("fedavg", "1"), ("fedavg", "2"), ("local", "1"), ("local", "2")], err
+    header, *rows = out.splitlines()[:3]
+    assert header.split()[:3] == ["strategy", "runs", "seen"] and [r.split()[:2] for r in rows] == [
+        ["fedavg", "2"],
+        ["local", "2"],
+    ]
+    assert "|" not in out and "![" not in out, out  # plain text, not compare.md's markdown
     table = json.loads((tmp_path / "compare.json").read_text())
     assert (tmp_path / "compare.png").stat().st_size > 0 and "| fedavg | 2 |" in (tmp_path / "compare.md").read_text()
     for strategy in ("fedavg", "local"):
@@ -43,8 +53,8 @@ def test_compare_writes_the_table_of_every_strategy_and_seed_and_keeps_finished_
         seen = [r["summary"]["seen"]["mean_accuracy"] for r in runs]
         assert table["rows"][strategy]["seen_mean_accuracy"] == [np.mean(seen), np.std(seen)]
     kept = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/seed*/results.json")}
-    capsys.readouterr()
     assert _compare(tmp_path) == 0  # started again: every run is finished with this config, none runs
+    assert capsys.readouterr().err.count("kept from before: seen") == 4
     assert {p: p.stat().st_mtime_ns for p in kept} == kept
     assert _compare(tmp_path, "--unseen-fraction", "0.5") == 0  # another config: every run again
     assert all(p.stat().st_mtime_ns != t for p, t in kept.items())

@@ -2,6 +2,7 @@
 starts when started again after a cut, and every strategy's accuracy per round in one figure."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -38,7 +39,16 @@ def test_a_compare_started_again_after_a_cut_says_what_it_keeps_resumes_and_star
 
     assert _compare(tmp_path) == 0
     out, err = capsys.readouterr()
-    plan = [line for line in err.splitlines() if line.startswith("florist: ")]
+    plan = [
+        line for line in err.splitlines() if line.startswith(("florist: keeps", "florist: resumes", "florist: starts"))
+    ]
+    ended = re.findall(r"^florist: (\w+ seed \d) (kept from before|done in [\d.]+ s): seen", err, re.M)
+    assert [(run, how.split(" in ")[0]) for run, how in ended] == [
+        ("fedavg seed 1", "kept from before"),
+        ("fedavg seed 2", "kept from before"),
+        ("local seed 1", "done"),  # resumed
+        ("local seed 2", "done"),
+    ], err
     assert plan == [
         "florist: keeps 2 runs finished with this config: fedavg/seed1, fedavg/seed2",
         "florist: resumes 1 run from its checkpoint: local/seed1 after round 1",

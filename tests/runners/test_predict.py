@@ -175,19 +175,25 @@ def test_data_as_image_folder_and_one_png_give_the_classes_of_the_same_pixels(ra
     expected = [int(c) for c in _classes(capsys, *node, "--data", str(tmp_path / "pixels.npz"))]
     order = sorted(range(len(pixels)), key=lambda i: (str(split["y"][i]), i))  # ImageFolder's: class, then name
     assert _classes(capsys, *node, "--data", str(tmp_path / "images")) == [str(expected[i]) for i in order]
+    # each row names its image file (issue 54: an index alone could not be traced back)
+    files = [str(tmp_path / "images" / "test" / str(split["y"][i]) / f"{i:04d}.png") for i in order]
+    assert _classes(capsys, *node, "--data", str(tmp_path / "images"), column="file") == files
     assert np.mean(np.array(expected) == split["y"]) > 0.5  # right classes, mostly: chance is 0.1
     one = tmp_path / "images" / "test" / str(split["y"][7]) / "0007.png"
     assert _classes(capsys, *node, "--data", str(one)) == [str(expected[7])]
     for data, out in ((one, "one.json"), (tmp_path / "pixels.npz", "all.json")):  # the same input, as join reads it
         assert predict(capsys, *node, "--data", str(data), "--out", str(tmp_path / out))[0] == 0
     [alone], together = (json.loads((tmp_path / f).read_text())["predictions"] for f in ("one.json", "all.json"))
+    assert alone["file"] == str(one) and "file" not in together[7]  # an .npz has no files to name
     np.testing.assert_allclose(alone["probabilities"], together[7]["probabilities"], rtol=0, atol=1e-6)
 
 
-def _classes(capsys, *args: str) -> list[str]:
+def _classes(capsys, *args: str, column: str = "class") -> list[str]:
     code, rows, lines = predict(capsys, *args)
     assert code == 0, lines
-    return [row.split(",")[1] for row in rows.strip().splitlines()[1:]]
+    header, *body = rows.strip().splitlines()
+    at = header.split(",").index(column)
+    return [row.split(",")[at] for row in body]
 
 
 def test_what_a_user_gets_wrong_is_one_line(ran, capsys, tmp_path):

@@ -41,6 +41,17 @@ def test_a_strategy_without_a_global_model_has_one_line_and_no_legend():
     assert [line.get_label() for line in ax.get_lines()] == ["personalized"] and ax.get_legend() is None
 
 
+def test_compares_legend_covers_no_bar():
+    row = {"seen_mean_accuracy": [0.99, None], "unseen_mean_accuracy": [0.98, None]}
+    fig = compare_figure({"fedavg": row, "knnper": row}, "digits")
+    fig.tight_layout()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    legend, axes, frame = ax.get_legend().get_window_extent(renderer), ax.get_window_extent(renderer), fig.bbox
+    assert legend.x0 >= axes.x1 and legend.x1 <= frame.x1, (legend, axes, frame)  # beside the bars, in the figure
+    pyplot().close(fig)
+
+
 def test_compares_long_scenario_title_stays_inside_the_figure():
     scenario = "mnist, partition inner-dirichlet:0.01, shift rotate:4, model mobilenet_v2, 100 clients, 200 rounds"
     row = {"seen_mean_accuracy": [0.9, 0.01], "unseen_mean_accuracy": [0.8, None]}

@@ -63,12 +63,28 @@ class KnnPer(FedAvg):
 
 
 def report(results: dict[str, Any], folder: Path) -> list[str]:
-    """λ chosen per client against its local training-set size (the kNN-Per paper's Fig. 8)."""
+    """λ chosen per client against its local training-set size (the kNN-Per paper's Fig. 8); a
+    sentence instead where every client has the same λ (a flat line says nothing, and under
+    `knn-select = "shrunk"` it is the prior: no validation split beat it)."""
     import matplotlib.pyplot as plt
 
+    clients = [c for c in results["clients"] if c.get("lambda") is not None]
+    lines = ["", "## λ per client", ""]  # a blank line first: right after a table, the plot was a row of it
+    chosen = sorted({c["lambda"] for c in clients})
+    if len(chosen) <= 1:
+        cfg = results["config"]
+        prior = cfg.get("knn-prior", "")
+        why = (
+            f", the prior (knn-prior {prior}): under knn-select {cfg.get('knn-select')} no client's validation "
+            f"split favoured another λ by more than knn-prior-weight {cfg.get('knn-prior-weight')} samples"
+            if chosen and cfg.get("knn-select") == "shrunk" and str(chosen[0]) == prior.split(",")[0].strip()
+            else ""
+        )
+        said = f"Every client has λ = {chosen[0]:g}{why}." if chosen else "No client reported a λ."
+        return [*lines, said + " No plot of λ against local data size.", ""]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for name, seen in (("seen", True), ("unseen", False)):
-        rows = [c for c in results["clients"] if c["seen"] == seen and c.get("lambda") is not None]
+        rows = [c for c in clients if c["seen"] == seen]
         ax.scatter([c["num_train"] for c in rows], [c["lambda"] for c in rows], label=name, alpha=0.7)
     ax.set(
         xlabel="local training samples",
@@ -81,7 +97,7 @@ def report(results: dict[str, Any], folder: Path) -> list[str]:
     fig.tight_layout()
     fig.savefig(folder / "lambda_vs_size.png", dpi=120)
     plt.close(fig)
-    return ["![lambda vs local data size](lambda_vs_size.png)", ""]
+    return [*lines, "![lambda vs local data size](lambda_vs_size.png)", ""]
 
 
 KnnPer.report = staticmethod(report)  # its section of report.md
