@@ -197,9 +197,11 @@ def own_paths(values: Mapping[str, Any], node_config: Mapping[str, Any], who: st
     values = dict(values) | own
     if trusts_server(node_config):
         return values
-    if "keep-models" not in own:  # how many models it keeps is the node's to say too: its default
-        values.pop("keep-models", None)
-    if "models-root" not in own and values.get("models-root"):  # where it writes is the node's to say
+    # how many models it keeps is the node's to say too (its default); a value of the wrong type
+    # stays, to be refused with the message as malformed
+    if "keep-models" not in own and type(values.get("keep-models")) is int:
+        values.pop("keep-models")
+    if "models-root" not in own and isinstance(values.get("models-root"), str) and values["models-root"]:
         log.info("%s: the server's models-root is ignored; this node keeps its models in its state folder", who)
         values["models-root"] = ""
     if "dataset" not in own and names_a_folder(str(values.get("dataset", ""))):
