@@ -37,6 +37,7 @@ SHOWN = 60  # characters of a sender's key or dtype that an error message shows
 NPY_V1 = b"\x93NUMPY\x01\x00"  # what a .npy header of format 1.0 (all np.save writes for a model) starts with
 HEADERS_KEPT = 256  # parsed .npy headers remembered (a model has a few layouts)
 _headers: dict[bytes, tuple[tuple[int, ...], np.dtype]] = {}
+_written: dict[tuple[np.dtype, tuple[int, ...]], bytes] = {}  # the .npy header np.save writes, by layout
 
 
 class PackingError(ValueError):
@@ -58,7 +59,7 @@ def pack(content: RecordDict) -> RecordDict:
             layout["keys"].append(key)
             layout["dtypes"].append(str(values.dtype))
             layout["shapes"].append(",".join(str(d) for d in values.shape))
-        packed[name] = ArrayRecord({dtype: Array(np.concatenate(parts)) for dtype, parts in groups.items()})
+        packed[name] = ArrayRecord({dtype: encode(np.concatenate(parts)) for dtype, parts in groups.items()})
         packed[name + LAYOUT] = ConfigRecord(layout)
     return packed
 
@@ -118,9 +119,25 @@ def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayReco
     arrays = {}
     for key, dtype, shape in zip(keys, dtypes, dims):
         size = math.prod(shape)
-        arrays[str(key)] = Array(flat[dtype][offsets[dtype] : offsets[dtype] + size].reshape(shape).copy())
+        arrays[str(key)] = encode(flat[dtype][offsets[dtype] : offsets[dtype] + size].reshape(shape))
         offsets[dtype] += size
     return ArrayRecord(arrays)
+
+
+def encode(values: np.ndarray) -> Array:
+    """`Array(values)`, byte for byte, with the .npy header np.save writes taken once per dtype
+    and shape; an array not in C order, or of a structured or object dtype, is `Array(values)`."""
+    dtype = values.dtype
+    if not values.flags.c_contiguous or dtype.fields is not None or dtype.subdtype is not None or dtype.hasobject:
+        return Array(values)
+    shape = tuple(values.shape)
+    if (header := _written.get((dtype, shape))) is None:
+        array = Array(values)
+        if len(_written) >= HEADERS_KEPT:
+            _written.clear()
+        _written[dtype, shape] = array.data[: len(array.data) - values.nbytes]
+        return array
+    return Array(dtype=str(dtype), shape=shape, stype="numpy.ndarray", data=header + values.tobytes())
 
 
 def decode(array: Array) -> np.ndarray:

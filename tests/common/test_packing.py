@@ -120,3 +120,10 @@ def test_a_known_header_is_not_parsed_again(monkeypatch):
     monkeypatch.setattr(np.lib.format, "read_array_header_1_0", None)
     monkeypatch.setattr(Array, "numpy", None)
     assert packing.decode(Array(np.ones((3, 4), np.float32))).tolist() == [[1.0] * 4] * 3
+
+
+@pytest.mark.parametrize("values", DECODED, ids=range(len(DECODED)))
+def test_encode_writes_what_flower_writes_twice_over(values):
+    for _ in range(2):  # the second time with the remembered header
+        got, want = packing.encode(values), Array(values)
+        assert (got.dtype, got.shape, got.stype, got.data) == (want.dtype, want.shape, want.stype, want.data)
