@@ -14,6 +14,7 @@ Array per tensor, get what they always got.
 
 from __future__ import annotations
 
+import io
 import math
 import re
 
@@ -33,6 +34,10 @@ MAX_BYTES = 2**48
 SHAPE = re.compile(r"([0-9]{1,19}(,[0-9]{1,19})*)?")  # what `pack` writes: "", "7", "3,0,5"
 SHAPE_CHARS = MAX_DIMS * 20
 SHOWN = 60  # characters of a sender's key or dtype that an error message shows
+NPY_V1 = b"\x93NUMPY\x01\x00"  # what a .npy header of format 1.0 (all np.save writes for a model) starts with
+HEADERS_KEPT = 256  # parsed .npy headers remembered (a model has a few layouts)
+_headers: dict[bytes, tuple[tuple[int, ...], np.dtype]] = {}
+_written: dict[tuple[np.dtype, tuple[int, ...]], bytes] = {}  # the .npy header np.save writes, by layout
 
 
 class PackingError(ValueError):
@@ -49,12 +54,12 @@ def pack(content: RecordDict) -> RecordDict:
         groups: dict[str, list[np.ndarray]] = {}
         layout: dict[str, list[str]] = {"keys": [], "dtypes": [], "shapes": []}
         for key, array in record.items():
-            values = array.numpy()
+            values = decode(array)
             groups.setdefault(str(values.dtype), []).append(values.ravel())
             layout["keys"].append(key)
             layout["dtypes"].append(str(values.dtype))
             layout["shapes"].append(",".join(str(d) for d in values.shape))
-        packed[name] = ArrayRecord({dtype: Array(np.concatenate(parts)) for dtype, parts in groups.items()})
+        packed[name] = ArrayRecord({dtype: encode(np.concatenate(parts)) for dtype, parts in groups.items()})
         packed[name + LAYOUT] = ConfigRecord(layout)
     return packed
 
@@ -103,7 +108,7 @@ def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayReco
     if offsets != sizes:
         raise PackingError(f"{where}: {sum(sizes.values())} values for a layout of {sum(offsets.values())}")
     try:
-        flat = {dtype: array.numpy() for dtype, array in record.items()}
+        flat = {dtype: decode(array) for dtype, array in record.items()}
     except Exception as err:
         raise PackingError(f"{where}: arrays must be decodable ({type(err).__name__})") from err
     if any(
@@ -114,9 +119,52 @@ def _restore(record: ArrayRecord, layout: ConfigRecord, where: str) -> ArrayReco
     arrays = {}
     for key, dtype, shape in zip(keys, dtypes, dims):
         size = math.prod(shape)
-        arrays[str(key)] = Array(flat[dtype][offsets[dtype] : offsets[dtype] + size].reshape(shape).copy())
+        arrays[str(key)] = encode(flat[dtype][offsets[dtype] : offsets[dtype] + size].reshape(shape))
         offsets[dtype] += size
     return ArrayRecord(arrays)
+
+
+def encode(values: np.ndarray) -> Array:
+    """`Array(values)`, byte for byte, with the .npy header np.save writes taken once per dtype
+    and shape; an array not in C order, or of a structured or object dtype, is `Array(values)`."""
+    dtype = values.dtype
+    if not values.flags.c_contiguous or dtype.fields is not None or dtype.subdtype is not None or dtype.hasobject:
+        return Array(values)
+    shape = tuple(values.shape)
+    if (header := _written.get((dtype, shape))) is None:
+        array = Array(values)
+        if len(_written) >= HEADERS_KEPT:
+            _written.clear()
+        _written[dtype, shape] = array.data[: len(array.data) - values.nbytes]
+        return array
+    return Array(dtype=str(dtype), shape=shape, stype="numpy.ndarray", data=header + values.tobytes())
+
+
+def decode(array: Array) -> np.ndarray:
+    """`array.numpy()`, with each distinct .npy header parsed once: numpy parses it (with
+    `ast.literal_eval`) on every load, most of what decoding a small model's arrays costs. Only
+    a C-order array of a header numpy has parsed, with all its values present, is read here;
+    anything else goes to `Array.numpy`, which decodes it or raises as it always did."""
+    data = array.data
+    if array.stype != "numpy.ndarray" or not data.startswith(NPY_V1) or len(data) < 10:
+        return array.numpy()
+    start = 10 + int.from_bytes(data[8:10], "little")
+    header = data[:start]
+    if (layout := _headers.get(header)) is None:
+        try:
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(io.BytesIO(header[8:]))
+        except Exception:
+            return array.numpy()
+        if fortran or dtype.hasobject or dtype.itemsize == 0:
+            return array.numpy()
+        if len(_headers) >= HEADERS_KEPT:
+            _headers.clear()
+        layout = _headers[header] = (shape, dtype)
+    shape, dtype = layout
+    count = math.prod(shape)
+    if len(data) - start < count * dtype.itemsize:
+        return array.numpy()
+    return np.frombuffer(data, dtype, count, start).reshape(shape).copy()
 
 
 def _shapes(keys: list, dtypes: list, shapes: list, itemsizes: dict[str, int], where: str) -> list[tuple[int, ...]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from flwr.common.serde import recorddict_to_proto
 
-from florist.common.packing import NPY_HEADER_MAX
+from florist.common.packing import NPY_HEADER_MAX, decode
 
 if TYPE_CHECKING:
     from florist.common.spec import Exchange
@@ -79,7 +80,7 @@ def to_record(model: torch.nn.Module) -> ArrayRecord:
 def tensors_of(record: ArrayRecord, source: str) -> dict[str, torch.Tensor]:
     """The arrays of `record` as tensors; ProtocolError when one does not decode."""
     try:
-        return record.to_torch_state_dict()
+        return OrderedDict((key, torch.from_numpy(decode(array))) for key, array in record.items())
     except Exception as err:
         raise ProtocolError(f"{source}: an array does not decode ({type(err).__name__}: {err})") from err
 
