@@ -3,7 +3,7 @@
     python benchmarks/secagg_cost.py [--nodes 5 20 50] [--size 100000] [--repeat 1]
     python benchmarks/secagg_cost.py --federation [--nodes 5 20 50] [--rounds 3] [--partition iid] [--out DIR]
 
-By default it runs `florist.common.secagg.simulate` (every node in this one process, one after another) on
+By default it runs `florist.common.secagg_server.simulate` (every node in this one process, one after another) on
 random updates, once with every node answering and once with one node leaving after it shared its
 keys. Seconds are split by who worked: a node from its request to its reply, the server between
 stages; "nodes in parallel" adds each stage's mean node time to the server's, what a round would
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from florist.common import secagg
+from florist.common import secagg, secagg_server
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 
@@ -82,7 +82,7 @@ def measure(num_nodes: int, length: int, leave: dict[str, set[int]]) -> Cost:
         events.append((time.perf_counter(), stage, sender, recipient, size(payload)))
 
     start, cpu = time.perf_counter(), time.process_time()
-    secagg.simulate(updates, weights, secagg.SecAggSetup.for_nodes(num_nodes), leave=leave, spy=spy)
+    secagg_server.simulate(updates, weights, secagg.SecAggSetup.for_nodes(num_nodes), leave=leave, spy=spy)
     end, cpu = time.perf_counter(), time.process_time() - cpu
     down, up, node_s, server_s = (defaultdict(list) for _ in range(4))
     asked: dict[int, float] = {}

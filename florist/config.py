@@ -120,8 +120,7 @@ class RunConfig(Settings):
     dp_epsilon: float = setting(math.inf)
     dp_delta: float = setting(1e-5)
     dp_noise_multiplier: float = setting(0.0)  # σ (0: calibrated from dp-epsilon)
-    # local: what ε is about, zero-out (a dataset against no update) | replace-one (two datasets, sensitivity 2C)
-    dp_relation: str = setting("zero-out")
+    dp_relation: str = setting("zero-out")  # local dp's ε: zero-out | replace-one (two datasets, sensitivity 2C)
     dp_noise_seed: int = setting(0)  # 0: noise from the OS's entropy; else seeded (measurements only: docs/privacy.md)
     # secure aggregation of the model updates (SecAgg+: docs/secure-aggregation.md): none | secaggplus (the
     # server learns only the weighted mean); the quantization range, its bits, the largest weight, the threshold
@@ -138,8 +137,7 @@ class RunConfig(Settings):
     bind_node_keys: bool = setting(False, server=True)
     # evaluation: also report accuracy with the output masked to the train split's classes
     mask_classes: bool = setting(False)
-    # each node keeps the model it scored with, per run, in its state folder (client/personal.py): its last
-    # N runs' (0: none); a node that does not trust its server takes only its own --node-config's count
+    # each node keeps the model it scored with in its state folder, its last N runs' (client/personal.py)
     keep_models: int = setting(5, node=True)
     # ... under this folder (as <root>/<node key>/models/<run id>/) instead: simulate and compare put them in
     # the results folder (<results-dir>/nodes); a node that does not trust its server keeps its own choice
@@ -263,9 +261,8 @@ class RunConfig(Settings):
             ),
             (
                 self.dp_relation in privacy.LOCAL_RELATIONS and (self.dp == "local" or self.dp_relation == "zero-out"),
-                f'dp-relation must be one of {", ".join(privacy.LOCAL_RELATIONS)}, and replace-one needs dp = "local" '
-                f"(central's relation is add/remove, distributed's zero-out), got {self.dp_relation!r} "
-                f"under dp = {self.dp!r}",
+                f'dp-relation must be one of {", ".join(privacy.LOCAL_RELATIONS)}, replace-one under dp = "local" '
+                f"only (central's is add/remove, distributed's zero-out): got {self.dp_relation!r} (dp {self.dp!r})",
             ),
             (self.dp_noise_seed >= 0, "dp-noise-seed must be >= 0 (0: noise from the OS's entropy)"),
             (

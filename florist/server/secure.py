@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from florist.common import privacy, protocol, secagg
+from florist.common import privacy, protocol, secagg, secagg_server
 from florist.common import secagg_records as records
 from florist.common.spec import Exchange
 from florist.server.strategy import NodeInfo, ServerStrategy
@@ -119,9 +119,9 @@ def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_si
         return got
 
     public = ask(keys_x, {i: records.setup_values(i, setup) for i in info}, _own_keys)
-    state, public = secagg.server_keys(setup, public)
+    state, public = secagg_server.server_keys(setup, public)
     sent = ask(shares_x, dict.fromkeys(public, records.keys_values(public)), _shares_for(set(public)))
-    state, routed = secagg.server_route_shares(state, sent)
+    state, routed = secagg_server.server_route_shares(state, sent)
     reference = {records.MASKED: torch.zeros(size + secagg.HEADER, dtype=torch.uint32)}
     trained = ask(
         train_x,
@@ -131,12 +131,12 @@ def _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_si
         expect={records.SECAGG: reference} | ({protocol.SIDE: side} if side else {}),
     )
     reports = {i: r for i, (_, _, r) in trained.items()}
-    state, (survivors, dropped) = secagg.server_collect_masked(
+    state, (survivors, dropped) = secagg_server.server_collect_masked(
         state, {i: v for i, (v, _, _) in trained.items()}, reports
     )
     unmask = records.unmask_values(survivors, dropped)
     shares = ask(unmask_x, dict.fromkeys(survivors, unmask), lambda _, content, source: records.by_id(content, source))
-    result = secagg.server_aggregate(state, shares, {i: weights[n.node_id] for i, n in info.items()})
+    result = secagg_server.server_aggregate(state, shares, {i: weights[n.node_id] for i, n in info.items()})
     fail = strategy.exchanger.fail
     for i in sorted(set().union(*map(set, reports.values())) & set(state.sharers)):
         by = ", ".join(info[r].key for r, them in sorted(reports.items()) if i in them)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 
-from florist.common import secagg
+from florist.common import secagg, secagg_server
 from florist.common.secagg import HEADER, BelowThreshold, NodeState, SecAggSetup
 
 
@@ -41,7 +41,7 @@ def bound(setup: SecAggSetup, weights, nodes) -> float:
 def test_the_unmasked_aggregate_is_the_weighted_mean_within_the_quantization_bound(clip, bits):
     updates, weights = round_inputs(4, 1000, clip)
     setup = SecAggSetup.for_nodes(4, clip=clip, bits=bits)
-    result = secagg.simulate(updates, weights, setup)
+    result = secagg_server.simulate(updates, weights, setup)
     exact, most = weighted_mean(updates, weights, updates), bound(setup, weights, updates)
     assert np.abs(result.mean - exact).max() <= most
     # the bound tells the weighted mean from the plain one: a result that ignored the weights fails
@@ -59,7 +59,7 @@ def test_no_masked_vector_the_server_receives_equals_or_correlates_with_its_node
         if recipient == 0 and isinstance(payload, np.ndarray):
             received[sender] = payload
 
-    result = secagg.simulate(updates, weights, setup, spy=spy)
+    result = secagg_server.simulate(updates, weights, setup, spy=spy)
     assert sorted(received) == [1, 2, 3, 4]
     for nid, vector in received.items():
         update = updates[nid]
@@ -82,7 +82,7 @@ def test_a_node_that_leaves_does_not_stop_the_round_while_the_threshold_remains(
     updates, weights = round_inputs(5, 500, 8.0, seed=2)
     setup = SecAggSetup.for_nodes(5)
     assert setup.threshold == 3
-    result = secagg.simulate(updates, weights, setup, leave={stage: {2}})
+    result = secagg_server.simulate(updates, weights, setup, leave={stage: {2}})
     assert list(result.survivors) == included
     assert result.dropped == ((2,) if stage == "collect masked vectors" else ())
     exact = weighted_mean(updates, weights, included)
@@ -99,7 +99,7 @@ def test_a_node_that_leaves_does_not_stop_the_round_while_the_threshold_remains(
 def test_below_the_threshold_the_round_stops_naming_how_many_remain_and_the_threshold(leave, stage, remaining):
     updates, weights = round_inputs(5, 100, 8.0)
     with pytest.raises(BelowThreshold) as stopped:
-        secagg.simulate(updates, weights, SecAggSetup.for_nodes(5), leave=leave)
+        secagg_server.simulate(updates, weights, SecAggSetup.for_nodes(5), leave=leave)
     assert str(stopped.value) == (
         f"secure aggregation stopped at '{stage}': {remaining} node(s) remain, the threshold is 3"
     )
@@ -113,13 +113,13 @@ def by_hand(updates, weights, setup, tamper=lambda stage, nid, payload: payload)
     for nid in updates:
         state, keys[nid] = secagg.node_setup(nid, setup)
         states[nid] = ConfigRecord(state.to_record())
-    server, keys = secagg.server_keys(setup, keys)
+    server, keys = secagg_server.server_keys(setup, keys)
     sent = {}
     for nid in keys:
         state, texts, commitments = secagg.node_share_keys(NodeState.from_record(dict(states[nid])), keys)
         sent[nid] = tamper("share keys", nid, texts), commitments
         states[nid] = ConfigRecord(state.to_record())
-    server, routed = secagg.server_route_shares(server, sent)
+    server, routed = secagg_server.server_route_shares(server, sent)
     vectors, clipped = {}, {}
     for nid, got in routed.items():
         state = NodeState.from_record(dict(states[nid]))
@@ -127,12 +127,12 @@ def by_hand(updates, weights, setup, tamper=lambda stage, nid, payload: payload)
         state, vectors[nid], clipped[nid] = secagg.node_mask(state, texts, updates[nid], weights[nid], commitments)
         states[nid] = ConfigRecord(state.to_record())
     reported = {nid: list(NodeState.from_record(dict(states[nid])).reported) for nid in vectors}
-    server, request = secagg.server_collect_masked(server, vectors, reported)
+    server, request = secagg_server.server_collect_masked(server, vectors, reported)
     shares = {
         nid: tamper("unmask", nid, secagg.node_unmask(NodeState.from_record(dict(states[nid])), *request)[1])
         for nid in request[0]
     }
-    return secagg.server_aggregate(server, shares), clipped
+    return secagg_server.server_aggregate(server, shares), clipped
 
 
 def test_a_node_that_reveals_a_wrong_share_is_named_and_the_round_completes_without_its_shares():
