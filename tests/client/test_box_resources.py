@@ -84,7 +84,7 @@ def test_twenty_messages_leave_one_cache_entry_per_image_size_and_the_last_runs_
 
 def test_the_cache_stays_within_its_bound_least_recently_read_out_first_said_in_the_log(tmp_path, caplog):
     node = {"data-dir": str(_folder(tmp_path / "own")), "node-max-cache-mb": 0.012}  # room for one 16×16 entry
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="flwr"):  # another test may have left Flower's logger quieter
         for size in ("16,16", "12,12", "16,16", "14,14"):
             assert not _send(node, **{"image-size": size}).has_error()
     [left] = _entries(tmp_path)
