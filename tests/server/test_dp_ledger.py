@@ -133,7 +133,9 @@ def test_local_dp_may_promise_replace_one_at_twice_the_noise():
 
 
 def test_replace_one_outside_local_dp_is_one_line(refuses_in_one_line):
-    refuses_in_one_line(["--run-config", 'dp="central" dp-epsilon=3 dp-relation="replace-one"'], 'replace-one under dp = "local" only')
+    refuses_in_one_line(
+        ["--run-config", 'dp="central" dp-epsilon=3 dp-relation="replace-one"'], 'replace-one under dp = "local" only'
+    )
 
 
 def test_a_clipped_noise_share_goes_into_delta():
