@@ -87,6 +87,7 @@ SLOW = [
     "tests/deploy/test_data_cache.py",
     "tests/deploy/test_join.py",
     "tests/runners/test_ray_loopback.py",
+    "tests/deploy/test_registration_flood.py",
 ]
 # The quick files that take longest, longest first, for the same reason in `make test` (CPU
 # seconds in one process, measured on 2 cores: test_docs.py's quick pages 113 come first above).
