@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import math
 import zlib
 from collections.abc import Mapping
@@ -33,6 +34,8 @@ from florist.common.models import Net, seeded_model
 from florist.common.settings import Settings, coerce
 from florist.common.spec import Exchange, StrategySpec
 from florist.config import RunConfig
+
+log = logging.getLogger("flwr").getChild(__name__)  # in the node's log, beside Flower's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,4 +260,11 @@ def _cached_folder(data_dir: str, cfg: RunConfig, node_config: dict) -> data_lib
     key = {"data-dir": str(root.absolute()), "files": datacache.folder_fingerprint(root), "layout": "whole"}
     limit = guard.Limits.of(node_config).max_cache_mb * 1e6
     whole = datacache.cached(key | images.key(), lambda: folders.decode_folder(data_dir, images), limit)
-    return folders.split_folder(data_dir, whole, cfg.num_classes, cfg.seed, cfg.val_fraction, cfg.test_fraction)
+    client = folders.split_folder(data_dir, whole, cfg.num_classes, cfg.seed, cfg.val_fraction, cfg.test_fraction)
+    if (key["files"], cfg.seed) not in _DESCRIBED:  # once per process, not once per message
+        _DESCRIBED.add((key["files"], cfg.seed))
+        log.info("%s", client.describe(str(root)))
+    return client
+
+
+_DESCRIBED: set[tuple[str, int]] = set()
