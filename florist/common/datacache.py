@@ -34,7 +34,7 @@ from florist.common.data import ClientData
 from florist.common.storage import atomic_write, cache_dir
 
 log = logging.getLogger("flwr").getChild(__name__)  # in the node's log, beside Flower's
-VERSION = 2  # of the entries and of how data is decoded into them (2: one image shape per dataset); in every key
+VERSION = 3  # of the entries and of how data is decoded into them (3: the skipped files named); in every key
 ARRAYS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
 
 

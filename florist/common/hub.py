@@ -81,8 +81,8 @@ def to_arrays(
     options: folders.ImageOptions,
     report: Callable[[int], None] | None = None,
     shape: tuple[int, int, int] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of a `datasets.Dataset`: images as uint8 C×H×W (grayscale keeps one channel)
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(x, y, the bad files left out) of a `datasets.Dataset`: images as uint8 C×H×W (grayscale keeps one channel)
     decoded by `folders.ImageDecoder` with `options` to `shape` (the dataset's: `image_shape`;
     a bad file named by its path, or skipped and counted), numbers as float32; decoded
     `DECODE_CHUNK` rows at a time, `report(rows done)` after each."""
@@ -93,7 +93,7 @@ def to_arrays(
         x = np.asarray(rows[image], dtype=np.float32)
         if report:
             report(len(rows))
-        return x, y
+        return x, y, []
     decoder = folders.ImageDecoder(where, options, shape)
     for index, (name, open_image) in enumerate(_openers(rows, image, where)):
         decoder.add(index, name, open_image)
@@ -102,7 +102,7 @@ def to_arrays(
     if report:
         report(len(rows))
     x, kept = decoder.stack()
-    return x, y[kept]
+    return x, y[kept], decoder.skipped
 
 
 def _openers(rows, image: str, where: str):
@@ -213,8 +213,7 @@ def _decode(
     shape = image_shape(fds, test, image, origin, options)
     own_test = None if test is None else test.select(_own_test_rows(fds, test, label, partition_id, cfg, origin))
     total = len(rows) + (0 if own_test is None else len(own_test))
-    x, y = to_arrays(rows, image, label, where, options, lambda done: report(done, total), shape)
-    skipped = len(rows) - len(x)  # bad image files left out (`skip-bad-images`)
+    x, y, skipped = to_arrays(rows, image, label, where, options, lambda done: report(done, total), shape)
     x, y = folders.check_arrays(where, x, y, cfg.num_classes)
     seed = cfg.seed * 100_003 + partition_id
     if own_test is None:
@@ -223,11 +222,13 @@ def _decode(
     else:
         train, val = data_lib.val_split(len(x), cfg.val_fraction, seed)
         where, done = f"dataset {cfg.dataset!r}, test split, partition {partition_id}", len(rows)
-        x_test, y_test = to_arrays(own_test, image, label, where, options, lambda n: report(done + n, total), shape)
-        skipped += len(own_test) - len(x_test)
+        x_test, y_test, bad = to_arrays(
+            own_test, image, label, where, options, lambda n: report(done + n, total), shape
+        )
+        skipped += bad
         x_test, y_test = folders.check_arrays(where, x_test, y_test, cfg.num_classes)
     splits = (x[train], y[train], x[val], y[val], x_test, y_test)
-    return data_lib.ClientData(*splits, cfg.num_classes, skipped_images=skipped)
+    return data_lib.ClientData(*splits, cfg.num_classes, skipped_images=len(skipped), skipped_files=tuple(skipped))
 
 
 def _test_split(fds, label: str, dataset: str):

@@ -2,13 +2,14 @@
 `skip-bad-images` named in the node's log, also when the decoded data come from the cache."""
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from florist.client import node as node_lib
-from florist.common import datacache, folders
+from florist.common import datacache, folders, scenarios
 from florist.config import RunConfig
 
 BAD = ("train/a/cut.png", "train/b/junk.png", "test/a/cut.png")  # truncated, not an image, truncated
@@ -49,3 +50,13 @@ def test_a_node_names_its_skipped_files_also_from_the_cache(folder, monkeypatch,
         line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(f"data {folder}:"))
         assert "of 3×8×8; classes {0: 8, 1: 8}; 3 bad image files left out: " in line
         assert all(str(folder / n) in line for n in BAD)
+
+
+def test_a_simulated_client_keeps_its_skipped_files_names(folder, monkeypatch):
+    cfg = RunConfig.from_mapping(
+        {"dataset": str(folder), "partition": "iid", "num-classes": 2, "skip-bad-images": True}
+    )
+    for _ in range(2):  # decoded, then read back from the disk cache
+        monkeypatch.setattr(datacache, "_MEMORY", {})
+        data = scenarios.client_data(0, 1, cfg)
+        assert data.skipped_images == 3 and {Path(f).name for f in data.skipped_files} == {"cut.png", "junk.png"}
