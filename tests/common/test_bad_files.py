@@ -1,4 +1,4 @@
-"""Bad image files in a node's folder: all named in one refusal (not one per run), and with
+"""Bad image files in a node's folder or a simulated dataset: all named in one refusal (not one per run), and with
 `skip-bad-images` named in the node's log, also when the decoded data come from the cache."""
 
 import logging
@@ -60,3 +60,10 @@ def test_a_simulated_client_keeps_its_skipped_files_names(folder, monkeypatch):
         monkeypatch.setattr(datacache, "_MEMORY", {})
         data = scenarios.client_data(0, 1, cfg)
         assert data.skipped_images == 3 and {Path(f).name for f in data.skipped_files} == {"cut.png", "junk.png"}
+
+
+def test_simulate_names_every_bad_file_of_both_splits_in_one_refusal(folder):
+    cfg = RunConfig.from_mapping({"dataset": str(folder), "partition": "iid", "num-classes": 2})
+    with pytest.raises(ValueError, match=r"^3 bad image files: ") as err:
+        scenarios.client_data(0, 1, cfg)
+    assert "\n" not in str(err.value) and str(err.value).count("cannot be read as an image") == 3
