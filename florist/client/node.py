@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import logging
 import math
 import zlib
 from collections.abc import Mapping
@@ -33,6 +34,8 @@ from florist.common.models import Net, seeded_model
 from florist.common.settings import Settings, coerce
 from florist.common.spec import Exchange, StrategySpec
 from florist.config import RunConfig
+
+log = logging.getLogger("flwr").getChild(__name__)  # in the node's log, beside Flower's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,11 +244,19 @@ def node_data(node_config: dict, cfg: RunConfig) -> data_lib.ClientData:
 def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.ClientData]:
     """(node key, seen, data) from the node config."""
     if "data-dir" in node_config:
-        client = _cached_folder(str(node_config["data-dir"]), cfg, node_config)
-        return node_key(node_config), not bool(node_config.get("unseen", False)), client
-    pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
-    client = scenarios.client_data(pid, num, cfg)
-    return node_key(node_config), pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed), client
+        source = str(Path(str(node_config["data-dir"])).expanduser())
+        client = _cached_folder(source, cfg, node_config)
+        seen = not bool(node_config.get("unseen", False))
+    else:
+        pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
+        source = f"{cfg.dataset!r}, partition {pid} of {num}"
+        client = scenarios.client_data(pid, num, cfg)
+        seen = pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed)
+    described = client.describe(source)
+    if described not in _DESCRIBED:  # said once per process and data, not once per message
+        _DESCRIBED.add(described)
+        log.info("%s", described)
+    return node_key(node_config), seen, client
 
 
 def _cached_folder(data_dir: str, cfg: RunConfig, node_config: dict) -> data_lib.ClientData:
@@ -258,3 +269,6 @@ def _cached_folder(data_dir: str, cfg: RunConfig, node_config: dict) -> data_lib
     limit = guard.Limits.of(node_config).max_cache_mb * 1e6
     whole = datacache.cached(key | images.key(), lambda: folders.decode_folder(data_dir, images), limit)
     return folders.split_folder(data_dir, whole, cfg.num_classes, cfg.seed, cfg.val_fraction, cfg.test_fraction)
+
+
+_DESCRIBED: set[str] = set()  # the data lines this process has logged

@@ -43,6 +43,7 @@ class ClientData:
     num_classes: int
     cluster: int | None = None
     skipped_images: int = 0  # bad image files left out (`skip-bad-images`), counted in results.json
+    skipped_files: tuple[str, ...] = ()  # their names, where the decoder knew them (a node's own folder)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -51,6 +52,21 @@ class ClientData:
     @property
     def labelled(self) -> bool:
         return self.y_train is not None
+
+    def describe(self, source: str) -> str:
+        """One line on what this client read from `source`: sizes, samples per class, and every
+        bad file left out, so a node's log names them also when its data came from the cache."""
+        splits = [y for y in (self.y_train, self.y_val, self.y_test) if y is not None]
+        counts = np.bincount(np.concatenate(splits)) if splits else np.zeros(0, dtype=int)
+        classes = ", ".join(f"{c}: {n}" for c, n in enumerate(counts.tolist()) if n) or "unlabeled"
+        shape = "×".join(map(str, self.input_shape))
+        line = f"data {source}: {len(self.x_train)}/{len(self.x_val)}/{len(self.x_test)} train/val/test of {shape}"
+        line += f"; classes {{{classes}}}"
+        if self.skipped_images:
+            line += f"; {self.skipped_images} bad image files left out"
+        if self.skipped_files:
+            line += f": {', '.join(self.skipped_files)}"
+        return line
 
 
 @functools.cache

@@ -34,7 +34,7 @@ from florist.common.data import ClientData
 from florist.common.storage import atomic_write, cache_dir
 
 log = logging.getLogger("flwr").getChild(__name__)  # in the node's log, beside Flower's
-VERSION = 2  # of the entries and of how data is decoded into them (2: one image shape per dataset); in every key
+VERSION = 3  # of the entries and of how data is decoded into them (3: the skipped files named); in every key
 ARRAYS = ("x_train", "y_train", "x_val", "y_val", "x_test", "y_test")
 
 
@@ -148,10 +148,11 @@ def load(folder: Path) -> ClientData | None:
         log.warning("data cache %s is damaged (%s); decoding the data again", folder, err)
         shutil.rmtree(folder, ignore_errors=True)
         return None
-    skipped = int(meta.get("skipped_images", 0))
-    return ClientData(
-        **{name: arrays.get(name) for name in ARRAYS}, num_classes=meta["num_classes"], skipped_images=skipped
-    )
+    skipped = {
+        "skipped_images": int(meta.get("skipped_images", 0)),
+        "skipped_files": tuple(meta.get("skipped_files", ())),
+    }
+    return ClientData(**{name: arrays.get(name) for name in ARRAYS}, num_classes=meta["num_classes"], **skipped)
 
 
 def _checked(path: Path, record: dict[str, Any]) -> np.ndarray:
@@ -184,6 +185,7 @@ def _save(folder: Path, client: ClientData) -> None:
                 stat = path.stat()
                 files[name] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
         meta = {"num_classes": client.num_classes, "files": files, "skipped_images": client.skipped_images}
+        meta["skipped_files"] = list(client.skipped_files)  # named in the node's log on every later read
         atomic_write(staging / "meta.json", lambda f: f.write(json.dumps(meta).encode()))
         shutil.rmtree(folder, ignore_errors=True)  # a damaged entry, or one another process wrote meanwhile
         staging.rename(folder)

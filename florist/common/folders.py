@@ -21,11 +21,11 @@ from pathlib import Path
 import numpy as np
 
 from florist.common import splitting
+from florist.common.badfiles import BadImages, refuse_all, shown
 from florist.common.data import ClientData
 from florist.common.settings import coerce
 
 log = logging.getLogger(__name__)
-SHOWN_BAD = 3  # bad files named in the line that counts the skipped ones
 IMAGE_SIZE_FORM = "H,W (whole pixels >= 1, e.g. 64,64) or empty (images as they are)"
 TEST_FRACTION = 0.2  # a node's test share when its folder has no test set and it is given none (the run's default)
 LAYOUTS = (
@@ -122,6 +122,7 @@ class ImageDecoder:
         self.names: list[str] = []
         self.indices: list[int] = []
         self.skipped: list[str] = []
+        self.bad: list[tuple[str, str, str]] = []  # without `skip_bad`: refused together in `stack`
 
     def add(self, index: int, name: str, open_image: Callable) -> None:
         """Decode sample `index`, the image `open_image()` opens (`name`: its path)."""
@@ -154,17 +155,21 @@ class ImageDecoder:
             else:
                 why = f"is {_size(array.shape)} but most images are {_size(expected)}"
                 self._bad(self.names[i], why, f"set image-size={expected[1]},{expected[2]} to resize every image")
+        if self.bad:
+            raise BadImages(self.bad)
         if self.skipped:
-            shown = ", ".join(self.skipped[:SHOWN_BAD]) + (", ..." if len(self.skipped) > SHOWN_BAD else "")
-            log.warning("%s: skipped %d bad image files (skip-bad-images): %s", self.where, len(self.skipped), shown)
+            log.warning(
+                "%s: skipped %d bad image files (skip-bad-images): %s",
+                self.where,
+                len(self.skipped),
+                shown(self.skipped),
+            )
         if not keep:
             raise ValueError(f"{self.where}: no readable image (skipped {len(self.skipped)} bad files)")
         return np.stack([images[i] for i in keep]), np.asarray([self.indices[i] for i in keep], dtype=np.int64)
 
     def _bad(self, name: str, why: str, fix: str) -> None:
-        if not self.options.skip_bad:
-            raise ValueError(f"{name}: {why}; {fix}, or set skip-bad-images=true to leave such files out")
-        self.skipped.append(name)
+        (self.skipped.append(name) if self.options.skip_bad else self.bad.append((name, why, fix)))
 
 
 def _size(shape: tuple[int, ...]) -> str:
@@ -199,10 +204,11 @@ def decode_folder(data_dir: str | Path, images: ImageOptions = ImageOptions()) -
     listed = [image_files(tree) for tree in trees]
     shape = decoded_shape(survey(_opener(f) for files, _ in listed for f in files), images)
     ids = labels(*(classes for _, classes in listed))
-    decoded = [decode_files(t, f, y, None, images, shape) for t, (f, _), y in zip(trees, listed, ids)]
+    trees_ids = zip(trees, listed, ids)
+    decoded = refuse_all(lambda t=t, f=f, y=y: decode_files(t, f, y, None, images, shape) for t, (f, _), y in trees_ids)
     test = decoded[1][:2] if len(decoded) == 2 else (None, None)
-    skipped = sum(d[2] for d in decoded)
-    return ClientData(*decoded[0][:2], None, None, *test, num_classes=0, skipped_images=skipped)
+    skipped = tuple(name for d in decoded for name in d[4])
+    return ClientData(*decoded[0][:2], None, None, *test, 0, skipped_images=len(skipped), skipped_files=skipped)
 
 
 def _trees(root: Path) -> list[Path]:
@@ -291,7 +297,7 @@ def image_folder(
     file of each row; decoded to its own most common size (`survey`)."""
     files, classes = image_files(path)
     shape = decoded_shape(survey(_opener(f) for f in files), options)
-    return decode_files(path, files, labels(classes)[0], num_classes, options, shape)
+    return decode_files(path, files, labels(classes)[0], num_classes, options, shape)[:4]
 
 
 def image_files(path: Path) -> tuple[list[str], list[str] | None]:
@@ -332,15 +338,15 @@ def decode_files(
     num_classes: int | None,
     options: ImageOptions,
     shape: tuple[int, int, int] | None,
-) -> tuple[np.ndarray, np.ndarray | None, int, list[str]]:
-    """(x, y, bad files left out, the file of each row) of `image_files`' listing of `path`,
-    decoded to `shape`."""
+) -> tuple[np.ndarray, np.ndarray | None, int, list[str], list[str]]:
+    """(x, y, bad files left out, the file of each row, the bad files' names) of
+    `image_files`' listing of `path`, decoded to `shape`."""
     decoder = ImageDecoder(str(path), options, shape)
     for index, file in enumerate(files):
         decoder.add(index, file, _opener(file))
     x, kept = decoder.stack()
     checked = check_arrays(str(path), x, None if y is None else y[kept], num_classes)
-    return *checked, len(decoder.skipped), [files[i] for i in kept]
+    return *checked, len(decoder.skipped), [files[i] for i in kept], decoder.skipped
 
 
 def image_array(image) -> np.ndarray:

@@ -26,6 +26,7 @@ import numpy as np
 
 from florist.common import data as data_lib
 from florist.common import datacache, folders
+from florist.common.badfiles import refuse_all
 
 log = logging.getLogger(__name__)
 DECODE_CHUNK = 1000  # rows decoded at once: bounds the PIL images alive and paces progress
@@ -81,8 +82,8 @@ def to_arrays(
     options: folders.ImageOptions,
     report: Callable[[int], None] | None = None,
     shape: tuple[int, int, int] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of a `datasets.Dataset`: images as uint8 C×H×W (grayscale keeps one channel)
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(x, y, the bad files left out) of a `datasets.Dataset`: images as uint8 C×H×W (grayscale keeps one channel)
     decoded by `folders.ImageDecoder` with `options` to `shape` (the dataset's: `image_shape`;
     a bad file named by its path, or skipped and counted), numbers as float32; decoded
     `DECODE_CHUNK` rows at a time, `report(rows done)` after each."""
@@ -93,7 +94,7 @@ def to_arrays(
         x = np.asarray(rows[image], dtype=np.float32)
         if report:
             report(len(rows))
-        return x, y
+        return x, y, []
     decoder = folders.ImageDecoder(where, options, shape)
     for index, (name, open_image) in enumerate(_openers(rows, image, where)):
         decoder.add(index, name, open_image)
@@ -102,7 +103,7 @@ def to_arrays(
     if report:
         report(len(rows))
     x, kept = decoder.stack()
-    return x, y[kept]
+    return x, y[kept], decoder.skipped
 
 
 def _openers(rows, image: str, where: str):
@@ -207,27 +208,29 @@ def _decode(
             f"dataset {cfg.dataset!r}: partition {partition_id} of {cfg.partition!r} cannot be loaded ({err})"
         ) from None
     image, label = columns(rows.features, cfg.image_column, cfg.label_column)
-    where = f"dataset {cfg.dataset!r}, partition {partition_id}"
+    where, test_where = (f"dataset {cfg.dataset!r}, {split}partition {partition_id}" for split in ("", "test split, "))
     options = folders.ImageOptions.of(cfg)
     test = _test_split(fds, label, cfg.dataset) if "folder" in origin else None
     shape = image_shape(fds, test, image, origin, options)
     own_test = None if test is None else test.select(_own_test_rows(fds, test, label, partition_id, cfg, origin))
     total = len(rows) + (0 if own_test is None else len(own_test))
-    x, y = to_arrays(rows, image, label, where, options, lambda done: report(done, total), shape)
-    skipped = len(rows) - len(x)  # bad image files left out (`skip-bad-images`)
+    decoders = [lambda: to_arrays(rows, image, label, where, options, lambda done: report(done, total), shape)]
+    if own_test is not None:  # its bad files refused with the train split's, in one line
+        progress = lambda n: report(len(rows) + n, total)  # noqa: E731
+        decoders.append(lambda: to_arrays(own_test, image, label, test_where, options, progress, shape))
+    (x, y, skipped), *tested = refuse_all(decoders)
     x, y = folders.check_arrays(where, x, y, cfg.num_classes)
     seed = cfg.seed * 100_003 + partition_id
-    if own_test is None:
+    if not tested:
         train, val, held = data_lib.split_indices(len(x), cfg.val_fraction, cfg.test_fraction, seed)
         x_test, y_test = x[held], y[held]
     else:
         train, val = data_lib.val_split(len(x), cfg.val_fraction, seed)
-        where, done = f"dataset {cfg.dataset!r}, test split, partition {partition_id}", len(rows)
-        x_test, y_test = to_arrays(own_test, image, label, where, options, lambda n: report(done + n, total), shape)
-        skipped += len(own_test) - len(x_test)
-        x_test, y_test = folders.check_arrays(where, x_test, y_test, cfg.num_classes)
+        x_test, y_test, bad = tested[0]
+        skipped += bad
+        x_test, y_test = folders.check_arrays(test_where, x_test, y_test, cfg.num_classes)
     splits = (x[train], y[train], x[val], y[val], x_test, y_test)
-    return data_lib.ClientData(*splits, cfg.num_classes, skipped_images=skipped)
+    return data_lib.ClientData(*splits, cfg.num_classes, skipped_images=len(skipped), skipped_files=tuple(skipped))
 
 
 def _test_split(fds, label: str, dataset: str):

@@ -17,13 +17,14 @@ def split_client(
     None) split by `seed`: with a test set, validation carved out of the training samples;
     without one, validation and test both out of them. `where`: the training samples' file or
     folder, which errors name."""
-    x, y, skipped = whole.x_train, whole.y_train, whole.skipped_images
+    x, y = whole.x_train, whole.y_train
+    skipped = {"skipped_images": whole.skipped_images, "skipped_files": whole.skipped_files}
     if whole.x_test is not None:
         return _carve(where, x, y, whole.x_test, whole.y_test, num_classes, seed, val_fraction, skipped)
     if len(x) < 3:
         raise ValueError(f"{where}: need at least 3 images (train, validation and test), got {len(x)}")
     train, val, test = split_indices(len(x), val_fraction, test_fraction, seed)
-    return ClientData(*_take(x, y, train), *_take(x, y, val), *_take(x, y, test), num_classes, skipped_images=skipped)
+    return ClientData(*_take(x, y, train), *_take(x, y, val), *_take(x, y, test), num_classes, **skipped)
 
 
 def _carve(
@@ -35,7 +36,7 @@ def _carve(
     num_classes: int,
     seed: int,
     val_fraction: float,
-    skipped: int = 0,
+    skipped: dict | None = None,
 ) -> ClientData:
     """A node's data whose test set is its own: validation carved out of the training set."""
     if x_test.shape[1:] != x_train.shape[1:]:
@@ -53,7 +54,7 @@ def _carve(
         x_test,
         y_test,
         num_classes,
-        skipped_images=skipped,
+        **(skipped or {}),
     )
 
 

@@ -109,9 +109,30 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
         "![accuracy per round](accuracy_per_round.png)",
         "",
         "![per-client accuracy](client_accuracy.png)",
+    ]
+    return "\n".join(lines + data_section(results))
+
+
+def data_section(results: dict[str, Any]) -> list[str]:
+    """What the clients read: the source, the classes, the image size, and how many bad image
+    files each left out (`skip-bad-images`), so a report says what its accuracy was measured on.
+    The files' names are in each node's log: a reply's metrics carry numbers only."""
+    cfg, clients = results["config"], results["clients"]
+    size = f"resized to {cfg['image-size']}" if cfg.get("image-size") else "decoded at their own size"
+    held = sum(c.get("num_train") or 0 for c in clients), sum(c.get("num_test") or 0 for c in clients)
+    lines = [
+        "",
+        "## Data",
+        "",
+        f"Source `{cfg.get('dataset', 'digits')}`, {cfg.get('num-classes', 10)} classes, images {size}; "
+        f"{plural(len(clients), 'client')} hold {held[0]:,} training and {held[1]:,} test samples.",
         "",
     ]
-    return "\n".join(lines)
+    skipped = [c for c in clients if c.get("skipped_images")]
+    if not skipped:
+        return lines + ["No image file was left out.", ""]
+    lines += ["Bad image files left out (`skip-bad-images`; each node's log names them):", ""]
+    return lines + [f"- {c['client']}: {plural(c['skipped_images'], 'file')}" for c in skipped] + [""]
 
 
 def global_model_note(results: dict[str, Any]) -> list[str]:

@@ -1,0 +1,69 @@
+"""Bad image files in a node's folder or a simulated dataset: all named in one refusal (not one per run), and with
+`skip-bad-images` named in the node's log, also when the decoded data come from the cache."""
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from florist.client import node as node_lib
+from florist.common import datacache, folders, scenarios
+from florist.config import RunConfig
+
+BAD = ("train/a/cut.png", "train/b/junk.png", "test/a/cut.png")  # truncated, not an image, truncated
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """train/ and test/ with two classes of 8×8 PNGs; the `BAD` files among them."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for c in "ab":
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(4):
+                Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(tmp_path / split / c / f"{i}.png")
+    for name in BAD:
+        (tmp_path / name).write_bytes((tmp_path / name).parent.joinpath("0.png").read_bytes()[:60])
+    (tmp_path / "train/b/junk.png").write_bytes(b"not an image")
+    return tmp_path
+
+
+def test_every_bad_file_is_named_in_one_refusal(folder):
+    with pytest.raises(ValueError) as err:
+        folders.decode_folder(folder)
+    text = str(err.value)
+    assert text.startswith("3 bad image files: ") and "\n" not in text and "skip-bad-images=true" in text
+    assert all(f"{folder / name}: cannot be read as an image (" in text for name in BAD)
+
+
+def test_a_node_names_its_skipped_files_also_from_the_cache(folder, monkeypatch, caplog):
+    cfg = RunConfig.from_mapping({"num-classes": 2, "skip-bad-images": True})
+    for _ in range(2):  # decoded, then read back from the disk cache by a fresh process
+        monkeypatch.setattr(datacache, "_MEMORY", {})
+        monkeypatch.setattr(node_lib, "_DESCRIBED", set())
+        caplog.clear()
+        with caplog.at_level(logging.INFO, "flwr"):
+            data = node_lib.node_data({"data-dir": str(folder)}, cfg)
+        assert data.skipped_images == 3 and set(data.skipped_files) == {str(folder / n) for n in BAD}
+        line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(f"data {folder}:"))
+        assert "of 3×8×8; classes {0: 8, 1: 8}; 3 bad image files left out: " in line
+        assert all(str(folder / n) in line for n in BAD)
+
+
+def test_a_simulated_client_keeps_its_skipped_files_names(folder, monkeypatch):
+    cfg = RunConfig.from_mapping(
+        {"dataset": str(folder), "partition": "iid", "num-classes": 2, "skip-bad-images": True}
+    )
+    for _ in range(2):  # decoded, then read back from the disk cache
+        monkeypatch.setattr(datacache, "_MEMORY", {})
+        data = scenarios.client_data(0, 1, cfg)
+        assert data.skipped_images == 3 and {Path(f).name for f in data.skipped_files} == {"cut.png", "junk.png"}
+
+
+def test_simulate_names_every_bad_file_of_both_splits_in_one_refusal(folder):
+    cfg = RunConfig.from_mapping({"dataset": str(folder), "partition": "iid", "num-classes": 2})
+    with pytest.raises(ValueError, match=r"^3 bad image files: ") as err:
+        scenarios.client_data(0, 1, cfg)
+    assert "\n" not in str(err.value) and str(err.value).count("cannot be read as an image") == 3
