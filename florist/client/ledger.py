@@ -21,6 +21,7 @@ What it cannot stop: a wiped state folder, or the same data behind a second inst
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -59,8 +60,7 @@ def own_plan(node: Node) -> privacy.Plan:
     releases = coerce(RELEASES, node.node_config.get(RELEASES, DEFAULT_RELEASES), int)
     if releases < 1:
         raise ValueError(f"node-config key {RELEASES!r} must be an integer >= 1, got {releases}")
-    sigma = cfg.dp_noise_multiplier or privacy.noise_multiplier(cfg.dp_epsilon, cfg.dp_delta, 1.0, releases)
-    return privacy.Plan(cfg.dp, cfg.dp_clip, sigma, cfg.dp_delta, cfg.dp_epsilon, 1.0)
+    return privacy.Plan.of(dataclasses.replace(cfg, num_server_rounds=releases))
 
 
 def refuse_unbounded(node: Node, message_type: str, bounded: Collection[str]) -> None:
@@ -77,19 +77,11 @@ def refuse_unbounded(node: Node, message_type: str, bounded: Collection[str]) ->
 
 
 def epsilon(spent: Mapping[float, int], delta: float) -> float:
-    """ε of the releases `spent` (how many at each noise multiplier σ), composed by RDP at q = 1."""
-    if not spent:
-        return 0.0
-    if len(spent) == 1:
-        [(sigma, count)] = spent.items()
-        return privacy.epsilon(sigma, 1.0, count, delta)
-    import dp_accounting
-    from dp_accounting import rdp
-
-    accountant = rdp.RdpAccountant(list(privacy.ORDERS))
-    for sigma, count in spent.items():
-        accountant.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(sigma), count))
-    return float(accountant.get_epsilon(delta))
+    """ε of the releases `spent` (how many at each noise multiplier σ) at q = 1, by the tighter of
+    the accountants, as σ was calibrated (a looser count would refuse releases the plan promised)."""
+    return privacy.tightest(tuple((1.0, sigma) for sigma, count in sorted(spent.items()) for _ in range(count)), delta)[
+        0
+    ]
 
 
 class Ledger:

@@ -90,7 +90,7 @@ def test_20_fresh_runs_claiming_one_round_each_stay_within_the_nodes_lifetime_bu
         replies.append(ask(InProcessGrid(app, [node_config]), config_run_id=i))
     epsilon, sigma, releases = released_epsilon(replies)
     assert releases == 20 and epsilon <= EPSILON
-    assert sigma == pytest.approx(22.16, rel=0.02)  # the node's own: ε = 1 over its 30 releases, not 1 round's
+    assert sigma == pytest.approx(20.43, rel=0.02)  # the node's own: ε = 1 over its 30 releases (PLD), not 1 round's
 
 
 def test_the_release_past_the_nodes_own_budget_is_refused_in_one_line(node_config):
@@ -116,7 +116,7 @@ def test_another_strategys_message_under_the_nodes_own_dp_is_refused_naming_its_
 
 def test_a_server_claiming_one_round_cannot_shrink_a_distributed_dp_nodes_sigma(tmp_path, caplog):
     """Under secure aggregation the server sends σ; nodes whose own ε = 1 is sized for their 30
-    releases (σ = 22.16) refuse the 4.x a one-round run asks for, so nothing is released."""
+    releases (σ = 20.43, PLD) refuse the 4.x a one-round run asks for, so nothing is released."""
     from florist.apps.server import run
 
     own = {"dp": "distributed", "dp-epsilon": EPSILON}
@@ -127,7 +127,7 @@ def test_a_server_claiming_one_round_cannot_shrink_a_distributed_dp_nodes_sigma(
     with server_identity(grid.run_id), pytest.raises(RuntimeError, match="0 node"):
         run(grid, cfg, None, grid.run_id)
     refused = [r.getMessage() for r in caplog.records if "left out of train.secagg" in r.getMessage()]
-    assert len(refused) == 4 and all("below the 22.16 its dp settings need" in m for m in refused), refused
+    assert len(refused) == 4 and all("below the 20.43 its dp settings need" in m for m in refused), refused
 
 
 def test_a_restarted_secure_round_masks_the_same_noised_vector(make_node):
@@ -167,4 +167,19 @@ def test_a_repeat_of_a_round_whose_reply_is_no_longer_kept_is_refused_not_drawn_
     assert Ledger(node).prior()["x"].tolist() == [5.0] * 3  # the newest are kept
     node.server_round = 1
     with pytest.raises(ValueError, match="round 1 of this run was released already and its noised reply is no longer"):
+        Ledger(node).release(lambda plan: {"x": np.zeros(3)})
+
+
+@pytest.mark.parametrize("node_config", [{}, {"dp": "local", "dp-epsilon": 8, "dp-releases": 20}])
+def test_every_release_a_plan_sized_is_answered_and_the_next_refused(make_node, node_config):
+    """σ is calibrated by the tighter accountant (PLD over 20 releases at ε = 8); the ledger must
+    count by the same, or it refuses releases the plan promised (by RDP's looser count, the 17th)."""
+    from florist.client.ledger import Ledger
+
+    node = make_node({"dp": "local", "dp-epsilon": 8, "num-server-rounds": 20}, node_config=node_config)
+    for server_round in range(1, 21):
+        node.server_round = server_round
+        Ledger(node).release(lambda plan: {"x": np.zeros(3)})
+    node.server_round = 21
+    with pytest.raises(ValueError, match="another noised release would spend"):
         Ledger(node).release(lambda plan: {"x": np.zeros(3)})
