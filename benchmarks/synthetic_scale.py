@@ -10,6 +10,12 @@ Issue 55's in-process target, 10,000 clients under 2 GB:
         [--runtime simulation|in-process] [--strategies fedavg,knnper,pefll]
     python benchmarks/synthetic_scale.py --runtime in-process --clients 10000 --rounds 3 \
         --fraction 0.01 --strategies fedavg
+
+Measured in-process on 2 cores beside other work (load 4-6), FedAvg, 3 rounds, 1 %: 1,000 clients,
+8 trained a round, 0.42 s a round, 53 ms per trained client, peak RSS 1,154 MB; 10,000 clients, 80
+trained, 4.01 s a round, 50 ms per trained client, peak RSS 1,583 MB (wall 445 s, most of it
+discovery and the final evaluation of every client). A round follows the clients it trains; the
+peak grows about 48 kB per client that exists, at discovery and the final evaluation, not per round.
 """
 
 from __future__ import annotations
