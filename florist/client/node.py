@@ -238,11 +238,12 @@ def node_key(node_config: dict) -> str:
 def node_data(node_config: dict, cfg: RunConfig) -> data_lib.ClientData:
     """The data a node with `node_config` holds in a run of `cfg` (its splits exactly as its
     handlers see them): what `florist predict --split` scores a kept model on."""
-    return _identity(node_config, cfg.for_node(node_config))[2]
+    return _identity(node_config, cfg.for_node(node_config), say=False)[2]
 
 
-def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.ClientData]:
-    """(node key, seen, data) from the node config."""
+def _identity(node_config: dict, cfg: RunConfig, say: bool = True) -> tuple[str, bool, data_lib.ClientData]:
+    """(node key, seen, data) from the node config; `say`: log the data's line (a node's log, not
+    `florist predict`'s output)."""
     if "data-dir" in node_config:
         source = str(Path(str(node_config["data-dir"])).expanduser())
         client = _cached_folder(source, cfg, node_config)
@@ -252,8 +253,7 @@ def _identity(node_config: dict, cfg: RunConfig) -> tuple[str, bool, data_lib.Cl
         source = f"{cfg.dataset!r}, partition {pid} of {num}"
         client = scenarios.client_data(pid, num, cfg)
         seen = pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed)
-    described = client.describe(source)
-    if described not in _DESCRIBED:  # said once per process and data, not once per message
+    if say and (described := client.describe(source)) not in _DESCRIBED:  # once per process and data
         _DESCRIBED.add(described)
         log.info("%s", described)
     return node_key(node_config), seen, client
