@@ -4,7 +4,9 @@ class probabilities `florist predict` gives. kNN-Per's module carries its datast
 (λ, k, σ, kernel) and does the interpolation itself, so nothing else travels with it.
 
 ONNX is not offered: torch's exporters need the `onnx` (and `onnxscript`) packages, which
-florist does not depend on."""
+florist does not depend on. Nor `torch.export`, which torch 2.14's load warning points to: it
+cannot save the network-only module, takes no uint8 input and is 10× slower to save and load
+(docs/using-models.md has the figures)."""
 
 from __future__ import annotations
 
