@@ -18,6 +18,7 @@ from typing import Any
 from florist.common import client_mods, devices, privacy, scenarios
 from florist.common.data import PARTITIONS, parse_partition
 from florist.common.folders import parse_image_size
+from florist.common.key_hints import closest_key
 from florist.common.settings import NoSettings, Settings, setting
 
 AUGMENTS = ("none", "flip", "crop-flip")  # florist/common/training.py applies them
@@ -31,36 +32,6 @@ SECTIONS: dict[str, type[Settings]] = {}
 # The experiment trackers `trackers` may name (florist/server/tracking), each also the name of the
 # package it needs: the optional `tracking` extra installs them.
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-# What other tools and papers call a setting, with its key here: difflib finds typos, not these.
-SYNONYMS = {
-    "learning-rate": "lr",
-    "learningrate": "lr",
-    "step-size": "lr",
-    "epochs": "local-epochs",
-    "num-epochs": "local-epochs",
-    "rounds": "num-server-rounds",
-    "num-rounds": "num-server-rounds",
-    "server-rounds": "num-server-rounds",
-    "batch": "batch-size",
-    "batchsize": "batch-size",
-    "bs": "batch-size",
-    "seeds": "seed",
-    "random-seed": "seed",
-    "algorithm": "strategy",
-    "method": "strategy",
-    "mu": "proximal-mu",
-    "fraction-fit": "fraction-train",
-    "min-fit-clients": "min-train-nodes",
-    "min-available-clients": "min-nodes",
-    "output-dir": "results-dir",
-    "out-dir": "results-dir",
-}
-# The number of clients is no run-config key: each command takes it as a flag.
-NUM_CLIENTS_WORDS = frozenset(("clients", "num-clients", "nodes", "num-nodes", "num-supernodes", "num-partitions"))
-NUM_CLIENTS_HINT = (
-    "the number of clients is a flag: --num-clients (simulate, compare), --num-nodes (deploy-local, local-federation)"
-)
-WHERE_KEYS = "every key with its default: [tool.flwr.app.config] in pyproject.toml"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,17 +132,31 @@ class RunConfig(Settings):
     def from_mapping(cls, values: Mapping[str, Any], strict: bool = False) -> RunConfig:
         """Build from `{"kebab-key": value}`: unknown keys and wrong types are refused, and
         every strategy's section checks the keys it owns, whichever strategy runs."""
+        own, sections = cls._known(values)
+        common = super().from_mapping({k: v for k, v in values.items() if k in own})
+        for section in sections:
+            section.from_mapping(values)
+        return dataclasses.replace(common, settings=SECTIONS[common.strategy].from_mapping(values))
+
+    @classmethod
+    def check_types(cls, values: Mapping[str, Any]) -> None:
+        """Refuse, as `from_mapping` does, an unknown key or a value of the wrong type, but run no
+        value check: a node checks a server's whole config so, before its own values replace
+        any of it, and must not look at the folders the server names."""
+        for settings in (cls, *cls._known(values)[1]):
+            settings.typed(values)
+
+    @classmethod
+    def _known(cls, values: Mapping[str, Any]) -> tuple[set[str], set[type[Settings]]]:
+        """(the common keys, every strategy's section), once no key of `values` is unknown."""
         if not SECTIONS:
             raise RuntimeError("no strategy is known: import florist.apps.registry first (every entry point does)")
         own = set(cls.keys())
         sections = set(SECTIONS.values())
         known = own.union(*(s.keys() for s in sections))
         if unknown := sorted(set(values) - known):
-            raise ValueError(f"unknown run-config key {unknown[0]!r}; {_closest(unknown[0], known)}")
-        common = super().from_mapping({k: v for k, v in values.items() if k in own})
-        for section in sections:
-            section.from_mapping(values)
-        return dataclasses.replace(common, settings=SECTIONS[common.strategy].from_mapping(values))
+            raise ValueError(f"unknown run-config key {unknown[0]!r}; {closest_key(unknown[0], known)}")
+        return own, sections
 
     def to_mapping(self, travelling: bool = False) -> dict[str, Any]:
         """The kebab-case form (as in results.json); with `travelling`, what clients are sent."""
@@ -375,23 +360,6 @@ def parse_overrides(text: str) -> dict[str, Any]:
             raise ValueError(f"--run-config: {pair!r} is not key=value with a TOML value{hint}")
         values |= {next(iter(parsed)): value}
     return values
-
-
-def _closest(key: str, known: set[str]) -> str:
-    """Where to look instead of `key`, in a few words: the key another tool's word means
-    (`learning-rate`: `lr`), else the closest few (`local_epochs`: `local-epochs`); never all
-    ~100 keys, which bury the one meant."""
-    import difflib
-
-    word = key.lower().replace("_", "-")
-    if word in NUM_CLIENTS_WORDS:
-        return NUM_CLIENTS_HINT
-    meant = SYNONYMS.get(word, word)
-    close = [meant] if meant in known else difflib.get_close_matches(word, sorted(known), n=3, cutoff=0.6)
-    if not close:
-        return f"no key is close ({WHERE_KEYS})"
-    names = [repr(name) for name in close]
-    return f"did you mean {' or '.join(names)}? ({WHERE_KEYS})"
 
 
 def use_sections(sections: Mapping[str, type[Settings]]) -> None:

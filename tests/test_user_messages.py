@@ -13,7 +13,8 @@ import torch
 from florist import cli
 from florist.apps.server import OneLineStops
 from florist.common import scenarios
-from florist.config import NUM_CLIENTS_HINT, NUM_CLIENTS_WORDS, SECTIONS, SYNONYMS, WHERE_KEYS, RunConfig
+from florist.common.key_hints import NUM_CLIENTS_HINT, NUM_CLIENTS_WORDS, SYNONYMS, WHERE_KEYS
+from florist.config import SECTIONS, RunConfig
 
 NO_FOLDER = "no such folder (" + scenarios.LOCAL_DATASET + ")"
 

@@ -189,19 +189,18 @@ def names_a_folder(dataset: str) -> bool:
 
 
 def own_paths(values: Mapping[str, Any], node_config: Mapping[str, Any], who: str) -> dict[str, Any]:
-    """The server's settings `values` with the node's own `dataset` and `public-dir` in place
-    of the server's; Refused when the server names a folder that the node config does not set."""
+    """The server's settings `values` (type-checked whole: `RunConfig.check_types`) with the
+    node's own `dataset`, `public-dir`, `models-root` and `keep-models` in place of the server's;
+    Refused when the server names a folder that the node config does not set."""
     own = {
         key: node_config[key] for key in ("dataset", "public-dir", "models-root", "keep-models") if key in node_config
     }
     values = dict(values) | own
     if trusts_server(node_config):
         return values
-    # how many models it keeps is the node's to say too (its default); a value of the wrong type
-    # stays, to be refused with the message as malformed
-    if "keep-models" not in own and type(values.get("keep-models")) is int:
-        values.pop("keep-models")
-    if "models-root" not in own and isinstance(values.get("models-root"), str) and values["models-root"]:
+    if "keep-models" not in own:  # how many models it keeps is the node's to say too (its default)
+        values.pop("keep-models", None)
+    if "models-root" not in own and values.get("models-root"):
         log.info("%s: the server's models-root is ignored; this node keeps its models in its state folder", who)
         values["models-root"] = ""
     if "dataset" not in own and names_a_folder(str(values.get("dataset", ""))):

@@ -11,6 +11,7 @@ a server sends cannot spend the node's budget for it.
   from the server's num-server-rounds, and the node refuses, in one line, the release that would
   take it past its dp-epsilon, in whichever run. Without a dp of its own a node follows its
   server's settings, and the ledger counts the releases of that run only.
+- An account keeps at most KEPT_SIGMAS noise levels however often a server changes σ (`merge`).
 - Under its own dp the node answers only the message types its mechanism bounds
   (`refuse_unbounded`).
 
@@ -42,6 +43,7 @@ BOOK = "ledger.json"
 KEPT_REPLIES = 8  # stored noised replies (the newest); an older repeat is refused, never drawn again
 KEPT_KEYS = 4096  # (run, round) keys kept for repeats; what is spent is kept whole, as counts per σ
 KEPT_RUNS = 16  # the accounts of runs under their server's dp (the node's own is never dropped)
+KEPT_SIGMAS = 16  # distinct σ per account; past them the two nearest merge at the smaller (more ε, never less)
 DP_STRATEGIES = ("fedavg", "fedavg-ft", "knnper")  # whose every model message local and distributed dp noise
 
 
@@ -82,6 +84,18 @@ def epsilon(spent: Mapping[float, int], delta: float) -> float:
     return privacy.tightest(tuple((1.0, sigma) for sigma, count in sorted(spent.items()) for _ in range(count)), delta)[
         0
     ]
+
+
+def merge(counts: dict[str, int], who: str) -> None:
+    """Keep at most KEPT_SIGMAS σ in `counts` ({repr(σ): releases}), whatever σ a server sends
+    each release (under distributed dp any σ at least the node's, and with no finite dp-epsilon
+    no cap ends the releases): the releases at the larger of the two nearest σ are counted at the
+    smaller, which only overstates ε (a Gaussian release spends less the larger its σ)."""
+    while len(counts) > KEPT_SIGMAS:
+        sigmas = sorted(counts, key=float)
+        low, high = min(zip(sigmas, sigmas[1:]), key=lambda pair: float(pair[1]) / float(pair[0]))
+        counts[low] += counts.pop(high)
+        log.info("node %s: dp: over %d noise levels in its ledger: σ = %s counted at %s", who, KEPT_SIGMAS, high, low)
 
 
 class Ledger:
@@ -156,6 +170,7 @@ class Ledger:
     def _count(self, book: dict) -> None:
         counts = book["spent"].setdefault(self._account, {})
         counts[repr(self.plan.sigma)] = counts.get(repr(self.plan.sigma), 0) + 1
+        merge(counts, self.node.key)
         book["keys"] = [*book["keys"], self.key][-KEPT_KEYS:]
         runs = [account for account in book["spent"] if account != "own"]
         for account in runs[:-KEPT_RUNS]:

@@ -211,10 +211,15 @@ def _spec(strategies: Mapping[str, StrategySpec], name: str) -> StrategySpec:
 
 
 def _run_config(values: dict, node_config: dict, key: str) -> RunConfig:
-    """The server's settings `values` as this node takes them: with its own folders and
-    hardware (`guard.own_paths`, `guard.own_hardware`), and refused, before anything is
-    allocated, beyond its class, batch-size or pixel cap."""
+    """The server's settings `values` as this node takes them: refused in one line when one is
+    unknown or of the wrong type, even one the node overrides (the message is malformed); with its
+    own folders and hardware (`guard.own_paths`, `guard.own_hardware`), and refused, before
+    anything is allocated, beyond its class, batch-size or pixel cap."""
     who, limits = f"node {key}", guard.Limits.of(node_config)
+    try:  # the server's config as it sent it, before the node's own values replace any of it
+        RunConfig.check_types(values)
+    except ValueError as err:
+        raise ValueError(f"{who}: the server's {err}") from None
     values = guard.own_privacy(guard.own_paths(values, node_config, who), node_config, who)
     cfg = RunConfig.from_mapping(guard.own_hardware(values, node_config, who))
     limits.check_classes(cfg.num_classes, who)

@@ -8,7 +8,7 @@ runs' models, removing older ones: a server cannot fill the node's disk with fol
 A kept model is a folder: `model.npz` (the network's state dict), `extras.npz` (what else the
 strategy predicts with: kNN-Per's datastore) and `manifest.json`, written last, so a folder
 with a manifest is whole. The manifest says what the model is (strategy, architecture, input
-shape, classes), where it came from (run id, round, node key, the data's fingerprint, the run
+shape, classes and their names), where it came from (run id, round, node key, the data's fingerprint, the run
 config) and how it scored (`accuracy` on the node's test split, None without test labels).
 """
 
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from florist.client.state import NodeState, default_root
+from florist.common import classnames
 from florist.common import data as data_lib
 from florist.common.models import Net, build_model
 from florist.common.storage import atomic_write
@@ -53,6 +54,12 @@ class Kept:
     @property
     def num_classes(self) -> int:
         return int(self.manifest["num_classes"])
+
+    @property
+    def class_names(self) -> list[str]:
+        """Each class's name (a folder's class folder, a digit), its number where the data named
+        none or the model was kept before names were."""
+        return classnames.numbered(self.manifest.get("class_names"), self.num_classes)
 
     def network(self) -> Net:
         """The network with its kept weights, in eval mode."""
@@ -112,6 +119,10 @@ def keep(
         "model": getattr(model, "architecture", node.cfg.model),
         "input_shape": list(d.input_shape),
         "num_classes": node.cfg.num_classes,
+        "class_names": classnames.numbered(
+            classnames.named(node.cfg.dataset, node.cfg.num_classes, node.node_config.get("data-dir")),
+            node.cfg.num_classes,
+        ),
         "accuracy": accuracy,
         "num_test": len(d.x_test),
         "data": {"train": data_lib.fingerprint(d.x_train), "test": data_lib.fingerprint(d.x_test)},

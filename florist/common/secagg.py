@@ -171,11 +171,11 @@ def node_share_keys(
     every = [key for pair in public_keys.values() for key in pair]
     if len(set(every)) != len(every):
         raise ValueError(f"secure aggregation: node {me} was sent the same public key twice: refusing")
-    _enough(STAGES[1], len(public_keys), t)
+    check_enough(STAGES[1], len(public_keys), t)
     state.setup.check(len(public_keys))  # a node, too, refuses a threshold that is no majority of those it shares with
     seed, ids = os.urandom(32), sorted(public_keys)
     pairs = dict(zip(ids, zip(create_shares(seed, t, len(ids)), create_shares(state.mask_key, t, len(ids)))))
-    agreed = _agreed(state.crypt_key, {peer: public_keys[peer][1] for peer in ids if peer != me})
+    agreed = agreed_keys(state.crypt_key, {peer: public_keys[peer][1] for peer in ids if peer != me})
     sent = {peer: encrypt(key, share_keys_plaintext_concat(me, peer, *pairs[peer])) for peer, key in agreed.items()}
     shares, commitments = {me: pairs[me]}, {holder: checks.commit(me, holder, pair) for holder, pair in pairs.items()}
     state = dataclasses.replace(state, stage=STAGES[1], public_keys=dict(public_keys), seed=seed, shares=shares)
@@ -201,17 +201,17 @@ def node_mask(
     _expect(state, STAGES[2])
     if strangers := sorted(set(ciphertexts) - set(state.public_keys) | set(ciphertexts) & {state.node_id}):
         raise ValueError(f"secure aggregation: node {state.node_id} got shares from unknown node(s) {strangers}")
-    keys = _agreed(state.crypt_key, {src: state.public_keys[src][1] for src in ciphertexts})
+    keys = agreed_keys(state.crypt_key, {src: state.public_keys[src][1] for src in ciphertexts})
     opened = {src: _opened(state.node_id, src, keys[src], text, commitments) for src, text in ciphertexts.items()}
     shares = state.shares | {src: pair for src, pair in opened.items() if pair is not None}
     reported = tuple(sorted(src for src, pair in opened.items() if pair is None))
-    _enough(STAGES[2], len(shares), state.setup.threshold)
+    check_enough(STAGES[2], len(shares), state.setup.threshold)
     vector, clipped = _quantize(state.setup, update, weight)
     vector[1] *= count
-    vector += _mask(state.seed, vector.size)
+    vector += expand_mask(state.seed, vector.size)
     peers = tuple(sorted(set(ciphertexts) - set(reported)))
-    for peer, seed in sorted(_agreed(state.mask_key, {p: state.public_keys[p][0] for p in peers}).items()):
-        pairwise = _mask(seed, vector.size)
+    for peer, seed in sorted(agreed_keys(state.mask_key, {p: state.public_keys[p][0] for p in peers}).items()):
+        pairwise = expand_mask(seed, vector.size)
         vector += pairwise if state.node_id > peer else -pairwise
     masked = np.mod(vector, MODULUS).astype(np.uint32)
     state = dataclasses.replace(state, stage=STAGES[2], shares=shares, peers=peers, reported=reported)
@@ -232,7 +232,7 @@ def node_unmask(state: NodeState, survivors: list[int], dropped: list[int]) -> t
             f"secure aggregation: node {me} masked with {sorted(state.peers)}; asked about survivors"
             f" {sorted(alive)} and dropped {sorted(gone)}: refusing"
         )
-    _enough(STAGES[3], len(alive), t)
+    check_enough(STAGES[3], len(alive), t)
     reply = {n: state.shares[n][0] for n in alive} | {n: state.shares[n][1] for n in gone if n in state.shares}
     return dataclasses.replace(state, stage=STAGES[3]), reply
 
@@ -281,29 +281,29 @@ def _quantize(setup: SecAggSetup, update: np.ndarray, weight: float) -> tuple[np
     return np.concatenate([[q_weight, min(clipped, levels)], values]).astype(np.int64), clipped
 
 
-def _mask(seed: bytes, size: int) -> np.ndarray:
-    """`size` values uniform over [0, 2^32) (int64): ChaCha20's keystream keyed by the whole 256-bit seed
-    (a self-mask seed's 32 bytes, or the 32 bytes a pairwise key's base64 holds), read as uint32 words,
-    each exactly uniform on the field. Flower's `pseudo_rand_gen` folds its seed into 32 bits."""
+def expand_mask(seed: bytes, size: int) -> np.ndarray:
+    """A mask of `size` values uniform on the field [0, 2^32), from the seed's full 256 bits."""
+    # ChaCha20's keystream keyed by a self-mask seed's 32 bytes (or the 32 bytes a pairwise key's base64
+    # holds), read as uint32 words: each exactly uniform. Flower's `pseudo_rand_gen` folds a seed into 32 bits.
     key = seed if len(seed) == 32 else base64.urlsafe_b64decode(seed)
     stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()  # each key masks one vector
     return np.frombuffer(stream.update(bytes(4 * size)), dtype="<u4").astype(np.int64)
 
 
-def _agreed(private_key: bytes, public_keys: dict[int, bytes]) -> dict[int, bytes]:
-    """The key one node agrees with each other (ECDH, then HKDF), the same from either side: a pairwise
-    mask's seed from the mask keys, the key that encrypts shares from the encryption keys."""
+def agreed_keys(private_key: bytes, public_keys: dict[int, bytes]) -> dict[int, bytes]:
+    """Per peer, the key both sides derive alike (ECDH, then HKDF), so no key travels."""
+    # From the mask keys: a pairwise mask's seed; from the encryption keys: the key that encrypts shares.
     own = asymmetric.bytes_to_private_key(private_key)
     return {peer: generate_shared_key(own, asymmetric.bytes_to_public_key(key)) for peer, key in public_keys.items()}
 
 
-def _known(replies: dict, expected: object, stage: str) -> None:
-    """Replies only from the nodes this stage asked."""
+def check_known(replies: dict, expected: object, stage: str) -> None:
+    """Refuse replies from nodes this stage did not ask, so none can inject a vector or share."""
     if unknown := sorted(set(replies) - set(expected)):
         raise ValueError(f"secure aggregation: replies at '{stage}' from nodes {unknown} that were not asked")
 
 
-def _enough(stage: str, remaining: int, threshold: int) -> None:
-    """Shamir rebuilds a secret from t shares, not fewer."""
+def check_enough(stage: str, remaining: int, threshold: int) -> None:
+    """Refuse going on below t nodes: Shamir rebuilds a secret from t shares, not fewer."""
     if remaining < threshold:
         raise BelowThreshold(stage, remaining, threshold)

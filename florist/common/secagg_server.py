@@ -23,10 +23,10 @@ from florist.common.secagg import (
     NodeState,
     SecAggSetup,
     ServerState,
-    _agreed,
-    _enough,
-    _known,
-    _mask,
+    agreed_keys,
+    check_enough,
+    check_known,
+    expand_mask,
     node_mask,
     node_setup,
     node_share_keys,
@@ -41,7 +41,7 @@ log = logging.getLogger("flwr").getChild(__name__)
 
 def server_keys(setup: SecAggSetup, replies: dict[int, KeyPair]) -> tuple[ServerState, dict[int, KeyPair]]:
     """Stage 2 out: every node that answered setup gets every public key (a full graph)."""
-    _enough(STAGES[0], len(replies), setup.threshold)
+    check_enough(STAGES[0], len(replies), setup.threshold)
     return ServerState(setup, dict(replies)), dict(replies)
 
 
@@ -52,9 +52,9 @@ def server_route_shares(
     every other that did, the ciphertext addressed to it and the sender's commitment to what it
     holds (recipient -> sender -> (ciphertext, commitment)); the server cannot read the ciphertexts,
     and keeps the commitments to check the shares revealed at unmask."""
-    _known(replies, state.public_keys, STAGES[1])
+    check_known(replies, state.public_keys, STAGES[1])
     sharers = tuple(sorted(replies))
-    _enough(STAGES[1], len(sharers), state.setup.threshold)
+    check_enough(STAGES[1], len(sharers), state.setup.threshold)
     for src, (sent, commitments) in replies.items():
         if set(sent) != set(state.public_keys) - {src} or set(commitments) != set(state.public_keys):
             raise ValueError(f"secure aggregation: node {src} sent shares for {sorted(sent)}, not for all others")
@@ -71,13 +71,12 @@ def server_collect_masked(
     """Stage 4 out: the sum of the masked vectors, and the request every survivor gets: (survivors,
     dropped). A node another `reported` (sender -> the nodes whose shares it could not open) is
     dropped, its vector left out; the masks towards it are removed where they were added."""
-    _known(vectors, state.sharers, STAGES[2])
+    check_known(vectors, state.sharers, STAGES[2])
     reported = {n: set(reported.get(n, ())) & set(state.sharers) if reported else set() for n in vectors}
     accused = set().union(*reported.values())
     vectors = {n: v for n, v in vectors.items() if n not in accused}
     survivors = tuple(sorted(vectors))
-    _enough(STAGES[2], len(survivors), state.setup.threshold)
-    _enough(STAGES[2], len(survivors), state.setup.threshold)
+    check_enough(STAGES[2], len(survivors), state.setup.threshold)
     total = np.zeros(len(vectors[survivors[0]]), dtype=np.int64)
     for nid in survivors:
         v = np.asarray(vectors[nid])
@@ -99,7 +98,7 @@ def server_aggregate(
     shares (owner -> share, per answering survivor), remove the masks, check the sums (`secagg_checks.check_sums`;
     `weights`: each survivor's least and most weight, default (0, W)), and divide the weighted sum by
     the weight sum: Σ w·x / Σ w."""
-    _known(replies, state.survivors, STAGES[3])
+    check_known(replies, state.survivors, STAGES[3])
     t = state.setup.threshold
     dropped = tuple(n for n in state.sharers if n not in state.survivors)
     cheaters = tuple(
@@ -108,7 +107,7 @@ def server_aggregate(
         if not checks.as_committed(state.commitments, state.survivors, h, reply)
     )
     replies = {h: reply for h, reply in replies.items() if h not in cheaters}
-    _enough(STAGES[3], len(replies), t)
+    check_enough(STAGES[3], len(replies), t)
     total = state.masked_sum.copy()
     masked_with = {n for peers in state.peers.values() for n in peers}
     for owner in (n for n in state.sharers if n in state.survivors or n in masked_with):  # a node all reported: no mask
@@ -116,7 +115,7 @@ def server_aggregate(
         if owner in dropped:
             _remove_pairwise(total, owner, secret, state)
         else:
-            total -= _mask(secret, total.size)
+            total -= expand_mask(secret, total.size)
     total = np.mod(total, MODULUS)
     levels, clip = 2**state.setup.bits, state.setup.clip
     checks.check_sums(
@@ -130,7 +129,7 @@ def server_aggregate(
 
 def _rebuild(owner: int, shares: list[bytes], t: int) -> bytes:
     """Node `owner`'s secret from t of its shares (Shamir: more add nothing but time, quadratic in their number)."""
-    _enough(f"{STAGES[3]}: shares of node {owner}", len(shares), t)
+    check_enough(f"{STAGES[3]}: shares of node {owner}", len(shares), t)
     try:
         return combine_shares(shares[:t])
     except ValueError:
@@ -140,13 +139,13 @@ def _rebuild(owner: int, shares: list[bytes], t: int) -> bytes:
 def _remove_pairwise(total: np.ndarray, dropped: int, mask_key: bytes, state: ServerState) -> None:
     """Undo, in place, the pairwise mask each survivor added towards a dropped node (the server rebuilt its key)."""
     try:
-        seeds = _agreed(mask_key, {survivor: state.public_keys[survivor][0] for survivor in state.survivors})
+        seeds = agreed_keys(mask_key, {survivor: state.public_keys[survivor][0] for survivor in state.survivors})
     except ValueError:
         raise ValueError(f"secure aggregation: the shares of node {dropped} do not rebuild its key") from None
     for survivor, seed in seeds.items():
         if dropped not in state.peers[survivor]:  # it reported the dropped node: it added no mask towards it
             continue
-        pairwise = _mask(seed, total.size)
+        pairwise = expand_mask(seed, total.size)
         total += -pairwise if survivor > dropped else pairwise
 
 

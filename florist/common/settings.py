@@ -45,6 +45,16 @@ class Settings:
     def from_mapping(cls, values: Mapping[str, Any], strict: bool = False) -> Settings:
         """The settings from the keys of `values` that are ours (defaults for the rest; with
         `strict`, a missing key is an error), type-checked and validated."""
+        settings = cls(**cls.typed(values, strict))
+        for ok, message in settings.checks():
+            if not ok:
+                raise ValueError(f"invalid run config: {message}")
+        return settings
+
+    @classmethod
+    def typed(cls, values: Mapping[str, Any], strict: bool = False) -> dict[str, Any]:
+        """Our keys of `values` as field-name arguments, each of its field's type: the type check
+        without `checks`, some of which look at the file system (a dataset folder)."""
         kwargs = {}
         for key, f in cls.fields():
             if key in values and values[key] is None and isinstance(f.default, float) and math.isinf(f.default):
@@ -53,11 +63,7 @@ class Settings:
                 kwargs[f.name] = coerce(key, values[key], type(f.default))
             elif strict:
                 raise ValueError(f"setting {key!r} is missing")
-        settings = cls(**kwargs)
-        for ok, message in settings.checks():
-            if not ok:
-                raise ValueError(f"invalid run config: {message}")
-        return settings
+        return kwargs
 
     def to_mapping(self, travelling: bool = False) -> dict[str, Any]:
         """`{kebab-key: value}`; with `travelling`, only what the clients are sent."""

@@ -4,7 +4,9 @@ class probabilities `florist predict` gives. kNN-Per's module carries its datast
 (λ, k, σ, kernel) and does the interpolation itself, so nothing else travels with it.
 
 ONNX is not offered: torch's exporters need the `onnx` (and `onnxscript`) packages, which
-florist does not depend on."""
+florist does not depend on. Nor `torch.export`, which torch 2.14's load warning points to: it
+cannot save the network-only module, takes no uint8 input and is 10× slower to save and load
+(docs/using-models.md has the figures)."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class Personal(nn.Module):
     `personal_proba`, `knn_proba`, `mix`), searched exactly (brute-force L2, as FAISS's flat index).
 
     forward(x): x is N×input shape, float32 (uint8 images are divided by 255 first, the scaling
-    florist trains with); returns N×C float32 probabilities.
+    florist trains with); returns N×C float32 probabilities, column c that of `class_names[c]`.
     """
 
     def __init__(
@@ -49,8 +51,10 @@ class Personal(nn.Module):
         input_shape: tuple[int, ...],
         store: tuple[np.ndarray, np.ndarray] | None = None,
         knn: dict[str, Any] | None = None,
+        class_names: list[str] | None = None,
     ):
         super().__init__()
+        self.class_names = list(class_names or [])  # column c of the output is class_names[c]'s probability
         if type(net).features is not Net.features:
             raise ValueError(f"model {net.architecture!r}: its features are not its body's output; not exportable")
         self.body, self.head = net.body, net.head  # not `net`: TorchScript reads Net's class annotations as types
@@ -114,7 +118,11 @@ def module_for(kept: personal.Kept) -> torch.jit.ScriptModule:
         if "embeddings" not in extras or "labels" not in extras or not len(extras["labels"]):
             raise ValueError(f"{kept.folder}: a kNN-Per model without its store (extras.npz: embeddings, labels)")
         personal_module = Personal(
-            kept.network(), kept.input_shape, (extras["embeddings"], extras["labels"]), kept.manifest["knn"]
+            kept.network(),
+            kept.input_shape,
+            (extras["embeddings"], extras["labels"]),
+            kept.manifest["knn"],
+            kept.class_names,
         )
     else:
         from florist.apps.client import PREDICTORS
@@ -123,7 +131,7 @@ def module_for(kept: personal.Kept) -> torch.jit.ScriptModule:
             raise ValueError(
                 f"{kept.folder}: strategy {strategy!r} predicts with more than its network; not exportable"
             )
-        personal_module = Personal(kept.network(), kept.input_shape)
+        personal_module = Personal(kept.network(), kept.input_shape, class_names=kept.class_names)
     personal_module.requires_grad_(False)  # an application's calls build no autograd graph
     with _quiet():
         return torch.jit.script(personal_module.eval())
@@ -139,16 +147,18 @@ def export(kept: personal.Kept, out: Path) -> Export:
     if index not in EXACT:
         search = f"exact (brute-force L2); the run searched an approximate {index} index, so a few samples may differ"
     manifest = kept.manifest | {
+        "class_names": kept.class_names,
         "export": {
             "format": "torchscript",
             "file": MODULE,
             "input": {"dtype": "float32", "shape": ["N", *kept.input_shape], "range": INPUT_RANGE},
             "output": "probabilities",
             "output_shape": ["N", kept.num_classes],
+            "class_names": "column c is the probability of class_names[c] (also the module's `class_names`)",
             "load": f"torch.jit.load('{MODULE}')(x)",
             **({"knn_search": search} if "knn" in kept.manifest else {}),
             "exported": time.time(),
-        }
+        },
     }
     try:
         out.mkdir(parents=True, exist_ok=True)

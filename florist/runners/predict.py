@@ -164,13 +164,14 @@ def check_out(out: str | Path) -> Path:
 
 
 def csv_lines(prediction: Prediction) -> list[str]:
-    """`index,class,p_0,...,p_{C-1}`: a header and one row per sample, probabilities to 6 decimals;
-    samples read from image files have their file after the index (`index,file,class,...`)."""
-    files = prediction.samples.files
-    header = ",".join(["index", *(["file"] if files else []), "class"])
+    """`index,class,class_name,p_0,...,p_{C-1}`: a header and one row per sample, probabilities to
+    6 decimals; samples read from image files have their file after the index (`index,file,...`)."""
+    files, names = prediction.samples.files, prediction.kept.class_names
+    header = ",".join(["index", *(["file"] if files else []), "class", "class_name"])
     header += "," + ",".join(f"p_{c}" for c in range(prediction.probs.shape[1]))
     rows = (
-        f"{i},{_csv_field(files[i]) + ',' if files else ''}{c}," + ",".join(f"{p:.6f}" for p in probs)
+        f"{i},{_csv_field(files[i]) + ',' if files else ''}{c},{_csv_field(names[c])},"
+        + ",".join(f"{p:.6f}" for p in probs)
         for i, (c, probs) in enumerate(zip(prediction.classes.tolist(), prediction.probs, strict=True))
     )
     return [header, *rows]
@@ -189,10 +190,10 @@ def describe(kept: Kept) -> dict[str, Any]:
 
 
 def as_json(prediction: Prediction) -> dict[str, Any]:
-    """Every sample's class and probabilities (and label), the model and the score, exactly."""
-    y, files = prediction.samples.y, prediction.samples.files
+    """Every sample's class, its name and probabilities (and label), the model and the score, exactly."""
+    y, files, names = prediction.samples.y, prediction.samples.files, prediction.kept.class_names
     rows = [
-        {"index": i, **({"file": files[i]} if files else {}), "class": c, "probabilities": p}
+        {"index": i, **({"file": files[i]} if files else {}), "class": c, "class_name": names[c], "probabilities": p}
         | ({} if y is None else {"label": int(y[i])})
         for i, (c, p) in enumerate(
             zip(prediction.classes.tolist(), prediction.probs.astype(float).tolist(), strict=True)
@@ -200,6 +201,7 @@ def as_json(prediction: Prediction) -> dict[str, Any]:
     ]
     return {
         "model": describe(prediction.kept),
+        "class_names": prediction.kept.class_names,
         "data": prediction.samples.source,
         "samples": len(rows),
         "correct": prediction.correct,

@@ -127,12 +127,21 @@ def data_section(results: dict[str, Any]) -> list[str]:
         f"Source `{cfg.get('dataset', 'digits')}`, {cfg.get('num-classes', 10)} classes, images {size}; "
         f"{plural(len(clients), 'client')} hold {held[0]:,} training and {held[1]:,} test samples.",
         "",
+        *class_line(results.get("class_names")),
     ]
     skipped = [c for c in clients if c.get("skipped_images")]
     if not skipped:
         return lines + ["No image file was left out.", ""]
     lines += ["Bad image files left out (`skip-bad-images`; each node's log names them):", ""]
     return lines + [f"- {c['client']}: {plural(c['skipped_images'], 'file')}" for c in skipped] + [""]
+
+
+def class_line(names: list[str] | None, shown: int = 50) -> list[str]:
+    """The classes by name, in label order (the first `shown`), where the data names them."""
+    if not names:
+        return []
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return ["Classes: " + ", ".join(f"{c} `{name}`" for c, name in enumerate(names[:shown])) + more + ".", ""]
 
 
 def global_model_note(results: dict[str, Any]) -> list[str]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from florist.common import protocol
+from florist.common import classnames, protocol
 from florist.common.metrics import summarize
 from florist.common.storage import atomic_write
 from florist.config import RunConfig
@@ -35,6 +35,9 @@ class Results:
         self.stopped = ""  # why training ended before num-server-rounds (a privacy budget), "" when it did not
         # central dp sampling a fraction: a private (Poisson) sample, whose rounds' failures name no node
         self.sample_withheld = cfg.dp == "central" and cfg.fraction_train < 1
+        # the classes' names as the run's dataset gives them (None: it names none; a node reading its
+        # own folder keeps its own names in its models' manifests)
+        self.class_names = classnames.named(cfg.dataset, cfg.num_classes)
 
     def add_round(
         self,
@@ -89,6 +92,7 @@ class Results:
             "complete": bool(self.clients),
             "rounds": self.rounds,
             "clients": self.clients,
+            **({"class_names": self.class_names} if self.class_names else {}),
             "summary": self.summary(),
             "round_accuracy": round_accuracy(self.rounds),
             "failures": withheld(self.failures, self.cfg.num_server_rounds) if self.sample_withheld else self.failures,

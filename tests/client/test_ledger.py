@@ -183,3 +183,22 @@ def test_every_release_a_plan_sized_is_answered_and_the_next_refused(make_node, 
     node.server_round = 21
     with pytest.raises(ValueError, match="another noised release would spend"):
         Ledger(node).release(lambda plan: {"x": np.zeros(3)})
+
+
+def test_a_server_changing_sigma_every_release_leaves_a_bounded_ledger_that_never_understates_epsilon(
+    make_node, monkeypatch
+):
+    """Under the node's own distributed dp with no finite dp-epsilon, any σ at least the node's is
+    taken: a σ a hair larger each release added an entry to the ledger per release, for good."""
+    from florist.client import ledger, secure
+
+    monkeypatch.setattr(ledger, "KEPT_SIGMAS", 4)  # the bound, small enough to pass in a few releases
+    own = {"dp": "distributed", "dp-noise-multiplier": 2.0}
+    node = make_node(own | {"secure-aggregation": "secaggplus"}, node_config=own)
+    sent = [2.0 * (1 + i / 100) for i in range(10)]
+    for server_round, sigma in enumerate(sent, 1):
+        node.server_round = server_round
+        secure.distributed_release(node, np.zeros(10), sigma, 3)
+    counts = {float(s): n for s, n in ledger.Ledger(node).files.load_json(ledger.BOOK)["spent"]["own"].items()}
+    assert len(counts) == 4 and sum(counts.values()) == len(sent) and min(counts) == sent[0]
+    assert ledger.epsilon(counts, DELTA) >= ledger.epsilon(dict.fromkeys(sent, 1), DELTA)  # at the smaller σ: more ε

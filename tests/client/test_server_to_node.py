@@ -199,6 +199,18 @@ def test_a_device_from_the_server_is_ignored_and_its_absence_tells_the_server_no
     assert trusted.startswith("ValueError in query.info: node partition-0: device 'cuda:7' is not available")
 
 
+def test_a_wrong_typed_server_value_is_refused_in_one_line_even_where_the_node_sets_its_own():
+    """The server's whole config is type-checked before the node's values replace any of it: a
+    malformed message is refused, not half-taken because the node happened to override the key."""
+    for key, node_value, sent in (("keep-models", 3, "all"), ("models-root", "/mine", 7), ("device", "cpu", 0)):
+        reason = _send({key: node_value}, raw={key: sent}).error.reason
+        assert reason == (
+            f"ValueError in query.info: node partition-0: the server's run-config key {key!r} expects "
+            f"{type(node_value).__name__}, got {sent!r} ({type(sent).__name__})"
+        )
+    assert not _send({"keep-models": 3}, raw={"keep-models": 100}).has_error()  # well typed: the node's own wins
+
+
 def test_a_label_range_error_tells_the_server_not_which_labels_the_node_holds(tmp_path, caplog):
     rng = np.random.default_rng(0)
     for split in ("train", "test"):

@@ -267,10 +267,10 @@ def test_masks_are_keyed_by_the_whole_seed_and_uniform_over_the_field():
     other = bytes([seed[0] ^ 1]) + seed[1:]  # one byte differs
     # Flower's generator folds a seed into the XOR of its 4-byte words: swapping two words kept its masks
     swapped = seed[4:8] + seed[:4] + seed[8:]
-    mask = secagg._mask(seed, 100_000)
-    assert np.array_equal(mask, secagg._mask(seed, 100_000))
+    mask = secagg.expand_mask(seed, 100_000)
+    assert np.array_equal(mask, secagg.expand_mask(seed, 100_000))
     for changed in (other, swapped):
-        assert np.count_nonzero(mask == secagg._mask(changed, 100_000)) < 10
+        assert np.count_nonzero(mask == secagg.expand_mask(changed, 100_000)) < 10
     assert mask.min() >= 0 and mask.max() < 2**32 and mask.dtype == np.int64
     assert abs(mask.mean() / 2**32 - 0.5) < 0.005 and abs(mask.std() / 2**32 - 12**-0.5) < 0.005
-    assert np.array_equal(secagg._mask(base64.urlsafe_b64encode(seed), 10), mask[:10])  # a pairwise key's form
+    assert np.array_equal(secagg.expand_mask(base64.urlsafe_b64encode(seed), 10), mask[:10])  # a pairwise key's form

@@ -227,3 +227,37 @@ def test_what_a_user_gets_wrong_is_one_line(ran, capsys, tmp_path):
         assert code == 2 and len(lines) == 1 and re.search(message, lines[0]), (args, lines)
         assert lines[0].startswith("florist: error: ") and not rows
     assert not (tmp_path / "rows.txt").exists()
+
+
+def test_rows_the_manifest_and_the_export_name_each_class(make_node, tmp_path):
+    """Issue 54: a row said `class 1`; which class that is was the user's to work out. A folder's
+    class folders name its classes, the embedded digits their digit, in the kept manifest, the
+    rows of `florist predict` and the exported module."""
+    import torch
+
+    from florist.common import folders
+    from florist.runners import export, predict
+
+    for i in range(12):
+        (tmp_path / "own" / ("cat", "dog")[i % 2]).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.full((8, 8), 20 * i, dtype=np.uint8)).save(
+            tmp_path / "own" / ("cat", "dog")[i % 2] / f"{i}.png"
+        )
+    own = {"data-dir": str(tmp_path / "own")}
+    values = {"num-server-rounds": 2, "num-classes": 3}
+    data = folders.folder_client(tmp_path / "own", 3, 0, 0.2, folders.ImageOptions(), 0.3)
+    node = make_node(values, data=data, node_config=own, server_round=3)
+    node.test_reply(node.new_model())  # the final evaluation keeps the model
+    kept = find(tmp_path / "state", node.key)
+    assert kept.manifest["class_names"] == ["cat", "dog", "2"]  # a class no folder holds: its number
+    prediction = predict.predict(kept, predict.Samples(data.x_test, data.y_test, "test"))
+    header, *rows = predict.csv_lines(prediction)
+    assert header.startswith("index,class,class_name,p_0")
+    assert [row.split(",")[2] for row in rows] == [kept.class_names[c] for c in prediction.classes]
+    assert predict.as_json(prediction)["predictions"][0]["class_name"] in ("cat", "dog", "2")
+    done = export.export(kept, tmp_path / "export")
+    assert torch.jit.load(str(done.module)).class_names == ["cat", "dog", "2"]
+    assert json.loads(done.manifest.read_text())["class_names"] == ["cat", "dog", "2"]
+    digits = make_node(values | {"num-classes": 10}, key="partition-1", server_round=3)
+    digits.test_reply(digits.new_model())
+    assert find(tmp_path / "state", "partition-1").class_names == [str(c) for c in range(10)]

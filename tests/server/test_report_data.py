@@ -33,3 +33,19 @@ def test_the_report_says_what_data_the_clients_read_and_what_they_left_out():
 
 def test_a_run_that_left_nothing_out_says_so():
     assert "No image file was left out." in markdown(_results({}, [0]))
+
+
+def test_the_report_names_the_classes_of_the_runs_dataset(tmp_path):
+    from florist.config import RunConfig
+    from florist.server.results import Results
+
+    for name in ("ant", "bee"):
+        (tmp_path / "insects" / "train" / name).mkdir(parents=True)
+    values = {"dataset": str(tmp_path / "insects"), "num-classes": 3, "results-dir": str(tmp_path / "run")}
+    names = Results(RunConfig.from_mapping(values)).to_json()["class_names"]
+    assert names == ["ant", "bee", "2"]  # a class no folder holds: its number
+    section = markdown(_results({}, [0]) | {"class_names": names}).split("## Data\n\n", 1)[1]
+    assert "Classes: 0 `ant`, 1 `bee`, 2 `2`." in section
+    assert "Classes:" not in markdown(_results({}, [0]))  # data that names none (an .npz, synthetic): no line
+    digits = Results(RunConfig.from_mapping({"results-dir": str(tmp_path / "run")})).to_json()["class_names"]
+    assert digits == [str(c) for c in range(10)]
