@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from florist.apps.server import server_half
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
 from florist.strategies.pefll.server import between_share
@@ -49,3 +50,22 @@ def test_the_between_share_is_zero_for_equal_descriptors_and_one_for_opposite_on
     assert between_share([v, v, v]) == 0.0
     assert between_share([v, -v]) == pytest.approx(1.0)
     assert between_share([torch.zeros(3), torch.zeros(3)]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("strategy", "encoder", "hint"),
+    [
+        ("pefll", "label-channels", 'try hn-encoder="slots"'),
+        ("pefll", "slots", "about 60 rounds"),
+        ("odpfl", "label-channels", 'use pefll with hn-encoder="slots"'),
+    ],
+)
+def test_the_warning_comes_once_at_round_five_and_names_what_to_try(caplog, strategy, encoder, hint):
+    cfg = RunConfig.from_mapping({"strategy": strategy, "hn-encoder": encoder, "num-server-rounds": 30})
+    server = server_half(strategy)(cfg, None, (1, 8, 8), 2)
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        server.watch(5, 0.01)  # separated: nothing said
+        for server_round in range(1, 31):
+            server.watch(server_round, 1e-5)
+    [said] = [r.getMessage() for r in caplog.records]
+    assert "round 5" in said and hint in said and said.startswith(strategy)
