@@ -4,6 +4,7 @@ A robust `aggregation` combines the clients' Δη in place of their mean (`robus
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,17 @@ from florist.strategies.pefll.spec import (
 )
 
 Params = dict[str, torch.Tensor]
+# A child of Flower's logger, so the warning reaches `flwr run --stream` and the SuperLink log.
+log = logging.getLogger("flwr").getChild(__name__)
 
 
 class PeFLL(ServerStrategy):
     settings: HyperNetSettings
     normalized = False  # OD-PFL's flag for its set encoder (PeFLL's network has no such choice)
     checkpointed = ("hyper", "embed", "optimizer", "standardizer")
+    SEPARATED = 1e-3  # below this share of between-node variance, descriptors do not separate nodes
+    WATCH_ROUND = 5  # the round (or the run's last, if sooner) whose descriptors are judged
+    HINT = 'if clients differ in how labels relate to inputs (concept shift), try hn-encoder="slots"'
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -103,12 +109,27 @@ class PeFLL(ServerStrategy):
         )
         # Only clients that completed all three exchanges count; fixed order: same seed, same sums.
         done = [n for n in nodes if n.node_id in embedded]
-        self.extras = {}
+        self.extras = {"descriptor_between": between_share(v.values())}
+        self.watch(server_round, self.extras["descriptor_between"])
         if done:
             ids = [n.node_id for n in done]
             outcome = self.update({i: (theta[i], delta[i], moved(embedded[i].arrays, self.device)) for i in ids})
-            self.extras = {} if outcome is None else outcome.row([n.key for n in done])
+            self.extras |= {} if outcome is None else outcome.row([n.key for n in done])
         return mean_loss(trained[n.node_id].metrics for n in done)
+
+    def watch(self, server_round: int, share: float) -> None:
+        """One warning line when, at `WATCH_ROUND`, the nodes' descriptors hardly differ: h then
+        gives every node nearly the same model, and a run under concept shift (label mixes alike,
+        labels meaning different things) stays near FedAvg's accuracy without a word."""
+        if server_round == min(self.WATCH_ROUND, self.cfg.num_server_rounds) and share < self.SEPARATED:
+            log.warning(
+                "%s's descriptors hardly differ between nodes (%.2g of their variance, round %d): every "
+                "node gets nearly the same model; %s",
+                self.cfg.strategy,
+                share,
+                server_round,
+                self.HINT if self.settings.encoder != "slots" else "slots may need about 60 rounds to separate them",
+            )
 
     def standardized(self, v: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Each node's descriptor as h reads it (`hn-standardize`: (v − m)/s), m and s fitted
@@ -161,8 +182,8 @@ class PeFLL(ServerStrategy):
         return outcome
 
     def round_extras(self) -> dict[str, Any]:
-        """Under a robust rule (`Outcome.row`): the rule that ran, why, and the nodes it left out
-        or clipped; empty under the plain mean."""
+        """The share of the descriptors' variance between nodes (`between_share`) and, under a
+        robust rule (`Outcome.row`), the rule that ran, why, and the nodes it left out or clipped."""
         return self.extras
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:
@@ -182,6 +203,14 @@ class PeFLL(ServerStrategy):
         requests = {node: self.request(EVALUATE_GENERATED, server_round, ArrayRecord(t)) for node, t in theta.items()}
         scored = self.ask(EVALUATE_GENERATED, requests, server_round, ("num-examples",) if serve else TESTED)
         return {node: reply.metrics | _descriptor_fields(described[node].metrics) for node, reply in scored.items()}
+
+
+def between_share(descriptors) -> float:
+    """The share of the descriptors' mean square that lies between nodes, Σ_i‖v_i − v̄‖² /
+    Σ_i‖v_i‖²: near 0, h reads every node alike and gives each nearly the same model."""
+    x = torch.stack([v.detach().flatten().double() for v in descriptors])
+    total = float(x.square().sum())
+    return float((x - x.mean(0)).square().sum()) / total if total > 0 else 0.0
 
 
 def _inner(theta: Params, delta: Params) -> torch.Tensor:
@@ -212,6 +241,7 @@ class ODPFL(PeFLL):
     """PeFLL's training on descriptors of unlabeled data."""
 
     settings: OnDemandSettings
+    HINT = 'its descriptors read no labels: under concept shift use pefll with hn-encoder="slots"'
 
     @property
     def normalized(self) -> bool:
