@@ -96,8 +96,9 @@ def test_predict_on_each_nodes_test_split_is_the_accuracy_its_run_reported(strat
         assert written["accuracy"] == client["accuracy"] and written["correct"] == correct
     code, rows, lines = predict(capsys, "--node-key", key, "--state-dir", state, "--split", "test")  # CSV on stdout
     header, *body = rows.strip().splitlines()
-    assert code == 0 and header == "index,class," + ",".join(f"p_{c}" for c in range(10))
+    assert code == 0 and header == "index,class,class_name," + ",".join(f"p_{c}" for c in range(10))
     assert [int(row.split(",")[1]) for row in body] == [r["class"] for r in written["predictions"]]
+    assert [row.split(",")[2] for row in body] == [str(r["class"]) for r in written["predictions"]]  # digits name themselves
 
 
 def test_odpfl_predicts_for_an_unlabeled_node_and_prints_no_accuracy(capsys, tmp_path):
