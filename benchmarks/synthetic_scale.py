@@ -15,7 +15,10 @@ Measured in-process on 2 cores beside other work (load 4-6), FedAvg, 3 rounds, 1
 8 trained a round, 0.42 s a round, 53 ms per trained client, peak RSS 1,154 MB; 10,000 clients, 80
 trained, 4.01 s a round, 50 ms per trained client, peak RSS 1,583 MB (wall 445 s, most of it
 discovery and the final evaluation of every client). A round follows the clients it trains; the
-peak grows about 48 kB per client that exists, at discovery and the final evaluation, not per round.
+peak grew about 48 kB per client that exists, at discovery and the final evaluation, not per round.
+Since a Grid in the server's process gets its messages 1,000 at a time (`exchange.LOCAL_CHUNK`),
+side by side at load 10-19: 1,000 clients 975 MB before, 1,009 after; 10,000 clients 1,401 MB
+before, 1,029 after (~2 kB per client that exists), accuracies identical.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ class InProcessGrid:
     `start` makes (node ids, send and receive), answered at once by calling the ClientApp. A
     handler that raises gives an error reply, as Flower's runtimes do."""
 
+    in_process = True  # the server's exchanges send it messages in batches (`exchange.LOCAL_CHUNK`)
+
     def __init__(
         self,
         client_app: ClientApp,

@@ -61,3 +61,23 @@ def test_nbytes_counts_the_payload():
     params = sum(p.numel() for p in build_model("cnn", (1, 8, 8), 10).parameters())
     assert protocol.nbytes(small) < protocol.nbytes(large)
     assert 4 * params <= protocol.nbytes(large) < 4 * params * 1.05  # float32 plus a little framing
+
+
+@pytest.mark.parametrize(
+    "value, refusal",
+    [
+        (float("nan"), "contains NaN or Inf"),
+        (-float("inf"), "contains NaN or Inf"),
+        (-2e9, r"has values beyond ±1e\+09"),
+        (1e9, None),  # the bound itself passes
+    ],
+)
+def test_one_bad_value_among_finite_ones_is_refused_by_what_it_is(value, refusal):
+    reference = {"w": torch.zeros(70_000), "empty": torch.zeros(0)}
+    sent = {"w": torch.ones(70_000), "empty": torch.zeros(0)}
+    sent["w"][12_345] = value
+    if refusal is None:
+        assert protocol.state_of(protocol.ArrayRecord(sent), reference, "node 7")["w"][12_345] == value
+        return
+    with pytest.raises(protocol.ProtocolError, match=f"node 7: array 'w' {refusal}"):
+        protocol.state_of(protocol.ArrayRecord(sent), reference, "node 7")

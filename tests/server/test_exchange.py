@@ -221,3 +221,28 @@ def test_off_the_fast_path_polls_over_the_deployment_grid_run_one_after_the_othe
         flower_internals.forget()
     assert list(good) == [100, CUT] and not failed and time.monotonic() - start < 3
     assert "florist: Flower 1.39.1 is installed" in capsys.readouterr().err
+
+
+class CountingPushes(EmptyReplies):
+    """Records how many messages each push carried, and the content objects they held."""
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        self.pushes = [*getattr(self, "pushes", []), len(messages)]
+        self.contents = {*getattr(self, "contents", set()), *(id(m.content) for m in messages)}
+        return super().push_messages(messages)
+
+
+def test_a_local_grid_gets_its_messages_in_batches_and_a_shared_request_is_packed_once(monkeypatch):
+    # 5 nodes, batches of 2: every node answers, in request order, and the failures of a silent
+    # node are said once; the one request is packed once for all five.
+    monkeypatch.setattr("florist.server.exchange.LOCAL_CHUNK", 2)
+    nodes = [{"partition-id": i, "num-partitions": 5} for i in range(5)]
+    grid = CountingPushes(client_app, nodes, run_id=5)
+    exchanger, request = Exchanger(grid, 5.0, grid.run_id), RecordDict()
+    with server_identity(grid.run_id):
+        good = exchanger.round_trip({node: request for node in grid.get_node_ids()}, "query.info", 1)
+    assert grid.pushes == [2, 2, 1] and len(grid.contents) == 1
+    assert list(good) == grid.get_node_ids() and not exchanger.failures
+    [exchange] = exchanger.take_exchanges()
+    assert exchange["nodes"] == exchange["replies"] == 5
