@@ -40,6 +40,10 @@ class PeFLL(ServerStrategy):
     settings: HyperNetSettings
     normalized = False  # OD-PFL's flag for its set encoder (PeFLL's network has no such choice)
     checkpointed = ("hyper", "embed", "optimizer", "standardizer")
+    record_gap = (
+        "the descriptor a node sends (its data embedded) and its hypernetwork gradient depend on its data outside "
+        "DP-SGD's steps, and no noise bounds them"
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
