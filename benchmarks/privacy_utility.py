@@ -1,5 +1,7 @@
 """The privacy/utility curve: FedAvg and kNN-Per on `mnist5k` under `dp` = none, central and local,
-at each ε, over seeds: what the noise a budget needs costs in accuracy (docs/privacy.md).
+at each ε, over seeds: what the noise a budget needs costs in accuracy (docs/privacy.md). With
+`--modes record`, record-level dp (DP-SGD on every node, ε per node): its ε is each node's, the
+largest reported; `--strategies` also takes fedavg-ft, perfed-ckt, fedattn and local there.
 
     python benchmarks/privacy_utility.py [--strategies fedavg knnper] [--modes none central local] \
         [--epsilons 1 3 8] [--seeds 1 2 3] [--rounds 20] [--dp-clip 1.0] [--lr 0.1] [--num-nodes 20] \
@@ -72,6 +74,11 @@ def run(strategy: str, mode: str, eps: float, seed: int, args: argparse.Namespac
     except (RuntimeError, ValueError) as err:  # a run that stops says why, in one line
         return row | {"stopped": str(err).splitlines()[0], "seconds": time.perf_counter() - start}
     last = results["rounds"][-1] if results["rounds"] else {}
+    if mode == "record":  # each node's own ε: the largest the clients' rows say, σ the largest a node used
+        spent = [c["dp_record_epsilon"] for c in results["clients"] if c.get("dp_record_epsilon") is not None]
+        nodes = [n for r in results["rounds"] for n in r.get("dp_record_nodes", {}).values()]
+        sigma = max((n["sigma"] for n in nodes), default=None)
+        last = {"dp_epsilon": max(spent, default=None), "dp_noise_multiplier": sigma}
     return row | {
         "seen": results["summary"]["seen"]["mean_accuracy"],
         "unseen": results["summary"].get("unseen", {}).get("mean_accuracy"),
@@ -128,11 +135,12 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategies", nargs="+", choices=("fedavg", "knnper"), default=["fedavg", "knnper"])
+    strategies = ("fedavg", "knnper", "fedavg-ft", "perfed-ckt", "fedattn", "local")  # the last four: record only
+    parser.add_argument("--strategies", nargs="+", choices=strategies, default=["fedavg", "knnper"])
     parser.add_argument(
-        "--modes", nargs="+", choices=("none", "central", "local"), default=["none", "central", "local"]
+        "--modes", nargs="+", choices=("none", "central", "local", "record"), default=["none", "central", "local"]
     )
-    parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0, 8.0], help="for central and local")
+    parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 3.0, 8.0], help="for every mode but none")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--dp-clip", type=float, default=None, help="C (default: the run config's dp-clip)")
@@ -143,6 +151,10 @@ def main() -> None:
     parser.add_argument("--out", default="", help="where the runs' folders go (default: a new temporary folder)")
     parser.add_argument("--json", default="", metavar="OUT", help="also write every run's row to this file")
     args = parser.parse_args()
+    user_level = set(args.modes) & {"central", "local"}
+    if user_level and (uncovered := set(args.strategies) - {"fedavg", "knnper", "fedavg-ft"}):
+        modes, names = " ".join(sorted(user_level)), ", ".join(sorted(uncovered))
+        parser.error(f"--modes {modes} covers no {names}: use --modes none record")
     out = Path(args.out or tempfile.mkdtemp(prefix="florist-privacy-utility-"))
     logging.getLogger("flwr").setLevel(logging.WARNING)  # as `simulate` in process: the rows say how far it got
     rows = []

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from florist.common import client_mods, devices, privacy, scenarios
+from florist.common import client_mods, devices, privacy, privacy_checks, scenarios
 from florist.common.data import PARTITIONS, parse_partition
 from florist.common.folders import parse_image_size
 from florist.common.key_hints import closest_key
@@ -93,6 +93,11 @@ class RunConfig(Settings):
     dp_noise_multiplier: float = setting(0.0)  # σ (0: calibrated from dp-epsilon)
     dp_relation: str = setting("zero-out")  # local dp's ε: zero-out | replace-one (two datasets, sensitivity 2C)
     dp_noise_seed: int = setting(0)  # 0: noise from the OS's entropy; else seeded (measurements only: docs/privacy.md)
+    # `dp = "record+central"` (or +local, +distributed): user-level dp on top of record-level DP-SGD, with its own
+    # budget; the dp-* keys above are then the record-level mechanism's, as under `dp = "record"`
+    dp_user_epsilon: float = setting(math.inf)
+    dp_user_clip: float = setting(1.0)  # C of the user-level mechanism on top: each node's update's L2 norm
+    dp_user_noise_multiplier: float = setting(0.0)  # its σ (0: calibrated from dp-user-epsilon)
     # secure aggregation of the model updates (SecAgg+: docs/secure-aggregation.md): none | secaggplus (the
     # server learns only the weighted mean); the quantization range, its bits, the largest weight, the threshold
     secure_aggregation: str = setting("none")
@@ -231,45 +236,29 @@ class RunConfig(Settings):
             ),
         ]
 
+    @property
+    def record_dp(self) -> bool:
+        """Whether every node trains with DP-SGD (`dp = "record"`, or `"record+…"` with user-level dp on top)."""
+        return privacy.is_record(self.dp)
+
+    @property
+    def user_dp(self) -> str:
+        """The user-level mechanism of the node's update (none | central | local | distributed): `dp` itself, or
+        what `"record+…"` puts on top of record-level DP-SGD ("none" under `dp = "record"` alone)."""
+        return privacy.user_mode(self.dp)
+
+    def user_level(self) -> RunConfig:
+        """This config as the user-level mechanism reads it: unchanged without record-level dp; under it, `dp`
+        is the mechanism on top ("none" alone) and dp-epsilon, dp-clip and dp-noise-multiplier are its
+        dp-user-* keys (dp-delta, dp-relation and dp-noise-seed are shared)."""
+        if not self.record_dp:
+            return self
+        user = {"dp_epsilon": self.dp_user_epsilon, "dp_clip": self.dp_user_clip}
+        return dataclasses.replace(self, dp=self.user_dp, dp_noise_multiplier=self.dp_user_noise_multiplier, **user)
+
     def privacy_checks(self) -> list[tuple[bool, str]]:
-        """`dp` and its keys: a budget (ε or σ) when on, nothing of it when off, and no rule that
-        needs each node's update (those change the sensitivity the noise is sized for)."""
-        on = self.dp != "none"
-        return [
-            (self.dp in privacy.MODES, f"dp must be one of {', '.join(privacy.MODES)}, got {self.dp!r}"),
-            (self.dp_clip > 0 and math.isfinite(self.dp_clip), "dp-clip must be a finite number > 0"),
-            (self.dp_epsilon > 0, "dp-epsilon must be > 0 (inf: none)"),
-            (0 < self.dp_delta < 1, "dp-delta must be in (0, 1)"),
-            (
-                self.dp_noise_multiplier >= 0 and math.isfinite(self.dp_noise_multiplier),
-                "dp-noise-multiplier must be a finite number >= 0 (0: calibrated from dp-epsilon)",
-            ),
-            (
-                self.dp_relation in privacy.LOCAL_RELATIONS and (self.dp == "local" or self.dp_relation == "zero-out"),
-                f'dp-relation must be one of {", ".join(privacy.LOCAL_RELATIONS)}, replace-one under dp = "local" '
-                f"only (central's is add/remove, distributed's zero-out): got {self.dp_relation!r} (dp {self.dp!r})",
-            ),
-            (self.dp_noise_seed >= 0, "dp-noise-seed must be >= 0 (0: noise from the OS's entropy)"),
-            (
-                not on or math.isfinite(self.dp_epsilon) or self.dp_noise_multiplier > 0,
-                f'dp = "{self.dp}" needs dp-epsilon (the budget) or dp-noise-multiplier (σ, ε reported)',
-            ),
-            (
-                on or (self.dp_noise_multiplier == 0 and self.dp_clip == 1.0 and self.dp_noise_seed == 0),
-                'dp-clip, dp-noise-multiplier and dp-noise-seed act only with dp other than "none"',
-            ),
-            (
-                not on or self.aggregation == "mean",
-                f'dp = "{self.dp}" needs aggregation = "mean": {self.aggregation} needs each node\'s update, '
-                "and its sensitivity is not the one the noise is sized for",
-            ),
-            (not on or self.clip_norm == 0, "clip-norm and dp clip both: dp-clip alone bounds each update under dp"),
-            (
-                self.dp != "distributed" or self.secure_aggregation != "none",
-                'dp = "distributed" needs secure-aggregation = "secaggplus": its nodes\' noise shares add up to '
-                'central\'s only in a masked sum (in the clear, use dp = "central")',
-            ),
-        ]
+        """`dp` and its keys (florist/common/privacy_checks.py)."""
+        return privacy_checks.checks(self)
 
     def secure_checks(self) -> list[tuple[bool, str]]:
         """`secure-aggregation` and its keys: no rule that needs each node's update, and no secagg

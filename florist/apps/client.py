@@ -65,6 +65,18 @@ BOUNDED_UNDER_NODE_DP = frozenset(
     }
 )
 
+# What a node under record-level dp answers (florist/client/ledger.py): every message whose reply derives from its
+# data only through DP-SGD's steps (a model trained by them, post-processing of one, or a noised mean counted as a
+# step: FedAttn's Z and bias gradient), or not at all; PeFLL's and OD-PFL's descriptor and encoder messages are not.
+BOUNDED_UNDER_RECORD_DP = BOUNDED_UNDER_NODE_DP | {
+    "train.local",
+    "evaluate.local",
+    "train.ckt",
+    "evaluate.ckt",
+    "train.attn",
+    "query.represent",
+}
+
 # A kept model (`client/personal.py`) predicts with its network alone, unless its strategy is
 # here: what else it scored with (kNN-Per: its datastore, mixed in).
 PREDICTORS: dict[str, Callable[[personal.Kept, Net, np.ndarray], np.ndarray]] = {"knnper": knnper.personal_proba}
@@ -89,7 +101,14 @@ def build_client_app(mods: Sequence[Callable] = ()) -> ClientApp:
     """florist's ClientApp with `mods` (Flower mods, run inside florist's own: e.g. a mod with
     parameters of its own, or a test's injected failure)."""
     handlers: Mapping[Exchange, messages.Handler] = {e: HANDLERS[t] for t, e in exchanges().items()}
-    built = messages.build_client_app(handlers, STRATEGIES, mods, cls=RebuiltClientApp, bounded=BOUNDED_UNDER_NODE_DP)
+    built = messages.build_client_app(
+        handlers,
+        STRATEGIES,
+        mods,
+        cls=RebuiltClientApp,
+        bounded=BOUNDED_UNDER_NODE_DP,
+        record_bounded=BOUNDED_UNDER_RECORD_DP,
+    )
     built.mods_given = tuple(mods)
     return built
 

@@ -61,5 +61,6 @@ class RoundBars(Bars):
             self.bar,
             completed=row["round"],
             status=f"loss {number(row['train_loss'], '.3f')}  seen acc {number(row['accuracy'], '.1%')}"
-            + (f"  ε {row['dp_epsilon']:.3g}" if row.get("dp_epsilon") is not None else ""),  # spent so far, under `dp`
+            + (f"  ε {row['dp_epsilon']:.3g}" if row.get("dp_epsilon") is not None else "")  # spent so far, under `dp`
+            + (f"  ε/node ≤ {eps:.3g}" if (eps := row.get("dp_record_epsilon")) is not None else ""),
         )

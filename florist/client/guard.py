@@ -211,6 +211,26 @@ def own_paths(values: Mapping[str, Any], node_config: Mapping[str, Any], who: st
 
 
 PRIVACY_KEYS = ("dp", "dp-clip", "dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-relation", "dp-noise-seed")
+USER_KEYS = ("dp-user-epsilon", "dp-user-clip", "dp-user-noise-multiplier")  # under dp = "record+…": the one on top
+PRIVACY_KEYS += USER_KEYS
+DP_DEFAULTS = {"dp": "none", "dp-clip": 1.0, "dp-epsilon": math.inf, "dp-delta": 1e-5, "dp-noise-multiplier": 0.0}
+DP_DEFAULTS |= {"dp-relation": "zero-out", "dp-user-epsilon": math.inf, "dp-user-clip": 1.0}
+DP_DEFAULTS |= {"dp-user-noise-multiplier": 0.0}
+
+
+def _sized_alike(values: Mapping[str, Any]) -> dict[str, Any]:
+    """What secure aggregation sizes alike for every node of `values`' dp: its user-level mechanism and
+    that one's keys (record-level DP-SGD is each node's own: its σ, C and ε may differ from node to node)."""
+    full = DP_DEFAULTS | {key: values[key] for key in DP_DEFAULTS if key in values}
+    mode = str(full["dp"])
+    if mode == "record" or mode.startswith("record+"):
+        user = {"dp-epsilon": full["dp-user-epsilon"], "dp-clip": full["dp-user-clip"]}
+        user |= {"dp-noise-multiplier": full["dp-user-noise-multiplier"]}
+        full = {k: v for k, v in full.items() if k not in USER_KEYS} | user | {"dp": mode.removeprefix("record")}
+        full["dp"] = full["dp"].removeprefix("+") or "none"
+    if full["dp"] == "none":
+        return {"dp": "none"}
+    return {k: v for k, v in full.items() if k not in USER_KEYS}
 
 
 def own_privacy(values: Mapping[str, Any], node_config: Mapping[str, Any], who: str) -> dict[str, Any]:
@@ -224,8 +244,9 @@ def own_privacy(values: Mapping[str, Any], node_config: Mapping[str, Any], who: 
     mine = {key: node_config[key] for key in PRIVACY_KEYS if key in node_config}
     values = dict(values)
     if "dp" in mine:
-        differ = sorted(k for k, v in mine.items() if k in values and values[k] != v)
-        if values.get("secure-aggregation", "none") != "none" and (differ or values.get("dp", "none") != mine["dp"]):
+        ours, theirs = _sized_alike(mine), _sized_alike(values)
+        differ = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        if values.get("secure-aggregation", "none") != "none" and differ:
             raise Refused(
                 f"{who}: its own {', '.join(differ or ['dp'])} differ from the server's under secure aggregation, "
                 "which sizes every node's noise and weight alike; leave dp out of this node's --node-config, or match "

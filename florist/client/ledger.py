@@ -1,6 +1,7 @@
 """A node's privacy ledger (docs/privacy.md, "The node's own ledger"): every noised release the
-node makes under `dp = "local"` or `"distributed"`, kept in its own state folder, so that what
-a server sends cannot spend the node's budget for it.
+node makes under `dp = "local"` or `"distributed"`, and every DP-SGD step it takes under
+`dp = "record"` (`RecordLedger`), kept in its own state folder, so that what a server sends
+cannot spend the node's budget for it.
 
 - A release is keyed by the run and the round: under the node's own dp, Flower's run id (the
   node's context: a new run is a new one, whatever `run-id` the server's config says). The same
@@ -32,7 +33,7 @@ import numpy as np
 from florist.client.guard import Refused
 from florist.client.node import Node
 from florist.client.state import NodeState
-from florist.common import privacy
+from florist.common import privacy, record_dp
 from florist.common.settings import coerce
 
 log = logging.getLogger("flwr").getChild(__name__)
@@ -45,6 +46,14 @@ KEPT_KEYS = 4096  # (run, round) keys kept for repeats; what is spent is kept wh
 KEPT_RUNS = 16  # the accounts of runs under their server's dp (the node's own is never dropped)
 KEPT_SIGMAS = 16  # distinct σ per account; past them the two nearest merge at the smaller (more ε, never less)
 DP_STRATEGIES = ("fedavg", "fedavg-ft", "knnper")  # whose every model message local and distributed dp noise
+# whose every message derived from a node's data record-level dp bounds (the server halves' `record_covered`)
+RECORD_STRATEGIES = ("fedavg", "fedavg-ft", "knnper", "perfed-ckt", "fedattn", "local")
+# record-level dp's own book, beside BOOK under the same lock (a florist that predates it rewrites BOOK whole)
+RECORD_BOOK = "record-ledger.json"
+STEPS = "record-steps"  # the book's DP-SGD steps: {account: {"q σ": steps}}
+ROUNDS = "record-rounds"  # ... and the messages that took them: {account: count}
+SIGMAS = "record-sigmas"  # σ calibrated for (ε, δ, q, steps): a forked process need not search again
+KEPT_SIGMAS = 64
 
 
 def owns_privacy(node_config: Mapping) -> bool:
@@ -59,17 +68,22 @@ def own_plan(node: Node) -> privacy.Plan:
     cfg = node.cfg
     if not owns_privacy(node.node_config):
         return privacy.Plan.of(cfg)
-    releases = coerce(RELEASES, node.node_config.get(RELEASES, DEFAULT_RELEASES), int)
-    if releases < 1:
-        raise ValueError(f"node-config key {RELEASES!r} must be an integer >= 1, got {releases}")
-    return privacy.Plan.of(dataclasses.replace(cfg, num_server_rounds=releases))
+    return privacy.Plan.of(dataclasses.replace(cfg, num_server_rounds=own_releases(node)))
 
 
-def refuse_unbounded(node: Node, message_type: str, bounded: Collection[str]) -> None:
+def refuse_unbounded(
+    node: Node, message_type: str, bounded: Collection[str], record_bounded: Collection[str] = ()
+) -> None:
     """Under the node's own dp, refuse a message type (or a strategy) whose reply its mechanism
     does not bound: `bounded` are the types whose data-dependent values it noises and counts,
-    or that carry none (docs/privacy.md lists each)."""
-    if not owns_privacy(node.node_config):
+    or that carry none (docs/privacy.md lists each); under record-level dp (the node's own or its
+    server's), `record_bounded` are those whose every such value is DP-SGD's output or a step of it."""
+    if node.cfg.record_dp and (message_type not in record_bounded or node.cfg.strategy not in RECORD_STRATEGIES):
+        raise Refused(
+            f"node {node.key}: record-level dp = {node.cfg.dp!r} does not bound a {message_type!r} reply of strategy "
+            f"{node.cfg.strategy!r}: refused"
+        )
+    if not owns_privacy(node.node_config) or node.cfg.user_dp == "none":
         return
     if message_type not in bounded or node.cfg.strategy not in DP_STRATEGIES:
         raise Refused(
@@ -198,16 +212,176 @@ class Ledger:
             if path.name not in kept:
                 path.unlink(missing_ok=True)
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
         """The book to this process alone (a node may answer two messages at once)."""
-        import fcntl
+        return _locked(self.files)
 
-        lock = self.files.path(".lock")
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+
+def own_releases(node: Node) -> int:
+    """`dp-releases` of the node's --node-config: the rounds its own budget is sized for."""
+    releases = coerce(RELEASES, node.node_config.get(RELEASES, DEFAULT_RELEASES), int)
+    if releases < 1:
+        raise ValueError(f"node-config key {RELEASES!r} must be an integer >= 1, got {releases}")
+    return releases
+
+
+class RecordLedger:
+    """The DP-SGD steps of one node under `dp = "record"` (docs/privacy.md, "Record-level dp"), kept
+    beside the book of its noised releases (`RECORD_BOOK`): `reserve` counts a message's steps before any is taken,
+    at the node's rate q = batch-size / n and its σ, and takes fewer when all of them would pass its
+    dp-epsilon (none: the round is refused in one line). ε is composed over every step of every round
+    the account holds (RDP and PLD, the smaller reported), never over what a server says.
+
+    The account: under the node's own dp (its --node-config sets `dp`), its lifetime's, over every run
+    (keyed by Flower's run id), σ spending its dp-epsilon over `dp-releases` rounds of this message's
+    steps; else its server's run's (the run-id it keeps across a resume), σ over num-server-rounds."""
+
+    def __init__(self, node: Node):
+        cfg = node.cfg
+        self.node, self.own = node, owns_privacy(node.node_config)
+        self.run = node.flower_run_id if self.own else node.run_id
+        self.account = "own" if self.own else f"run-{self.run}"
+        self.files = NodeState(node.state.folder.parent, node.key, "privacy")
+        self.cap, self.delta, self.clip = cfg.dp_epsilon, cfg.dp_delta, cfg.dp_clip
+        self.given, self.batch_size = cfg.dp_noise_multiplier, cfg.batch_size
+        self.rounds = own_releases(node) if self.own else max(1, cfg.num_server_rounds)
+        self.seeded = cfg.dp_noise_seed > 0
+        self.q = self.sigma = self.epsilon = 0.0
+        self.accountant = ""
+        self.available = self.reserved = 0  # steps reserved in this message: not yet taken, and in all
+
+    def rate(self, n: int) -> float:
+        """q = batch-size / n: each record's chance to be in a step's Poisson sample."""
+        return min(1.0, self.batch_size / max(1, n))
+
+    def reserve(self, count: int, n: int, per_round: int | None = None) -> int:
+        """Count up to `count` more steps on a train split of `n` records in the book, before any is
+        taken: all of them, or as many as keep ε within dp-epsilon (the node says so); a Refused, in
+        one line, when not even one does. `per_round`: the steps a round of this kind takes (σ spends
+        dp-epsilon over that many a round; default `count`)."""
+        q = self.rate(n)
+        with _locked(self.files):
+            book = self.files.load_json(RECORD_BOOK) or {}
+            sigma = self._sigma(book, q, per_round or count)
+            held = book.get(STEPS, {}).get(self.account, {})
+            done = {tuple(map(float, key.split())): steps for key, steps in held.items()}
+
+            def after(k: int) -> record_dp.Steps:
+                counts = dict(done)
+                counts[(q, sigma)] = counts.get((q, sigma), 0) + k
+                return tuple((q_, s, c) for (q_, s), c in sorted(counts.items()))
+
+            within = lambda k: record_dp.steps_tightest(after(k), self.delta)[0] <= self.cap * (1 + 1e-9)  # noqa: E731
+            allowed = count if not math.isfinite(self.cap) else most(count, within)
+            if allowed > 0:
+                steps = book.setdefault(STEPS, {}).setdefault(self.account, {})
+                steps[f"{q!r} {sigma!r}"] = steps.get(f"{q!r} {sigma!r}", 0) + allowed
+                rounds = book.setdefault(ROUNDS, {})
+                rounds[self.account] = rounds.get(self.account, 0) + 1
+                accounts = [a for a in book[STEPS] if a != "own"]
+                for account in accounts[:-KEPT_RUNS]:
+                    del book[STEPS][account]
+                    book[ROUNDS].pop(account, None)
+            self.files.save_json(RECORD_BOOK, book)  # the count, or only the calibration, before any step is taken
+        if allowed == 0:
+            eps = record_dp.steps_tightest(after(1), self.delta)[0]
+            where = "its lifetime" if self.own else f"run {self.run}"
+            raise Refused(
+                f"node {self.node.key}: dp = record: another DP-SGD step would spend ε = {eps:.3g} > its dp-epsilon "
+                f"{self.cap:g} ({sum(done.values())} steps in {where}, q = {q:.3g}, σ = {sigma:.4g}); it trains no more"
+            )
+        self.q, self.sigma = q, sigma
+        self.epsilon, self.accountant = record_dp.steps_tightest(after(allowed), self.delta)
+        self.available, self.reserved = self.available + allowed, self.reserved + allowed
+        self._say(allowed, count)
+        return allowed
+
+    def _say(self, allowed: int, count: int) -> None:
+        """The node's log line of a reservation (a warning first when it takes fewer steps than asked)."""
+        if allowed < count:
+            log.warning(
+                "node %s: dp = record: %d of %d steps this round; one more would pass its dp-epsilon %g",
+                self.node.key,
+                allowed,
+                count,
+                self.cap,
+            )
+        log.info(
+            "node %s: dp = record, round %s: %d DP-SGD steps at q = %.3g, σ = %.4g: ε = %.3g of dp-epsilon %g spent%s",
+            self.node.key,
+            self.node.server_round,
+            allowed,
+            self.q,
+            self.sigma,
+            self.epsilon,
+            self.cap,
+            " in this node's lifetime" if self.own else " in this run",
+        )
+
+    def take(self, count: int) -> int:
+        """Take `count` of the reserved steps (as many as are left)."""
+        taken = min(count, self.available)
+        self.available -= taken
+        return taken
+
+    def report(self) -> dict[str, float | int | str]:
+        """What the node tells its server beside the reply (`dp-record`): ε spent so far (none with a seeded
+        noise, which promises nothing), its accountant, σ, q, δ, C and the steps this message reserved. All of
+        it follows from the settings, the node's size (which discovery tells) and its ledger: no record's value."""
+        out: dict[str, float | int | str] = {
+            "sigma": self.sigma,
+            "q": self.q,
+            "steps": self.reserved,
+            "delta": self.delta,
+            "clip": self.clip,
+            "accountant": self.accountant,
+        }
+        return out | ({"guarantee": privacy.UNSEEDED} if self.seeded else {"epsilon": self.epsilon})
+
+    def _sigma(self, book: dict, q: float, per_round: int) -> float:
+        """dp-noise-multiplier, or the σ with which `rounds` rounds of `per_round` steps at q spend
+        dp-epsilon (kept in the book: a forked process finds it there)."""
+        if self.given > 0:
+            return self.given
+        steps = self.rounds * per_round
+        key = f"{self.cap!r} {self.delta!r} {q!r} {steps}"
+        kept = book.setdefault(SIGMAS, {})
+        if key not in kept:
+            kept[key] = record_dp.record_sigma(self.cap, self.delta, q, steps)[0]
+            for old in list(kept)[:-KEPT_SIGMAS]:
+                del kept[old]
+        return float(kept[key])
+
+
+def most(count: int, within: Callable[[int], bool]) -> int:
+    """The most steps k ≤ `count` with `within(k)` (which holds for 0 and, once false, for no larger k)."""
+    if within(count):
+        return count
+    low, high = 0, count  # within(low), not within(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if within(mid) else (low, mid)
+    return low
+
+
+def record_ledger(node: Node) -> RecordLedger:
+    """This message's record-level ledger (one per message, shared by the node's copies: kNN-Per's
+    phase 2 trains a copy with its validation split joined)."""
+    if "ledger" not in node.record_session:
+        node.record_session["ledger"] = RecordLedger(node)
+    return node.record_session["ledger"]
+
+
+@contextlib.contextmanager
+def _locked(files: NodeState) -> Iterator[None]:
+    """The book to this process alone (a node may answer two messages at once)."""
+    import fcntl
+
+    lock = files.path(".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -87,30 +87,37 @@ def build_client_app(
     *,
     cls: type[ClientApp] = ClientApp,
     bounded: Collection[str] = (),
+    record_bounded: Collection[str] = (),
 ) -> ClientApp:
     """The ClientApp answering each exchange with its handler (`strategies`: what a message's
     `strategy` may name, for its settings); `mods` are Flower mods, run inside `frame` and the
     mods `client-mods` names (e.g. for tests that inject failures). `bounded`: the message types
-    a node under its own dp answers (`ledger.refuse_unbounded`)."""
+    a node under its own dp answers, `record_bounded` those under record-level dp (`ledger.refuse_unbounded`)."""
     app = cls(mods=[frame, client_mods.configured, *mods])
     for exchange, work in handlers.items():
         category, _, action = exchange.message_type.partition(".")
-        getattr(app, category)(action or "default")(_handler(exchange, work, strategies, bounded))
+        getattr(app, category)(action or "default")(_handler(exchange, work, strategies, bounded, record_bounded))
     return app
 
 
 def _handler(
-    exchange: Exchange, work: Handler, strategies: Mapping[str, StrategySpec], bounded: Collection[str]
+    exchange: Exchange,
+    work: Handler,
+    strategies: Mapping[str, StrategySpec],
+    bounded: Collection[str],
+    record_bounded: Collection[str] = (),
 ) -> Callable[[Message, Context], Message]:
     def handler(msg: Message, context: Context) -> Message:
         start = time.perf_counter()
         # loads the node's data: the "data-seconds" of the reply
         node, request = parse(msg, context, exchange, strategies)
-        ledger.refuse_unbounded(node, exchange.message_type, bounded)
+        ledger.refuse_unbounded(node, exchange.message_type, bounded, record_bounded)
         data_seconds = time.perf_counter() - start
         devices.set_torch_threads(node.cfg.torch_threads)  # in the message's process: after the warm executor's fork
         content = work(node, request)
         content[protocol.TIMING] = ConfigRecord({"data-seconds": data_seconds})
+        if (book := node.record_session.get("ledger")) is not None and book.reserved:  # it took DP-SGD steps
+            content[protocol.RECORD_DP] = ConfigRecord(book.report())
         return Message(content, reply_to=msg)
 
     handler.__name__ = work.__name__
@@ -120,11 +127,12 @@ def _handler(
 def warm_up() -> None:
     """Pay the first-use costs of a ClientApp process once (the warm executor calls this before
     it forks a child per message, `deploy/executor.py`): importing the partitioners and
-    scikit-learn, loading the digits, torch's first training steps (its first optimizer imports
-    torch._dynamo): 5-7 s of CPU on a 2-core machine. With one torch thread, none of it starts
+    scikit-learn, dp-accounting, loading the digits, torch's first training steps (its first optimizer
+    imports torch._dynamo): 5-7 s of CPU on a 2-core machine. With one torch thread, none of it starts
     a thread; each child sets its own count (`torch-threads`) after the fork."""
     import datasets  # noqa: F401  (partitions of a new run are computed in the children)
     import flwr_datasets.partitioner  # noqa: F401
+    from dp_accounting import pld, rdp  # noqa: F401  (record-level dp's ledger: 1-2 s a message otherwise)
 
     torch.set_num_threads(1)
     x, y = data.load_digits()

@@ -67,6 +67,8 @@ class Node:
     # Flower's own id of the run, which no message config can change: what the privacy ledger and the kept models key by
     flower_run_id: int = 0
     steps_taken: int = 0  # local optimizer steps this message has taken so far (`fit`)
+    # record-level dp: this message's ledger and what the reply tells of it, shared by the node's copies
+    record_session: dict = dataclasses.field(default_factory=dict)
 
     @property
     def final_evaluation(self) -> bool:
@@ -107,17 +109,23 @@ class Node:
         """Where this node trains and predicts (`device`, a node's `--node-config` first)."""
         return devices.resolve(self.cfg.device, f"node {self.key}: device")
 
-    def fit(self, model: Net, epochs: int, lr: float | None = None, salt: int = 0, **options) -> float:
+    def fit(
+        self, model: Net, epochs: int, lr: float | None = None, salt: int = 0, private: bool = True, **options
+    ) -> float:
         """Train `model` on this node's train split with the run's settings (`options` override
         `training.train`'s, e.g. `steps`) on the node's device; the shuffling (and `augment`)
-        is seeded by (seed, round, node, salt) so the same seed repeats the same run."""
+        is seeded by (seed, round, node, salt) so the same seed repeats the same run. Under
+        record-level dp, and unless `private` is False (a model that never leaves the node: FedAvg+'s
+        fine-tuning, Local's), DP-SGD (`fit_private`)."""
         if not self.data.labelled:
             raise ValueError(f"node {self.key}: this strategy needs labelled data, but the node's data has no y")
         cfg, d = self.cfg, self.data
         count = self.local_steps(epochs, options.get("steps"))
         self.check_steps(count)
-        self.steps_taken += count
         augment = training.augmenter(cfg.augment, d.input_shape, *self.seed(salt, 0xA6))
+        if cfg.record_dp and private:
+            return self.fit_private(model, count, lr, augment, options, salt)
+        self.steps_taken += count
         settings = {
             "epochs": epochs,
             "batch_size": cfg.batch_size,
@@ -129,6 +137,48 @@ class Node:
             "device": self.device,
         }
         return training.train(model, d.x_train, d.y_train, **settings | options)
+
+    def fit_private(self, model: Net, count: int, lr: float | None, augment, options: dict, salt: int = 0) -> float:
+        """`count` DP-SGD steps (fewer when the ledger allows fewer; florist/client/ledger.py counts
+        them before the first is taken): Poisson samples at q = batch-size / n, each record's gradient
+        clipped to dp-clip, N(0, (σ·dp-clip)²) per step, the sum over batch-size (training.train_private)."""
+        from florist.client import ledger  # it imports this module
+
+        book = ledger.record_ledger(self)
+        if book.available < count:
+            book.reserve(count - book.available, len(self.data.x_train), per_round=count)
+        steps = book.take(count)
+        self.steps_taken += steps
+        cfg, d = self.cfg, self.data
+        sampler, noise = self.private_generators(0x5D, salt, self.steps_taken)
+        settings = {
+            "steps": steps,
+            "rate": book.q,
+            "clip": cfg.dp_clip,
+            "sigma": book.sigma,
+            "batch_size": cfg.batch_size,
+            "lr": lr or cfg.lr,
+            "momentum": cfg.momentum,
+            "weight_decay": cfg.weight_decay,
+            "sampler": sampler,
+            "noise": noise,
+            "augment": augment,
+            "device": self.device,
+        }
+        extra = {key: value for key, value in options.items() if key != "steps"}  # `count` took them
+        return training.train_private(model, d.x_train, d.y_train, **settings | extra)
+
+    def private_generators(self, *salt: int, on_cpu: bool = False) -> tuple[torch.Generator, torch.Generator]:
+        """(the Poisson sampler's generator, the noise's, on the node's device) for record-level dp:
+        from the OS's entropy, so nobody (the server that knows the run's seed included) knows which
+        records a step took or what noise it drew; seeded by dp-noise-seed (and the round, node and
+        `salt`) only when that is set, for measurements that promise nothing. `on_cpu`: both on the CPU."""
+        from florist.common import privacy
+
+        rng = privacy.noise_generator(self.cfg.dp_noise_seed, self.server_round, privacy.node_word(self.key), *salt)
+        seeds = rng.integers(0, 2**62, size=2)
+        noise = torch.Generator(device=self.device) if self.device.type == "cuda" and not on_cpu else torch.Generator()
+        return torch.Generator().manual_seed(int(seeds[0])), noise.manual_seed(int(seeds[1]))
 
     def seed(self, *salt: int) -> tuple[int, ...]:
         """(seed, round, node, *salt): what every random draw of this message is seeded by."""

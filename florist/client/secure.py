@@ -40,10 +40,10 @@ def mask_trained(node: Node, request: Request, reply: RecordDict) -> RecordDict:
     # under dp the reply carries no train loss (`local`) and the masked vector no tail: 0 when absent
     loss = float(metrics.get("train-loss", 0.0)) * state.setup.clip / records.LOSS_RANGE
     vector, weight = masked_update(node, sent, trained, loss, metrics["num-examples"])
-    if node.cfg.dp == "distributed":  # no tail under dp: every value is the update's
+    if node.cfg.user_dp == "distributed":  # no tail under dp: every value is the update's
         vector = distributed_release(node, vector, sigma, state.setup.threshold)
     weight = min(weight, state.setup.max_weight)
-    state, masked, _ = secagg.node_mask(state, ciphertexts, vector, weight, commitments, node.cfg.dp == "none")
+    state, masked, _ = secagg.node_mask(state, ciphertexts, vector, weight, commitments, node.cfg.user_dp == "none")
     keep(node, state)
     content = protocol.content(metrics={}, side=reply.array_records.get(protocol.SIDE))
     content[records.SECAGG] = records.masked_record(masked)
@@ -62,9 +62,9 @@ def masked_update(
     server's cap in the clear: kNN-Per's phase 2 also trains on validation) and, by the caller, at
     most max-weight."""
     delta = privacy.update(trained, sent)
-    if node.cfg.dp in ("central", "distributed"):
-        delta, _ = privacy.clip(delta, node.cfg.dp_clip)
-    weight = 1.0 if node.cfg.dp != "none" else float(min(examples, len(node.data.x_train)))  # as discovery said
+    if node.cfg.user_dp in ("central", "distributed"):
+        delta, _ = privacy.clip(delta, node.cfg.user_level().dp_clip)
+    weight = 1.0 if node.cfg.user_dp != "none" else float(min(examples, len(node.data.x_train)))  # as discovery said
     tail = [loss] * len(records.tail(node.cfg.dp))
     return np.concatenate([records.flatten(delta), tail]), weight
 
@@ -87,9 +87,7 @@ def distributed_release(node: Node, vector: np.ndarray, sigma: float, threshold:
 
     def draw(plan: privacy.Plan) -> dict[str, np.ndarray]:
         rng = privacy.noise_generator(node.cfg.dp_noise_seed, node.server_round, privacy.node_word(node.key))
-        return {
-            "vector": vector + rng.normal(0.0, privacy.share_std(plan.sigma, node.cfg.dp_clip, threshold), len(vector))
-        }
+        return {"vector": vector + rng.normal(0.0, privacy.share_std(plan.sigma, plan.clip, threshold), len(vector))}
 
     return book.release(draw)["vector"]
 

@@ -28,7 +28,10 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("none", "central", "local", "distributed")
+USER_MODES = ("none", "central", "local", "distributed")  # user-level: a node's whole update
+# record-level: DP-SGD on every node (each of its records), alone or with a user-level mechanism on top
+MODES = (*USER_MODES, "record", *(f"record+{mode}" for mode in USER_MODES[1:]))
+RECORD_RELATION = "add/remove one record"  # what record-level ε is about: one record of a node's train split
 # RDP orders: integer orders are exact for the subsampled Gaussian; the fractional ones below 2
 # do not converge at q = 0.5 (`dp-accounting` warns and drops them) and cost seconds. These give
 # σ within 0.05 % of the library's defaults at ε = 3, δ = 1e-5, q = 0.5, 30 rounds, in 0.5 s.
@@ -112,6 +115,16 @@ def noise_multiplier(target: float, delta: float, q: float, rounds: int, account
     )
 
 
+def is_record(mode: str) -> bool:
+    """Whether `dp` = `mode` trains every node with DP-SGD (record-level dp)."""
+    return mode == "record" or mode.startswith("record+")
+
+
+def user_mode(mode: str) -> str:
+    """The user-level mechanism of `dp` = `mode`: itself, what `record+` puts on top, or none."""
+    return "none" if mode == "record" else mode.removeprefix("record+")
+
+
 # Each mechanism's neighbouring relation, what its ε is about (docs/privacy.md#the-relation-per-mechanism).
 RELATIONS = {
     "central": "add/remove",  # one node's whole dataset present or absent: the sum moves by at most C
@@ -147,6 +160,7 @@ class Plan:
         (inf: not given), `dp-delta`, `dp-noise-multiplier` (0: not given), num-server-rounds),
         a round sampling the nodes at rate `q`. With σ given, dp-epsilon is a cap the run stops
         at; without, σ spends it exactly over the run's rounds, by the accountant that needs less."""
+        cfg = cfg.user_level() if hasattr(cfg, "user_level") else cfg  # under record+…, the mechanism on top
         mode, sigma, rounds = cfg.dp, cfg.dp_noise_multiplier, max(1, cfg.num_server_rounds)
         q = 1.0 if mode in ("local", "distributed") else min(1.0, q)  # they do not trust the one who samples
         accountant = ""

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
 SIDE = "side"  # arrays sent beside the model (FedAttn: representation, bias gradient)
 TIMING = "timing"  # ConfigRecord of every florist reply: `handler-seconds`, the handler's own time
+RECORD_DP = "dp-record"  # ConfigRecord of a reply under record-level dp: the node's ε so far (client/ledger.py)
+RECORD_DP_FIELDS = {"epsilon": float, "sigma": float, "q": float, "steps": int, "delta": float, "clip": float}
 PLACE = "place"  # ConfigRecord of a reply made in a Ray actor: where it ran (`client/messages.py`)
 PLACE_FORMS = {  # what each of its keys may hold: it goes into results.json
     "ray-node": re.compile(r"[0-9a-f]{1,64}"),
@@ -230,6 +232,25 @@ def handler_seconds(reply: RecordDict, part: str = "handler") -> float:
     node's data), as the node reported it (0 when it did not)."""
     value = reply.config_records.get(TIMING, {}).get(f"{part}-seconds")
     return float(value) if isinstance(value, (int, float)) and np.isfinite(value) and value >= 0 else 0.0
+
+
+def record_dp_of(reply: RecordDict) -> dict[str, float | str] | None:
+    """What a reply says of its node's record-level dp (`RECORD_DP`), its numbers finite and at least 0
+    and its accountant a name; None when it says nothing, or nothing usable (a node's own claim: kept
+    as it says, never trusted for anything but the report)."""
+    said = reply.config_records.get(RECORD_DP)
+    if said is None:
+        return None
+    out: dict[str, float | str] = {}
+    for key, kind in RECORD_DP_FIELDS.items():
+        value = said.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+            out[key] = kind(value)
+    if str(said.get("accountant", "")) in ("rdp", "pld"):
+        out["accountant"] = str(said["accountant"])
+    if "guarantee" in said:
+        out["guarantee"] = one_line(str(said["guarantee"]))[:80]
+    return out if "sigma" in out else None
 
 
 def message_config(cfg: RunConfig, exchange: Exchange, server_round: int, run_id: int, **values: Any) -> dict[str, Any]:

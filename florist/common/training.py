@@ -118,6 +118,168 @@ def train(
     return loss_sum / seen
 
 
+# DP-SGD (Abadi et al., 2016, "Deep learning with differential privacy"), record-level dp's local
+# training (`dp = "record"`, docs/privacy.md): every step draws a Poisson sample of the train split
+# (each record with probability q), clips each sample's gradient to L2 norm C, adds N(0, σ²C²) to
+# the sum and divides it by the expected batch q·n = batch-size, a fixed denominator.
+#
+# Per-sample gradients come from the layers themselves: a forward hook keeps each Linear's and
+# Conv2d's input, the gradient of the summed loss with respect to each layer's output comes from
+# one backward pass, and a layer's per-sample weight gradient is then gᵢᵀaᵢ (a convolution's over its
+# unfolded input). On mnist5k's LeNet (batch 16, one CPU thread) a step costs 8.9 ms of CPU against
+# plain SGD's 6.3; torch.func's vmap(grad) 12.3 ms and Opacus's GradSampleModule 21.7 ms.
+PER_SAMPLE_LAYERS = (nn.Linear, nn.Conv2d)
+
+
+def per_sample_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules holding `model`'s trainable parameters, each a Linear or a Conv2d with one group
+    (whose per-sample gradients `per_sample_gradients` makes); a ValueError naming any other (a
+    BatchNorm mixes the samples of a batch, so no per-sample gradient exists)."""
+    layers = []
+    for name, module in model.named_modules():
+        own = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        if not isinstance(module, PER_SAMPLE_LAYERS) or getattr(module, "groups", 1) != 1:
+            raise ValueError(
+                "record-level dp needs per-sample gradients, which florist makes for Linear and Conv2d layers only: "
+                f"{name or 'the model'} is a {type(module).__name__} (models cnn, cnn-wide, lenet and mlp have none)"
+            )
+        layers.append(module)
+    return layers
+
+
+def per_sample_gradients(
+    model: nn.Module, layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor
+) -> tuple[dict[nn.Parameter, torch.Tensor], torch.Tensor]:
+    """({parameter: B×numel, each row one sample's gradient of its cross-entropy}, the B losses)."""
+    inputs: dict[nn.Module, torch.Tensor] = {}
+    outputs: dict[nn.Module, torch.Tensor] = {}
+
+    def keep(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        inputs[module], outputs[module] = args[0].detach(), out
+
+    hooks = [layer.register_forward_hook(keep) for layer in layers]
+    try:
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    grads = torch.autograd.grad(losses.sum(), [outputs[layer] for layer in layers])
+    size, out = len(x), {}
+    for layer, g in zip(layers, grads):
+        a = inputs[layer]
+        if isinstance(layer, nn.Conv2d):
+            a = F.unfold(a, layer.kernel_size, layer.dilation, layer.padding, layer.stride)  # B × (C·k·k) × L
+            g = g.reshape(size, g.shape[1], -1)  # B × C_out × L
+            weight, bias = torch.bmm(g, a.transpose(1, 2)), g.sum(2)
+        else:  # Linear, over any leading dimensions between the batch and the features
+            a, g = a.reshape(size, -1, a.shape[-1]), g.reshape(size, -1, g.shape[-1])
+            weight, bias = torch.bmm(g.transpose(1, 2), a), g.sum(1)
+        out[layer.weight] = weight.reshape(size, -1)
+        if layer.bias is not None:
+            out[layer.bias] = bias
+    return out, losses.detach()
+
+
+def clip_factors(rows: list[torch.Tensor], clip: float) -> torch.Tensor:
+    """min(1, C/‖gᵢ‖) for each sample i, ‖gᵢ‖ its L2 norm over all of `rows` (each B×k)."""
+    squares = sum(torch.linalg.vector_norm(r, dim=1).square() for r in rows)
+    return (clip / (torch.sqrt(squares) + 1e-12)).clamp(max=1.0)
+
+
+def poisson_sample(n: int, rate: float, generator: torch.Generator) -> torch.Tensor:
+    """The indices of a Poisson sample of n records: each in it with probability `rate`."""
+    return torch.nonzero(torch.rand(n, generator=generator) < rate).flatten()
+
+
+def train_private(
+    model: nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    steps: int,
+    rate: float,
+    clip: float,
+    sigma: float,
+    batch_size: int,
+    lr: float,
+    sampler: torch.Generator,
+    noise: torch.Generator | None = None,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    penalty: Callable[[nn.Module], torch.Tensor] | None = None,
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    device: torch.device | str = "cpu",
+) -> float:
+    """`steps` steps of DP-SGD on cross-entropy: each a Poisson sample at `rate` (from `sampler`),
+    per-sample gradients clipped to `clip`, N(0, (σ·clip)²) per coordinate (from `noise`, a generator
+    on `device`), the sum over the expected batch `batch_size`; then `penalty(model)`'s gradient (a term
+    that reads no record: FedProx's, PerFed-CKT's distillation on P), weight decay and momentum, which
+    are post-processing. Returns the mean per-sample loss over the steps (it stays on the node)."""
+    if len(x) == 0:
+        raise ValueError("cannot train on an empty set")
+    layers = per_sample_layers(model)
+    loss_sum, seen = 0.0, 0
+    with on_device(model, device) as device:
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+        targets = torch.from_numpy(np.array(y)).to(device)  # a copy: memory-mapped labels are read-only
+        params = [p for p in model.parameters() if p.requires_grad]
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            batch = poisson_sample(len(x), rate, sampler)
+            summed = {p: torch.zeros_like(p) for p in params}
+            if len(batch):
+                samples = inputs(x[batch.numpy()], device)
+                grads, losses = per_sample_gradients(
+                    model, layers, augment(samples) if augment else samples, targets[batch.to(device)]
+                )
+                factors = clip_factors(list(grads.values()), clip)
+                summed = {p: (factors @ grads[p]).view(p.shape) for p in params}
+                loss_sum, seen = loss_sum + float(losses.sum()), seen + len(batch)
+            for p in params:
+                drawn = _normal(p.shape, noise, device) if sigma > 0 else 0.0
+                p.grad = (summed[p] + drawn * (sigma * clip)) / batch_size
+            if penalty is not None:
+                penalty(model).backward()  # adds its gradient to the noised one
+            optimizer.step()
+    if not np.isfinite(loss_sum) or not all(torch.isfinite(p).all() for p in params):
+        raise FloatingPointError(f"training diverged (loss {loss_sum}); lower lr (was {lr})")
+    return loss_sum / max(1, seen)
+
+
+def private_mean(
+    vectors: Callable[[torch.Tensor], torch.Tensor],
+    n: int,
+    *,
+    rate: float,
+    clip: float,
+    sigma: float,
+    batch_size: int,
+    sampler: torch.Generator,
+    noise: torch.Generator | None = None,
+    dim: int,
+) -> torch.Tensor:
+    """One more DP-SGD step's release of a per-record statistic: a Poisson sample of the n records at
+    `rate`, `vectors(indices)` (B×dim, one row per record) each clipped to `clip`, summed, N(0, (σ·clip)²)
+    per coordinate added, over the expected batch `batch_size`: an estimate of the clipped rows' mean over
+    all n records, which costs what one step costs (FedAttn's representation and bias gradient)."""
+    batch = poisson_sample(n, rate, sampler)
+    total = torch.zeros(dim, dtype=torch.float64)
+    if len(batch):
+        rows = vectors(batch).detach().double().cpu()
+        total = clip_factors([rows], clip) @ rows
+    drawn = _normal((dim,), noise, "cpu").double() if sigma > 0 else 0.0
+    return ((total + drawn * (sigma * clip)) / batch_size).float()
+
+
+def _normal(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+    """N(0, 1) draws of `shape` on `device`, from `generator` (on its own device) when given."""
+    where = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, device=where).to(device)
+
+
 def proximal(model: nn.Module, mu: float) -> Callable[[nn.Module], torch.Tensor]:
     """FedProx's proximal term (Li et al., 2020) as a `train` penalty: μ/2·‖w − w₀‖², with w₀
     the parameters `model` has now (the global model, before local training moves it)."""

@@ -68,6 +68,9 @@ class Exchanger:
         self.exchanges: list[
             dict[str, Any]
         ] = []  # per exchange: type, seconds, nodes, handler_seconds_max, data_seconds_max
+        # record-level dp: what each node's replies since `take_record` said of its ε, and the latest of all
+        self.record: dict[int, dict[str, float | str]] = {}
+        self.record_latest: dict[int, dict[str, float | str]] = {}
 
     def name(self, node_id: int) -> str:
         return self.names.get(node_id, f"node {node_id}")
@@ -136,6 +139,9 @@ class Exchanger:
                 "data_seconds_max": slowest["data"],
             }
         )
+        for node, reply in good.items():  # record-level dp: the node's ε after the steps of this message
+            if (said := protocol.record_dp_of(reply)) is not None:
+                self.record[node] = self.record_latest[node] = said
         # In request order, not arrival order (which varies): float sums over replies then repeat exactly.
         return {node: good[node] for node in requests if node in good}
 
@@ -300,6 +306,11 @@ class Exchanger:
         counts = (self.bytes_up, self.bytes_down)
         self.bytes_up = self.bytes_down = 0
         return counts
+
+    def take_record(self) -> dict[int, dict[str, float | str]]:
+        """What the nodes said of their record-level dp since the last call, by node id."""
+        said, self.record = self.record, {}
+        return said
 
     def take_exchanges(self) -> list[dict[str, Any]]:
         """The exchanges since the last call."""

@@ -15,6 +15,7 @@ from flwr.serverapp import Grid
 
 from florist.common import protocol
 from florist.common.metrics import weighted_mean
+from florist.common.privacy import RECORD_RELATION, UNSEEDED
 from florist.common.spec import INFO
 from florist.config import RunConfig
 from florist.server.checkpoint import Checkpoint
@@ -158,7 +159,7 @@ def run(
         scores = strategy.evaluate(final_round, seen) | strategy.serve(final_round, unseen)
         check_replies(cfg, exchanger, exchanger.take_exchanges(), final_round)
         late = serve_late_joiners(exchanger, strategy, cfg, nodes, scores, bound)
-        results.set_clients(nodes + late, scores)
+        results.set_clients(nodes + late, scores, record_named(strategy, seen))
         results.failures = exchanger.failures
         results.write()
         tracking.finish(results.to_json(), results.folder)
@@ -236,8 +237,36 @@ def train_round(strategy: ServerStrategy, results: Results, seen: list[NodeInfo]
     up, down = exchanger.take_bytes()
     exchanges = exchanger.take_exchanges()
     check_replies(cfg, exchanger, exchanges, server_round)
-    extras = strategy.round_extras() | evaluated | {"exchanges": exchanges}
+    extras = strategy.round_extras() | evaluated | record_fields(strategy, seen, exchanger.take_record())
+    extras |= {"exchanges": exchanges}
     return results.add_round(server_round, time.monotonic() - start, up, down, loss, accuracy, extras)
+
+
+def record_fields(
+    strategy: ServerStrategy, seen: list[NodeInfo], said: Mapping[int, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """Under record-level dp, a round's row: the largest ε a node that took DP-SGD steps in it says it has
+    spent (each node's own ledger: florist/client/ledger.py) and, unless the round's sample is private, each
+    such node's ε, σ, q and steps by its key. Nothing without record-level dp."""
+    if not strategy.cfg.record_dp:
+        return {}
+    spent = [s["epsilon"] for s in said.values() if "epsilon" in s]
+    row: dict[str, Any] = {"dp_record_epsilon": max(spent) if spent else None, "dp_record_relation": RECORD_RELATION}
+    if any("guarantee" in s for s in said.values()):
+        row["dp_record_guarantee"] = UNSEEDED
+    if not strategy.samples_privately(len(seen)):  # who trained is the round's to tell
+        keys = {n.node_id: n.key for n in seen}
+        fields = ("epsilon", "sigma", "q", "steps", "accountant")
+        named = {keys.get(node, strategy.exchanger.name(node)): s for node, s in said.items()}
+        row["dp_record_nodes"] = {key: {f: named[key][f] for f in fields if f in named[key]} for key in sorted(named)}
+    return row
+
+
+def record_named(strategy: ServerStrategy, seen: list[NodeInfo]) -> Mapping[int, Mapping[str, Any]] | None:
+    """Under record-level dp, what each node last said of its ε, for the clients' rows; None without it, or
+    under a private sample (a node's steps would tell how often it trained)."""
+    named = strategy.cfg.record_dp and not strategy.samples_privately(len(seen))
+    return strategy.exchanger.record_latest if named else None
 
 
 def check_replies(cfg: RunConfig, exchanger: Exchanger, exchanges: list[dict[str, Any]], server_round: int) -> None:
@@ -323,10 +352,11 @@ def _mean_accuracy(metrics: Mapping[int, Mapping[str, float]], key: str = "accur
 
 def _log_round(row: dict[str, Any]) -> None:
     log.info(
-        "round %d done in %.1f s: train loss %s, seen accuracy %s%s",
+        "round %d done in %.1f s: train loss %s, seen accuracy %s%s%s",
         row["round"],
         row["seconds"],
         number(row["train_loss"], ".4f"),
         number(row["accuracy"], ".1%"),
         f", ε spent {row['dp_epsilon']:.3g}" if row.get("dp_epsilon") is not None else "",
+        f", record-level ε ≤ {eps:.3g} per node" if (eps := row.get("dp_record_epsilon")) is not None else "",
     )

@@ -187,12 +187,17 @@ def best_round(results: dict[str, Any]) -> list[str]:
 
 def privacy_lines(results: dict[str, Any]) -> list[str]:
     """Under `dp`: the mechanism, σ, C and the ε spent after the last round (docs/privacy.md),
-    and why training stopped early when a budget stopped it."""
+    the nodes' record-level ε under `dp = "record"`, and why training stopped early when a budget
+    stopped it."""
     rows = [r for r in results["rounds"] if "dp_noise_multiplier" in r]
     stopped = [f"Training stopped early: {results['stopped']}.", ""] if results.get("stopped") else []
+    record = record_lines(results)
     if not rows:  # a budget may stop a run before its first round
-        return stopped
+        return record + stopped
     cfg, last = results["config"], rows[-1]
+    mechanism, clip = f"`{cfg['dp']}`", cfg["dp-clip"]
+    if str(cfg["dp"]).startswith("record+"):  # the user-level mechanism on top of DP-SGD, its own keys
+        mechanism, clip = f"`{cfg['dp'].removeprefix('record+')}` (on top of record-level dp)", cfg["dp-user-clip"]
     spent = (
         f"ε = {last['dp_epsilon']:.3g} spent (δ = {cfg['dp-delta']:g}, {last.get('dp_accountant', 'rdp').upper()}, "
         f"{last.get('dp_relation', '')} neighbours)"
@@ -200,10 +205,40 @@ def privacy_lines(results: dict[str, Any]) -> list[str]:
         else f"ε not reported, {last.get('dp_guarantee', 'no guarantee')}"
     )
     line = (
-        f"Differential privacy `{cfg['dp']}`: σ = {last['dp_noise_multiplier']:.4g}, C = {cfg['dp-clip']:g}; "
+        f"Differential privacy {mechanism}: σ = {last['dp_noise_multiplier']:.4g}, C = {clip:g}; "
         f"{spent} after {plural(last['round'], 'round')}."
     )
-    return [line, "", *stopped]
+    return [line, "", *record, *stopped]
+
+
+def record_lines(results: dict[str, Any]) -> list[str]:
+    """Under record-level dp: C and δ, and each node's ε after its last DP-SGD step (its own ledger's:
+    the largest and smallest, and by node where the clients' rows name them)."""
+    rows = [r for r in results["rounds"] if "dp_record_epsilon" in r]
+    cfg = results["config"]
+    if not rows:
+        return []
+    last = rows[-1]
+    head = (
+        f"Record-level differential privacy (DP-SGD on every node, {last.get('dp_record_relation', '')} neighbours): "
+        f"C = {cfg['dp-clip']:g} per record's gradient, δ = {cfg['dp-delta']:g}"
+    )
+    if last.get("dp_record_guarantee"):
+        return [f"{head}; ε not reported, {last['dp_record_guarantee']}.", ""]
+    nodes = {c["client"]: c["dp_record_epsilon"] for c in results["clients"] if c.get("dp_record_epsilon") is not None}
+    if not nodes:  # the final evaluation not done (or the sample private): what the rounds said
+        nodes = {k: v["epsilon"] for r in rows for k, v in r.get("dp_record_nodes", {}).items() if "epsilon" in v}
+    spent = [r["dp_record_epsilon"] for r in rows if r["dp_record_epsilon"] is not None]
+    if not spent and not nodes:
+        return [f"{head}; no node took a DP-SGD step.", ""]
+    largest = max([*spent, *nodes.values()])
+    cap = "∞" if cfg.get("dp-epsilon") is None else f"{cfg['dp-epsilon']:g}"  # results.json writes inf as null
+    line = f"{head}; after {plural(last['round'], 'round')} the largest ε a node spent is {largest:.3g}"
+    if nodes:
+        line += f", the smallest {min(nodes.values()):.3g} (dp-epsilon {cap})."
+        shown = ", ".join(f"{key} {eps:.3g}" for key, eps in sorted(nodes.items()))
+        return [line, "", f"ε per node: {shown}.", ""]
+    return [line + f" (dp-epsilon {cap}).", ""]
 
 
 def by_cluster(results: dict[str, Any]) -> list[str]:

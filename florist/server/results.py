@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ class Results:
         self.failures: list[dict[str, Any]] = []
         self.stopped = ""  # why training ended before num-server-rounds (a privacy budget), "" when it did not
         # central dp sampling a fraction: a private (Poisson) sample, whose rounds' failures name no node
-        self.sample_withheld = cfg.dp == "central" and cfg.fraction_train < 1
+        self.sample_withheld = cfg.user_dp == "central" and cfg.fraction_train < 1
         # the classes' names as the run's dataset gives them (None: it names none; a node reading its
         # own folder keeps its own names in its models' manifests)
         self.class_names = classnames.named(cfg.dataset, cfg.num_classes)
@@ -61,9 +61,15 @@ class Results:
         self.rounds.append(row)
         return row
 
-    def set_clients(self, nodes: list[NodeInfo], metrics: dict[int, dict[str, float]]) -> None:
+    def set_clients(
+        self,
+        nodes: list[NodeInfo],
+        metrics: dict[int, dict[str, float]],
+        record: Mapping[int, Mapping[str, Any]] | None = None,
+    ) -> None:
         """Per-client rows from the final evaluation; nodes that failed it, or could not be
-        scored (no test labels), get accuracy None."""
+        scored (no test labels), get accuracy None. `record` (record-level dp): what each node last
+        said of its ε, which its row keeps as `dp_record_epsilon` (0 for a node that took no DP-SGD step)."""
         self.clients = []
         for node in nodes:
             values = metrics.get(node.node_id)
@@ -75,6 +81,9 @@ class Results:
                 "accuracy": (values or {}).get("accuracy"),
             }
             extra = {k.replace("-", "_"): v for k, v in (values or {}).items() if k not in STANDARD_CLIENT_KEYS}
+            if record is not None:
+                said = record.get(node.node_id, {})
+                extra["dp_record_epsilon"] = said.get("epsilon", None if "guarantee" in said else 0.0)
             self.clients.append(row | extra)
 
     def summary(self) -> dict[str, dict[str, float | int]]:

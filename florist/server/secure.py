@@ -84,8 +84,9 @@ def secure_round(
             max_weight=float(max_weight),
         )
         if dp_sigma > 0:
-            share = privacy.share_std(dp_sigma, cfg.dp_clip, setup.threshold)
-            setup = dataclasses.replace(setup, clip=max(setup.clip, cfg.dp_clip + RANGE_STDS * share))
+            clip = cfg.user_level().dp_clip  # under record+distributed, dp-user-clip
+            share = privacy.share_std(dp_sigma, clip, setup.threshold)
+            setup = dataclasses.replace(setup, clip=max(setup.clip, clip + RANGE_STDS * share))
         models = (lambda _: model) if isinstance(model, ArrayRecord) else model
         weights = {n.node_id: (max_weight, max_weight) if fixed else (0.0, min(n.num_train, max_weight)) for n in nodes}
         return _stages(strategy, exchanges, nodes, server_round, models, size, setup, dp_sigma, side, weights)

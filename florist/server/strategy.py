@@ -68,7 +68,12 @@ class ServerStrategy:
         """`num_seen`: how many nodes train (some algorithms size their networks by it)."""
         self.cfg, self.exchanger, self.input_shape, self.num_seen = cfg, exchanger, input_shape, num_seen
         self.settings: Any = cfg.settings
-        if cfg.dp != "none" and cfg.strategy not in self.protected:
+        if cfg.record_dp and cfg.strategy not in self.record_covered:
+            raise ValueError(
+                f'dp = "{cfg.dp}": strategy {cfg.strategy!r} is not covered by record-level dp: {self.record_gap} '
+                "(docs/privacy.md)"
+            )
+        if cfg.user_dp != "none" and cfg.strategy not in self.protected:
             raise ValueError(
                 f'dp = "{cfg.dp}": strategy {cfg.strategy!r} has no differential privacy yet (docs/privacy.md)'
             )
@@ -85,6 +90,16 @@ class ServerStrategy:
     # before the run (the preflight builds the server half).
     protected: tuple[str, ...] = ()
     secured: tuple[str, ...] = ()
+    # The strategies whose every message derived from a node's data is DP-SGD's output (or post-processing
+    # of it, or noised and counted as a DP-SGD step) under `dp = "record"`; `record_gap`: why any other is not.
+    record_covered: tuple[str, ...] = ()
+    record_gap = "a value it sends depends on the node's data outside DP-SGD's steps"
+
+    @property
+    def trained_metrics(self) -> tuple[str, ...]:
+        """The metrics every training reply carries: no train loss under local or record-level dp (an
+        un-noised value of the node's data), else TRAINED."""
+        return ("num-examples",) if self.cfg.user_dp == "local" or self.cfg.record_dp else TRAINED
 
     @staticmethod
     def report(results: dict[str, Any], folder: Path) -> list[str]:
@@ -115,7 +130,7 @@ class ServerStrategy:
     def samples_privately(self, available: int) -> bool:
         """Whether a round's sample is Poisson, from the OS (central dp, not every node each round);
         results then keep how many trained, never who."""
-        return self.cfg.dp == "central" and self.sample_size(available) < available
+        return self.cfg.user_dp == "central" and self.sample_size(available) < available
 
     def request(
         self,
@@ -216,8 +231,9 @@ def metrics_of(replies: Mapping[int, Reply]) -> dict[int, dict[str, float]]:
 
 
 def mean_loss(metrics: Iterable[Mapping[str, float]]) -> float | None:
-    """Example-weighted mean of `train-loss` over replies (None when there are none)."""
+    """Example-weighted mean of `train-loss` over replies (None when there are none, or they carry
+    none: under local or record-level dp no node sends it)."""
     rows = list(metrics)
-    if not rows:
+    if not rows or any("train-loss" not in m for m in rows):
         return None
     return weighted_mean([m["train-loss"] for m in rows], [m["num-examples"] for m in rows])

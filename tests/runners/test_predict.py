@@ -98,7 +98,8 @@ def test_predict_on_each_nodes_test_split_is_the_accuracy_its_run_reported(strat
     header, *body = rows.strip().splitlines()
     assert code == 0 and header == "index,class,class_name," + ",".join(f"p_{c}" for c in range(10))
     assert [int(row.split(",")[1]) for row in body] == [r["class"] for r in written["predictions"]]
-    assert [row.split(",")[2] for row in body] == [str(r["class"]) for r in written["predictions"]]  # digits name themselves
+    # the digits name themselves
+    assert [row.split(",")[2] for row in body] == [str(r["class"]) for r in written["predictions"]]
 
 
 def test_odpfl_predicts_for_an_unlabeled_node_and_prints_no_accuracy(capsys, tmp_path):

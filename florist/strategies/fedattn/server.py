@@ -28,7 +28,7 @@ from torch import nn
 from florist.common import protocol
 from florist.common.models import bias_names, flat_biases, seeded
 from florist.server.aggregation import clip_updates, weighted_average
-from florist.server.strategy import TESTED, TRAINED, NodeInfo, log
+from florist.server.strategy import TESTED, NodeInfo, log
 from florist.strategies.fedattn.spec import BIAS_GRAD, REPRESENT, TRAIN_ATTN, AttentionSettings, M, Z
 from florist.strategies.fedavg.server import FedAvg
 from florist.strategies.fedavg.spec import EVALUATE
@@ -63,6 +63,9 @@ class FedAttn(FedAvg):
     checkpointed = ("model", "attention", "optimizer")
     # Under secure aggregation G's update is masked; Z, M and ∂L/∂M̃ stay in the clear (`train_masked`).
     secured = ("fedattn",)
+    # Under record-level dp G and M are DP-SGD's output, and Z and ∂L/∂M̃ are each one more DP-SGD step's
+    # noised mean, counted in the node's ledger (florist/strategies/fedattn/client.py).
+    record_covered = ("fedattn",)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -173,7 +176,7 @@ class FedAttn(FedAvg):
             loss, sides, biases = self.train_masked(server_round, nodes, states, side)
         else:
             requests = {n: self.request(TRAIN_ATTN, server_round, ArrayRecord(s)) for n, s in states.items()}
-            replies = self.ask(TRAIN_ATTN, requests, server_round, TRAINED, self.model.state_dict(), side)
+            replies = self.ask(TRAIN_ATTN, requests, server_round, self.trained_metrics, self.model.state_dict(), side)
             done = [n for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
             # G (with M̄) by FedAvg's rule, or the robust one the run config names (florist/server/aggregation.py).
             loss = self.aggregate([(n, replies[n.node_id]) for n in done]) if done else None

@@ -29,13 +29,14 @@ def train(node: Node, request: Request) -> RecordDict:
     `proximal-mu` > 0 (Flower's FedProx sends it); reply with the new weights and `train-loss`,
     the mean loss of the last pass. For Flower's strategies also `train_loss`, the received
     model's loss on the whole train split before training: q-FFL's F_k(w^t), what QFedAvg reads.
-    Under `dp = "local"` the reply is the noised model and the example count alone (`local_dp`)."""
+    Under `dp = "local"` the reply is the noised model and the example count alone (`local_dp`); under
+    record-level dp the model DP-SGD trained (`Node.fit`) and the example count, no train loss."""
     model, d, mu = node.received_model(request), node.data, node.cfg.proximal_mu
     metrics = {"num-examples": len(d.x_train)}
-    book = ledger.Ledger(node) if node.cfg.dp == "local" else None
+    book = ledger.Ledger(node) if node.cfg.user_dp == "local" else None
     if book is not None and (kept := book.prior()) is not None:  # asked again: what it released, before any work
         return local_reply(model, kept, metrics)
-    if request.from_flower and d.labelled and book is None:  # unlabelled: `fit` says so
+    if request.from_flower and d.labelled and book is None and not node.cfg.record_dp:  # unlabelled: `fit` says so
         metrics["train_loss"] = training.evaluate(model, d.x_train, d.y_train, node.device)[0]
     penalty = training.proximal(model, mu) if mu > 0 else None
     start = {key: t.clone() for key, t in model.state_dict().items()} if node.cfg.dp != "none" else None
@@ -47,6 +48,8 @@ def train(node: Node, request: Request) -> RecordDict:
         if start is None:
             raise
         metrics |= zeroed(node, model, start, err)
+    if node.cfg.record_dp:  # the train loss is an un-noised value of the records (dp-zeroed is DP-SGD's output's)
+        metrics.pop("train-loss", None)
     if book is not None:
         return local_reply(model, local_dp(node, book, start, model.state_dict()), {"num-examples": len(d.x_train)})
     return protocol.content(protocol.to_record(model), metrics=metrics)
@@ -67,6 +70,8 @@ def zeroed(node: Node, model, start: dict, err: FloatingPointError) -> dict[str,
     LOSS_CAP (what a non-finite one reads as)."""
     model.load_state_dict(start)
     log.warning("node %s: round %s: %s; under dp it sends no change (dp-zeroed)", node.key, node.server_round, err)
+    if node.cfg.record_dp:  # no train loss leaves the node
+        return {"dp-zeroed": 1}
     loss = training.evaluate(model, node.data.x_train, node.data.y_train, node.device)[0]
     return {"train-loss": loss if math.isfinite(loss) and loss < LOSS_CAP else LOSS_CAP, "dp-zeroed": 1}
 
@@ -96,7 +101,7 @@ def evaluate(node: Node, request: Request) -> RecordDict:
     d = node.data
     _, global_accuracy = training.evaluate(model, d.x_test, d.y_test, node.device)
     tuned = copy.deepcopy(model)
-    node.fit(tuned, finetune.epochs, lr=finetune.lr, salt=1)
+    node.fit(tuned, finetune.epochs, lr=finetune.lr, salt=1, private=False)  # never leaves the node: no DP-SGD
     return node.test_reply(tuned, **{"global-accuracy": global_accuracy})
 
 

@@ -19,7 +19,7 @@ from florist.config import RunConfig
 from florist.server.accounting import Ledger
 from florist.server.aggregation import Aggregator
 from florist.server.secure import RANGE_STDS, Outcome, secure_round
-from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
+from florist.server.strategy import TESTED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.fedavg.spec import EVALUATE, SECAGG, TRAIN
 
 log = logging.getLogger("flwr").getChild(__name__)
@@ -44,6 +44,9 @@ class FedAvg(ServerStrategy):
     # Their every message is FedAvg's training exchange (kNN-Per: its global model; its datastore
     # never leaves the node) or an evaluation, which sends the model down only.
     protected = secured = ("fedavg", "fedavg-ft", "knnper")
+    # Under record-level dp the model a node sends is DP-SGD's output; FedAvg+'s fine-tuning and kNN-Per's
+    # datastore stay on the node.
+    record_covered = ("fedavg", "fedavg-ft", "knnper")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -94,8 +97,8 @@ class FedAvg(ServerStrategy):
         if self.secure:
             return self.train_securely(server_round, nodes)[0]
         request = self.request(self.training, server_round, protocol.to_record(self.model))
-        # under local dp a node sends no train loss (nothing un-noised of its data leaves it)
-        expected = ("num-examples",) if self.privacy.mode == "local" else TRAINED
+        # under local or record-level dp a node sends no train loss (nothing un-noised of its data leaves it)
+        expected = self.trained_metrics
         replies = self.broadcast(self.training, nodes, server_round, request, expected, self.model.state_dict())
         done = [(n, replies[n.node_id]) for n in nodes if n.node_id in replies]  # fixed order: same seed, same sums
         return self.aggregate(done)
@@ -239,9 +242,9 @@ def plan(cfg: RunConfig, q: float) -> privacy.Plan:
     """The run's `dp` as a `privacy.Plan`, `q` the share of the seen nodes a round samples. A
     finite `dp-epsilon` without `dp` is refused: FedAvg would noise nothing (only OD-PFL reads
     dp-epsilon on its own)."""
-    if cfg.dp == "none" and math.isfinite(cfg.dp_epsilon):
+    if cfg.dp == "none" and math.isfinite(cfg.dp_epsilon):  # (under dp = "record" it is DP-SGD's budget)
         raise ValueError(
             f'dp-epsilon = {cfg.dp_epsilon:g} but dp = "none": {cfg.strategy} would noise nothing; '
-            'set dp = "central" or "local" (docs/privacy.md)'
+            'set dp = "central", "local" or "record" (docs/privacy.md)'
         )
     return privacy.Plan.of(cfg, q)

@@ -29,15 +29,16 @@ def _keep(node: Node, model: Net) -> None:
 def train(node: Node, request: Request) -> RecordDict:
     """One round of local training; the model stays on the node."""
     model, _ = _own_model(node, node.server_round - 1)
-    loss = node.fit(model, node.cfg.local_epochs)
+    loss = node.fit(model, node.cfg.local_epochs, private=False)  # never leaves the node: no DP-SGD, no ε
     _keep(node, model)
-    return protocol.content(metrics={"num-examples": len(node.data.x_train), "train-loss": loss})
+    loss_metric = {} if node.cfg.record_dp else {"train-loss": loss}  # under record-level dp nothing of the data
+    return protocol.content(metrics={"num-examples": len(node.data.x_train)} | loss_metric)
 
 
 def evaluate(node: Node, request: Request) -> RecordDict:
     """Test the node's own model, training one first (`scratch-epochs`) if it has none."""
     model, trained = _own_model(node, node.server_round)
     if not trained:
-        node.fit(model, request.settings.scratch_epochs)
+        node.fit(model, request.settings.scratch_epochs, private=False)
         _keep(node, model)
     return node.test_reply(model)

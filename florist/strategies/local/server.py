@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from florist.server.strategy import TESTED, TRAINED, NodeInfo, ServerStrategy, mean_loss, metrics_of
+from florist.server.strategy import TESTED, NodeInfo, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.local.spec import EVALUATE_LOCAL, TRAIN_LOCAL
 
 
 class Local(ServerStrategy):
+    # Under record-level dp nothing a node trains leaves it: it trains as without dp and spends no ε.
+    record_covered = ("local",)
+
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
-        replies = self.broadcast(TRAIN_LOCAL, nodes, server_round, self.request(TRAIN_LOCAL, server_round), TRAINED)
+        request = self.request(TRAIN_LOCAL, server_round)
+        replies = self.broadcast(TRAIN_LOCAL, nodes, server_round, request, self.trained_metrics)
         return mean_loss(r.metrics for r in replies.values())
 
     def evaluate(self, server_round: int, nodes: list[NodeInfo]) -> dict[int, dict[str, float]]:

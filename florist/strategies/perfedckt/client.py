@@ -134,7 +134,9 @@ def train(node: Node, request: Request) -> RecordDict:
     rounds = (meta or {}).get("rounds", 0) + 1
     _save(node, model, rounds=rounds, cluster=cluster)
     soft = torch.from_numpy(soft_decisions(node, model, public))
-    metrics = {"num-examples": len(node.data.x_train), "train-loss": loss, "cluster": cluster}
+    metrics = {"num-examples": len(node.data.x_train), "cluster": cluster}
+    if not node.cfg.record_dp:  # under record-level dp the loss (un-noised) stays; the cluster is the DP model's
+        metrics["train-loss"] = loss
     return protocol.content(ArrayRecord({SOFT: soft}), metrics=metrics)
 
 

@@ -20,7 +20,7 @@ from florist.common.metrics import summarize
 from florist.common.models import build_model
 from florist.config import RunConfig
 from florist.server.report import pct
-from florist.server.strategy import TESTED, TRAINED, NodeInfo, ServerStrategy, mean_loss, metrics_of
+from florist.server.strategy import TESTED, NodeInfo, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.fedavg.server import exchange_bytes
 from florist.strategies.fedavg.spec import TRAIN
 from florist.strategies.perfedckt import public as public_lib
@@ -67,12 +67,20 @@ def cluster(points: np.ndarray, clusters: int, seed: int) -> np.ndarray:
 
 class PerFedCKT(ServerStrategy):
     settings: CktSettings
+    # Under record-level dp a node's model is DP-SGD's (the distillation term reads only P and the centroids,
+    # no record of the node's); its soft decisions on P and its cluster are post-processing of it.
+    record_covered = ("perfed-ckt",)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         cfg = self.cfg
         for name in filter(None, (n.strip() for n in self.settings.client_models.split(","))):
             build_model(name, self.input_shape, cfg.num_classes)  # a wrong name or shape fails here, not on a node
+            if cfg.record_dp and name == "mobilenet_v2":
+                raise ValueError(
+                    f'dp = "{cfg.dp}" needs per-sample gradients, and client-models\' mobilenet_v2 has BatchNorm, '
+                    "which mixes the samples of a batch"
+                )
         self.public_hash = public_fingerprint(cfg, tuple(self.input_shape))
         self.soft_shape = (int(self.public_hash.split("-")[0]), self.cfg.num_classes)
         self.centroids: np.ndarray | None = None  # c × |P| × C, none before the first round
@@ -100,7 +108,7 @@ class PerFedCKT(ServerStrategy):
         before = fed.bytes_up, fed.bytes_down
         reference = {SOFT: torch.zeros(self.soft_shape)}
         request = self.ckt_request(TRAIN_CKT, server_round, True)
-        replies = self.broadcast(TRAIN_CKT, nodes, server_round, request, TRAINED, reference)
+        replies = self.broadcast(TRAIN_CKT, nodes, server_round, request, self.trained_metrics, reference)
         fedavg_up, fedavg_down = self.fedavg_exchange
         self.extras = {
             "train_bytes_up": fed.bytes_up - before[0],
