@@ -117,9 +117,10 @@ class Exchanger:
         good: dict[int, RecordDict] = {}
         failed: dict[int, str] = {}
         size = LOCAL_CHUNK if _in_memory(self.grid) else len(nodes)
+        packed: dict[int, tuple[RecordDict, int]] = {}  # by id(content): its packed form and size, for every batch
         for first in range(0, len(nodes), size):
             part = {node: requests[node] for node in nodes[first : first + size]}
-            part_good, part_failed, part_seconds = self._exchange(part, message_type, server_round, caps)
+            part_good, part_failed, part_seconds = self._exchange(part, message_type, server_round, caps, packed)
             good |= part_good
             failed |= part_failed
             seconds += part_seconds
@@ -146,12 +147,16 @@ class Exchanger:
         return {node: good[node] for node in requests if node in good}
 
     def _exchange(
-        self, requests: Mapping[int, RecordDict], message_type: str, server_round: int, caps: Mapping[int, int]
+        self,
+        requests: Mapping[int, RecordDict],
+        message_type: str,
+        server_round: int,
+        caps: Mapping[int, int],
+        packed: dict[int, tuple[RecordDict, int]],
     ) -> tuple[dict[int, RecordDict], dict[int, str], float]:
         """One batch of `round_trip`: its good replies by node, the reason each other node
         failed, and the seconds it waited for them. A content sent to several nodes is packed
-        and weighed once."""
-        packed: dict[int, tuple[RecordDict, int]] = {}  # by id(content): its packed form and size
+        and weighed once over all batches (`packed`, by id of a content `requests` holds alive)."""
         for content in requests.values():
             if id(content) not in packed:
                 packed[id(content)] = (form := packing.pack(content), protocol.nbytes(form))

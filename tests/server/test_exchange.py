@@ -229,7 +229,8 @@ class CountingPushes(EmptyReplies):
     def push_messages(self, messages):
         messages = list(messages)
         self.pushes = [*getattr(self, "pushes", []), len(messages)]
-        self.contents = {*getattr(self, "contents", set()), *(id(m.content) for m in messages)}
+        self.kept = [*getattr(self, "kept", []), *(m.content for m in messages)]  # alive: no id is reused
+        self.contents = {id(content) for content in self.kept}
         return super().push_messages(messages)
 
 
