@@ -53,7 +53,7 @@ RECORD_BOOK = "record-ledger.json"
 STEPS = "record-steps"  # the book's DP-SGD steps: {account: {"q σ": steps}}
 ROUNDS = "record-rounds"  # ... and the messages that took them: {account: count}
 SIGMAS = "record-sigmas"  # σ calibrated for (ε, δ, q, steps): a forked process need not search again
-KEPT_SIGMAS = 64
+KEPT_CALIBRATIONS = 64  # the newest σ calibrations kept in the book
 
 
 def owns_privacy(node_config: Mapping) -> bool:
@@ -348,7 +348,7 @@ class RecordLedger:
         kept = book.setdefault(SIGMAS, {})
         if key not in kept:
             kept[key] = record_dp.record_sigma(self.cap, self.delta, q, steps)[0]
-            for old in list(kept)[:-KEPT_SIGMAS]:
+            for old in list(kept)[:-KEPT_CALIBRATIONS]:
                 del kept[old]
         return float(kept[key])
 
