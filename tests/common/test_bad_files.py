@@ -49,7 +49,7 @@ def test_a_node_names_its_skipped_files_also_from_the_cache(folder, monkeypatch,
             data = node_lib._identity(own, cfg.for_node(own))[2]  # as a node's message parses it (it logs)
         assert data.skipped_images == 3 and set(data.skipped_files) == {str(folder / n) for n in BAD}
         line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(f"data {folder}:"))
-        assert "of 3×8×8; classes {0: 8, 1: 8}; 3 bad image files left out: " in line
+        assert "of 3×8×8; classes {0 'a': 8, 1 'b': 8}; 3 bad image files left out: " in line
         assert all(str(folder / n) in line for n in BAD)
 
 
