@@ -43,11 +43,12 @@ def said(node: Node) -> dict[str, str | list[str]]:
     cfg, data_dir = node.cfg, node.node_config.get("data-dir")
     names = classnames.named(cfg.dataset, cfg.num_classes, data_dir)
     root = data_dir if data_dir is not None else cfg.dataset
-    files = [] if cfg.dp != "none" else [classnames.relative(f, root) for f in node.data.skipped_files]
+    shown = node.data.skipped_files[: protocol.MAX_NAMED_FILES] if cfg.dp == "none" else ()
+    files = [classnames.relative(f, root) for f in shown]
     return (
         {protocol.DATA_SOURCE: classnames.source_of(cfg.dataset, data_dir)}
-        | ({protocol.CLASS_NAMES: names} if names else {})
-        | ({protocol.SKIPPED_FILES: files[: protocol.MAX_NAMED_FILES]} if files else {})
+        | ({protocol.CLASS_NAMES: names[: protocol.MAX_NAMES]} if names else {})
+        | ({protocol.SKIPPED_FILES: files} if files else {})
     )
 
 

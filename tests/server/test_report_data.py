@@ -99,3 +99,21 @@ def test_nodes_reading_their_own_folders_are_reported_with_their_own_classes_and
     pets = next(c for c in results["clients"] if c.get("skipped_images"))
     assert len(pets["skipped_files"]) == 20 and set(pets["skipped_files"]) <= set(bad)
     assert f"- {pets['client']}: 25 files: `{pets['skipped_files'][0]}`, " in section and ", and 5 more" in section
+
+
+def test_under_dp_a_node_names_no_bad_file_to_the_server(tmp_path):
+    """A file's name can tell of the record it held: under any dp only the count leaves the node."""
+    from types import SimpleNamespace
+
+    from florist.client.messages import said
+    from florist.common import protocol
+
+    bad = tuple(str(tmp_path / "train" / "a" / f"{i}.png") for i in range(3))
+    for dp, named in (("none", ["train/a/0.png", "train/a/1.png", "train/a/2.png"]), ("record", None)):
+        node = SimpleNamespace(
+            cfg=SimpleNamespace(dataset="digits", num_classes=2, dp=dp),
+            node_config={"data-dir": str(tmp_path)},
+            data=SimpleNamespace(skipped_files=bad),
+        )
+        assert said(node).get(protocol.SKIPPED_FILES) == named
+        assert said(node)[protocol.DATA_SOURCE] == f"folder {tmp_path.name}"
