@@ -165,17 +165,15 @@ def make_node(tmp_path):
 @pytest.fixture
 def refuses_in_one_line(tmp_path, capsys):
     """`refuses_in_one_line(argv, expected)`: `florist simulate --runtime in-process ARGV` stops
-    before any work (within 15 s: seconds, more on a loaded machine; a run's work takes minutes),
-    exit 2, in one line (and the `--help` hint) holding `expected`, no traceback."""
-    import time
-
+    before any work (no results.json: a run writes one before its first round, whatever the load;
+    a wall-clock bound broke under load), exit 2, in one line (and the `--help` hint) holding
+    `expected`, no traceback."""
     from florist.cli import main
 
     def check(argv: list[str], expected: str) -> None:
-        began = time.monotonic()
         code = main(["simulate", "--runtime", "in-process", *argv, "--results-dir", str(tmp_path / "r")])
         err = capsys.readouterr().err
-        assert code == 2 and time.monotonic() - began < 15, err
+        assert code == 2 and not (tmp_path / "r" / "results.json").exists(), err
         lines = err.strip().splitlines()
         assert len(lines) <= 2 and "Traceback" not in err and expected in lines[0], err
 

@@ -2,6 +2,7 @@
 most a hint), before any work starts."""
 
 import dataclasses
+import signal
 import subprocess
 import sys
 
@@ -246,3 +247,28 @@ def test_the_default_runtime_suits_the_machine_and_the_flags(monkeypatch, cores,
         monkeypatch.setenv(key, value)
     for command in (["simulate"], ["compare", "--out", "cmp"]):
         assert chosen_runtime(build_parser().parse_args([*command, *flags])) == expected
+
+
+def test_a_ctrl_c_before_the_run_starts_stops_a_florist_started_with_sigint_ignored(tmp_path):
+    """A script's `florist ... &` starts it with SIGINT ignored: a Ctrl-C sent (by PID) during the
+    preflight, before any round, was ignored and the run went on to its end."""
+    (tmp_path / "preflight.py").write_text(
+        "import signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from florist import cli\nfrom florist.cli import simulate\n"
+        "simulate.run = lambda args: (print('ready', flush=True), time.sleep(60))\n"
+        "sys.exit(cli.main(['simulate', '--results-dir', sys.argv[1]]))\n"
+    )
+    run = subprocess.Popen(
+        [sys.executable, "-m", "preflight", str(tmp_path / "out")],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert run.stdout.readline() == "ready\n"
+        run.send_signal(signal.SIGINT)
+        _, err = run.communicate(timeout=120)  # only ends a hung run: ignored, the command sleeps 60 s then exits 0
+    finally:
+        run.kill()
+    assert run.returncode == 130 and err == "florist: interrupted\n", err

@@ -32,7 +32,7 @@ from florist.cli import (
     superlink,
     supernode,
 )
-from florist.cli.signals import forget_interrupt, ignore_signals
+from florist.cli.signals import forget_interrupt, ignore_signals, interrupt_on_signals
 from florist.common.spec import StrategySpec
 
 # In the order `florist --help` lists them; each strategy's own commands come after these.
@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         command.error(f"unrecognized arguments: {' '.join(extra)}" + (f"; did you mean {close[0]}?" if close else ""))
     args.flower_args = extra
     debug = args.debug or os.environ.get("FLORIST_DEBUG", "") not in ("", "0")
+    if args.command not in ("supernode", "superlink"):  # Flower's own processes take their signals themselves
+        # From the start, not from a run's first round: a florist started with SIGINT ignored (`florist ... &` in a
+        # script) would otherwise ignore a Ctrl-C sent during its preflight, and run to the end.
+        interrupt_on_signals()
     try:
         return args.func(args)
     except KeyboardInterrupt as stop:  # runs raise `Interrupted`, which says what was kept

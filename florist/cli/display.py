@@ -14,8 +14,9 @@ from florist.server.report import FIGURES, SUMMARY_COLUMNS, privacy_lines, summa
 
 
 class Display(Events):
-    """The preflight's warnings, one line each on stderr. From `started` on, Ctrl-C and SIGTERM
-    stop the run (`cli/signals.py`) and `wall` counts the seconds."""
+    """The preflight's warnings, one line each on stderr. From `started` on, `wall` counts the
+    seconds; Ctrl-C and SIGTERM stop the run (`cli/signals.py`, set again here for callers other
+    than `florist`'s main, which sets them before any command)."""
 
     def __init__(self) -> None:
         self.began = time.monotonic()

@@ -16,7 +16,7 @@ from flwr.clientapp import ClientApp
 from florist.client import guard, ledger
 from florist.client.deadline import deadline
 from florist.client.node import Node, Request, node_key, parse
-from florist.common import client_mods, data, devices, packing, protocol, training
+from florist.common import classnames, client_mods, data, devices, packing, protocol, training
 from florist.common.models import build_model
 from florist.common.spec import Exchange, StrategySpec
 
@@ -25,7 +25,7 @@ def info(node: Node, request: Request) -> RecordDict:
     """Who this node is and what data it holds, so the server can plan the run."""
     d = node.data
     return protocol.content(
-        config={"node-key": node.key, "input-shape": list(d.input_shape), "device": str(node.device)},
+        config={"node-key": node.key, "input-shape": list(d.input_shape), "device": str(node.device)} | said(node),
         metrics={
             "num-train": len(d.x_train),
             "num-val": len(d.x_val),
@@ -33,6 +33,22 @@ def info(node: Node, request: Request) -> RecordDict:
             "seen": int(node.seen),
             "labelled": int(d.labelled),
         },
+    )
+
+
+def said(node: Node) -> dict[str, str | list[str]]:
+    """What the node tells the server of its data, once a run (discovery), so report.md says what
+    each node read: its source and class names, and the first bad files it left out, named relative
+    to its folder (none under dp, where a file's name would tell of a record; its log names them)."""
+    cfg, data_dir = node.cfg, node.node_config.get("data-dir")
+    names = classnames.named(cfg.dataset, cfg.num_classes, data_dir)
+    root = data_dir if data_dir is not None else cfg.dataset
+    shown = node.data.skipped_files[: protocol.MAX_NAMED_FILES] if cfg.dp == "none" else ()
+    files = [classnames.relative(f, root) for f in shown]
+    return (
+        {protocol.DATA_SOURCE: classnames.source_of(cfg.dataset, data_dir)}
+        | ({protocol.CLASS_NAMES: names[: protocol.MAX_NAMES]} if names else {})
+        | ({protocol.SKIPPED_FILES: files} if files else {})
     )
 
 

@@ -28,8 +28,8 @@ from flwr.app import Context, Message, RecordDict
 
 from florist.client import guard, personal
 from florist.client.state import NodeState
+from florist.common import classnames, datacache, devices, folders, protocol, scenarios, training
 from florist.common import data as data_lib
-from florist.common import datacache, devices, folders, protocol, scenarios, training
 from florist.common.models import Net, seeded_model
 from florist.common.settings import Settings, coerce
 from florist.common.spec import Exchange, StrategySpec
@@ -308,7 +308,8 @@ def _identity(node_config: dict, cfg: RunConfig, say: bool = True) -> tuple[str,
         source = f"{cfg.dataset!r}, partition {pid} of {num}"
         client = scenarios.client_data(pid, num, cfg)
         seen = pid not in data_lib.unseen_partitions(num, cfg.unseen_fraction, cfg.seed)
-    if say and (described := client.describe(source)) not in _DESCRIBED:  # once per process and data
+    names = classnames.named(cfg.dataset, cfg.num_classes, node_config.get("data-dir")) if say else None
+    if say and (described := client.describe(source, names)) not in _DESCRIBED:  # once per process and data
         _DESCRIBED.add(described)
         log.info("%s", described)
     return node_key(node_config), seen, client

@@ -25,6 +25,25 @@ def named(dataset: str, num_classes: int, data_dir: str | Path | None = None) ->
     return numbered(names[:num_classes], num_classes)
 
 
+def source_of(dataset: str, data_dir: str | Path | None = None) -> str:
+    """Where a node's data comes from, as its discovery reply tells the server: an embedded name,
+    a synthetic spec or a Hugging Face id as given; a local folder (its `data_dir` or a folder
+    `dataset`) by its last name only, since a node's paths are its own (its key hides them too)."""
+    if data_dir is not None:
+        return f"folder {Path(str(data_dir)).expanduser().absolute().name}"
+    folder = Path(dataset).expanduser()
+    return f"folder {folder.absolute().name}" if dataset and folder.is_dir() else dataset
+
+
+def relative(name: str, root: str | Path) -> str:
+    """A bad file's `name` as a report shows it: relative to the data's `root` where it lies under it."""
+    folder = Path(str(root)).expanduser()
+    for base in (folder.absolute(), folder.resolve()):
+        if Path(name).is_relative_to(base):
+            return str(Path(name).relative_to(base))
+    return name
+
+
 def numbered(names: list[str] | None, num_classes: int) -> list[str]:
     """`names` padded to `num_classes` with the classes' numbers (all numbers without names)."""
     names = list(names or [])

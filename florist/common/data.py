@@ -53,12 +53,14 @@ class ClientData:
     def labelled(self) -> bool:
         return self.y_train is not None
 
-    def describe(self, source: str) -> str:
-        """One line on what this client read from `source`: sizes, samples per class, and every
-        bad file left out, so a node's log names them also when its data came from the cache."""
+    def describe(self, source: str, names: list[str] | None = None) -> str:
+        """One line on what this client read from `source`: sizes, samples per class (by its
+        `names` where the data names them), and every bad file left out, so a node's log names
+        them also when its data came from the cache."""
         splits = [y for y in (self.y_train, self.y_val, self.y_test) if y is not None]
         counts = np.bincount(np.concatenate(splits)) if splits else np.zeros(0, dtype=int)
-        classes = ", ".join(f"{c}: {n}" for c, n in enumerate(counts.tolist()) if n) or "unlabeled"
+        named = lambda c: f"{c} {names[c]!r}" if names and c < len(names) else str(c)  # noqa: E731
+        classes = ", ".join(f"{named(c)}: {n}" for c, n in enumerate(counts.tolist()) if n) or "unlabeled"
         shape = "×".join(map(str, self.input_shape))
         line = f"data {source}: {len(self.x_train)}/{len(self.x_val)}/{len(self.x_test)} train/val/test of {shape}"
         line += f"; classes {{{classes}}}"

@@ -227,6 +227,29 @@ def info_of(content: RecordDict, source: str) -> tuple[str, tuple[int, ...], dic
     return key, tuple(shape), metrics
 
 
+# What a `query.info` reply says of the node's data, for report.md (all optional, bounded here:
+# a node chooses them): where it came from, its classes' names, and the bad files it left out.
+DATA_SOURCE, CLASS_NAMES, SKIPPED_FILES = "data-source", "class-names", "skipped-files"
+MAX_NAMES, MAX_NAMED_FILES, NAME_CHARS = 1000, 20, 200
+
+
+def data_of(content: RecordDict, source: str) -> dict[str, Any]:
+    """What a `query.info` reply says of its node's data (`DATA_SOURCE`, `CLASS_NAMES`,
+    `SKIPPED_FILES` in its config record): each a string or a list of strings, kept as one-line
+    text of at most `NAME_CHARS` characters, the lists cut to `MAX_NAMES` and `MAX_NAMED_FILES`;
+    empty when it says nothing (a node of an earlier florist)."""
+    config = content.config_records.get(CONFIG, {})
+    said: dict[str, Any] = {}
+    for key, most in ((DATA_SOURCE, 0), (CLASS_NAMES, MAX_NAMES), (SKIPPED_FILES, MAX_NAMED_FILES)):
+        if key not in config:
+            continue
+        value = config[key]
+        if not (isinstance(value, str) if not most else isinstance(value, list) and all(type(v) is str for v in value)):
+            raise ProtocolError(f"{source}: {key} must be {'a string' if not most else 'a list of strings'}")
+        said[key] = one_line(value, NAME_CHARS) if not most else [one_line(v, NAME_CHARS) for v in value[:most]]
+    return said
+
+
 def handler_seconds(reply: RecordDict, part: str = "handler") -> float:
     """How long the reply's handler ran (`part` "data": how long of it went to loading the
     node's data), as the node reported it (0 when it did not)."""

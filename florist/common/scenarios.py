@@ -65,10 +65,23 @@ def parse_dataset(text: str) -> tuple[str, tuple[float, ...]]:
 
 
 def input_shape(cfg, num_partitions: int) -> tuple[int, ...]:
-    """The samples' shape under `cfg` (a Hugging Face dataset or folder: its first partition's)."""
+    """The samples' shape under `cfg` (a Hugging Face dataset or folder: its first partition's).
+    Where that partition holds bad image files, the others are decoded too before they are
+    refused, so one refusal names those of the whole dataset."""
     kind = parse_dataset(cfg.dataset)[0]
     if kind == "hub":
-        return client_data(0, num_partitions, cfg).input_shape
+        from florist.common.badfiles import BadImages
+
+        try:
+            return client_data(0, num_partitions, cfg).input_shape
+        except BadImages as err:
+            bad = list(err.bad)
+            for pid in range(1, num_partitions):
+                try:
+                    client_data(pid, num_partitions, cfg)
+                except BadImages as more:
+                    bad += more.bad
+            raise BadImages(bad) from None
     return (SYNTHETIC_FEATURES,) if kind == "synthetic" else data_lib.EMBEDDED_SHAPES[cfg.dataset]
 
 

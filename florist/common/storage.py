@@ -16,11 +16,15 @@ def atomic_write(path: Path, writer: Callable[[IO[bytes]], object], shared: bool
     for what a user writes to hand on (an export, predictions)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as tmp:
-        writer(tmp)
-        if shared:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.fchmod(tmp.fileno(), 0o666 & ~umask)
+        try:
+            writer(tmp)
+            if shared:
+                umask = os.umask(0)
+                os.umask(umask)
+                os.fchmod(tmp.fileno(), 0o666 & ~umask)
+        except BaseException:  # a Ctrl-C or a failed write: the old file stays, and no half-written copy beside it
+            os.unlink(tmp.name)
+            raise
     os.replace(tmp.name, path)
     return path
 

@@ -19,7 +19,7 @@ from florist.deploy.superlink import message_limit
 from florist.runners.federation import node_configs
 from florist.runners.launch import Events, Federation, Launch
 from florist.runners.preflight import configure
-from florist.runners.simulation import Interrupted
+from florist.runners.simulation import Interrupted, decode_data
 from florist.server.results import note_error
 
 
@@ -29,6 +29,9 @@ def deploy_local(launch: Launch, federation: Federation, events: Events) -> dict
         check_usable()  # before the run's own checks, which take seconds
     checked = configure(launch, events)
     events.started(1, checked.cfg.num_server_rounds)
+    # Its nodes read a folder or hub dataset from this machine's data cache: decoded here first, so
+    # one refusal names every bad file, before any process starts.
+    decode_data(checked.cfg, checked.num_nodes, events)
     num_nodes, results_dir = checked.num_nodes, Path(checked.cfg.results_dir).expanduser().resolve()
     # The ServerApp runs in the federation's folder: paths it is given are absolute.
     tracking = checked.cfg.tracking_dir

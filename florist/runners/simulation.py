@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from florist.common import scenarios, storage
+from florist.common.badfiles import refuse_all
 from florist.common.hub import hub_client
 from florist.common.processes import terminate_marked
 from florist.config import RunConfig
@@ -260,13 +261,18 @@ def beside_results(launch: Launch, address: str | None) -> Launch:
 def decode_data(cfg: RunConfig, num_nodes: int, events: Events) -> None:
     """Decode every node's partition of a Hugging Face or folder dataset into the data cache
     before the nodes start (they then read it in milliseconds), told to `events`; nothing for
-    the embedded datasets."""
+    the embedded datasets. Every partition is decoded before any bad image file is refused, so
+    one refusal names the bad files of the whole dataset, not those of the first partition
+    that holds one (each further run would find the next)."""
     if scenarios.parse_dataset(cfg.dataset)[0] != "hub":
         return
     events.decoded(0, num_nodes)
-    for pid in range(num_nodes):
+
+    def decode(pid: int) -> None:
         hub_client(pid, num_nodes, cfg, report=functools.partial(events.decoding, pid))
         events.decoded(pid + 1, num_nodes)
+
+    refuse_all(functools.partial(decode, pid) for pid in range(num_nodes))
 
 
 def run_simulated(

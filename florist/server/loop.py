@@ -52,10 +52,13 @@ def discover(
     for node_id, reply in replies.items():
         try:
             key, shape, metrics = protocol.info_of(reply, f"node {node_id}")
+            said = protocol.data_of(reply, f"node {node_id}")
         except protocol.ProtocolError as err:
             exchanger.fail(node_id, INFO.message_type, 0, f"ill-formed info reply: {err}")
             continue
-        node = NodeInfo(node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]), shape)
+        node = NodeInfo(
+            node_id, key, bool(metrics["seen"]), int(metrics["num-train"]), int(metrics["num-test"]), shape, said
+        )
         claims.setdefault(key, []).append(node)
     nodes = []
     for key, claimants in claims.items():

@@ -114,26 +114,51 @@ def markdown(results: dict[str, Any], own_section: Sequence[str] = ()) -> str:
 
 
 def data_section(results: dict[str, Any]) -> list[str]:
-    """What the clients read: the source, the classes, the image size, and how many bad image
-    files each left out (`skip-bad-images`), so a report says what its accuracy was measured on.
-    The files' names are in each node's log: a reply's metrics carry numbers only."""
-    cfg, clients = results["config"], results["clients"]
+    """What the clients read, as each node said at discovery: the source, the classes and the image
+    size (one line where all agree, one per group of nodes where they differ: nodes reading their
+    own folders), and the bad image files each left out (`skip-bad-images`), the first of them by
+    name, so a report says what its accuracy was measured on."""
+    cfg, clients, groups = results["config"], results["clients"], results.get("data") or []
     size = f"resized to {cfg['image-size']}" if cfg.get("image-size") else "decoded at their own size"
     held = sum(c.get("num_train") or 0 for c in clients), sum(c.get("num_test") or 0 for c in clients)
-    lines = [
-        "",
-        "## Data",
-        "",
-        f"Source `{cfg.get('dataset', 'digits')}`, {cfg.get('num-classes', 10)} classes, images {size}; "
-        f"{plural(len(clients), 'client')} hold {held[0]:,} training and {held[1]:,} test samples.",
-        "",
-        *class_line(results.get("class_names")),
-    ]
+    source = groups[0]["source"] if len(groups) == 1 else cfg.get("dataset", "digits")
+    hold = f"{plural(len(clients), 'client')} hold {held[0]:,} training and {held[1]:,} test samples."
+    lines = ["", "## Data", ""]
+    if len(groups) > 1:
+        lines += [f"The nodes' data differ, images {size}; {hold}", ""]
+        lines += [f"- {_group_line(g)}" for g in groups] + [""]
+    else:
+        lines += [f"Source `{_shown(source)}`, {cfg.get('num-classes', 10)} classes, images {size}; {hold}", ""]
+        lines += class_line(results.get("class_names"))
     skipped = [c for c in clients if c.get("skipped_images")]
     if not skipped:
         return lines + ["No image file was left out.", ""]
-    lines += ["Bad image files left out (`skip-bad-images`; each node's log names them):", ""]
-    return lines + [f"- {c['client']}: {plural(c['skipped_images'], 'file')}" for c in skipped] + [""]
+    lines += ["Bad image files left out (`skip-bad-images`; each node's log names them all):", ""]
+    return lines + [f"- {c['client']}: {_skipped(c)}" for c in skipped] + [""]
+
+
+def _group_line(group: dict[str, Any]) -> str:
+    """One group of nodes that said the same of their data: source, input shape, classes, who."""
+    who = group["clients"]
+    nodes = ", ".join(who[:5]) + (f" and {len(who) - 5} more" if len(who) > 5 else "")
+    shape = "×".join(map(str, group["input_shape"]))
+    classes = class_line(group["class_names"])
+    named = f"; {classes[0][:-1]}" if classes else ""
+    return f"`{_shown(group['source'])}`, inputs {shape}{named}: {nodes}"
+
+
+def _skipped(client: dict[str, Any]) -> str:
+    """How many bad files a client left out, and the first of them as it named them."""
+    count, files = client["skipped_images"], client.get("skipped_files") or []
+    if not files:
+        return plural(count, "file")
+    more = f", and {count - len(files)} more" if count > len(files) else ""
+    return f"{plural(count, 'file')}: " + ", ".join(f"`{_shown(f)}`" for f in files) + more
+
+
+def _shown(text: str) -> str:
+    """A node's text as it can stand between a report's backticks."""
+    return str(text).replace("`", "'")
 
 
 def class_line(names: list[str] | None, shown: int = 50) -> list[str]:
@@ -141,7 +166,7 @@ def class_line(names: list[str] | None, shown: int = 50) -> list[str]:
     if not names:
         return []
     more = f", and {len(names) - shown} more" if len(names) > shown else ""
-    return ["Classes: " + ", ".join(f"{c} `{name}`" for c, name in enumerate(names[:shown])) + more + ".", ""]
+    return ["Classes: " + ", ".join(f"{c} `{_shown(name)}`" for c, name in enumerate(names[:shown])) + more + ".", ""]
 
 
 def global_model_note(results: dict[str, Any]) -> list[str]:

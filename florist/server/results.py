@@ -38,6 +38,7 @@ class Results:
         # the classes' names as the run's dataset gives them (None: it names none; a node reading its
         # own folder keeps its own names in its models' manifests)
         self.class_names = classnames.named(cfg.dataset, cfg.num_classes)
+        self.data: list[dict[str, Any]] = []  # what the nodes said of their data (`data_groups`)
 
     def add_round(
         self,
@@ -84,7 +85,15 @@ class Results:
             if record is not None:
                 said = record.get(node.node_id, {})
                 extra["dp_record_epsilon"] = said.get("epsilon", None if "guarantee" in said else 0.0)
+            if files := node.data.get(protocol.SKIPPED_FILES):
+                extra["skipped_files"] = list(files)  # the first of them, as the node named them
             self.clients.append(row | extra)
+        self.data = data_groups(self.cfg.dataset, nodes)
+        names = {tuple(group["class_names"] or ()) for group in self.data}
+        if len(names) == 1:  # what every node said, in place of what the run's dataset names
+            self.class_names = list(names.pop()) or None
+        elif names:
+            self.class_names = None  # the nodes differ: each group of `data` names its own
 
     def summary(self) -> dict[str, dict[str, float | int]]:
         out = {}
@@ -102,6 +111,7 @@ class Results:
             "rounds": self.rounds,
             "clients": self.clients,
             **({"class_names": self.class_names} if self.class_names else {}),
+            **({"data": self.data} if self.data else {}),
             "summary": self.summary(),
             "round_accuracy": round_accuracy(self.rounds),
             "failures": withheld(self.failures, self.cfg.num_server_rounds) if self.sample_withheld else self.failures,
@@ -124,6 +134,31 @@ class Results:
 
         self.save()
         write_report(self.to_json(), self.folder, self.section)
+
+
+def data_groups(dataset: str, nodes: list[NodeInfo]) -> list[dict[str, Any]]:
+    """The nodes grouped by what they said of their data at discovery (source, class names, input
+    shape), largest group first: one group where all agree. A source that is the run's own
+    `dataset` as a node names it is shown as the run config gives it (the path the user typed)."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    ours = classnames.source_of(dataset)
+    for node in nodes:
+        if protocol.DATA_SOURCE not in node.data:  # a node of an earlier florist says nothing of it
+            continue
+        source = node.data[protocol.DATA_SOURCE]
+        names = node.data.get(protocol.CLASS_NAMES)
+        key = (source, tuple(names or ()), tuple(node.input_shape))
+        group = groups.setdefault(
+            key,
+            {
+                "source": dataset if source == ours else source,
+                "class_names": names,
+                "input_shape": list(node.input_shape),
+                "clients": [],
+            },
+        )
+        group["clients"].append(node.key)
+    return sorted(groups.values(), key=lambda g: -len(g["clients"]))
 
 
 def note_error(results_dir: str, error: str | None) -> None:

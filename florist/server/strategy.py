@@ -36,6 +36,8 @@ class NodeInfo:
     num_train: int
     num_test: int
     input_shape: tuple[int, ...]
+    # what it said of its data (`protocol.data_of`: source, class names, bad files), for report.md
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
     def __str__(self) -> str:
         return f"node {self.node_id} ({self.key})"

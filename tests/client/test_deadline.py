@@ -59,9 +59,9 @@ from florist.client import deadline as d
 d.HARD_STOP_GRACE = 0.5
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])  # the soft deadline can never fire
 with d.deadline(SimpleNamespace(metadata=SimpleNamespace(created_at=time.time(), ttl=0.5))):
-    time.sleep(30)
+    time.sleep(300)
 """
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and time.monotonic() - start < 25  # not the 30 s sleep; imports are slow under load
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and time.monotonic() - start < 200  # not the 300 s sleep; imports are slow under load
     assert "Timeout" in done.stderr and "Thread" in done.stderr  # where it was stuck, for the node's log

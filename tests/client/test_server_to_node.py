@@ -138,7 +138,8 @@ def test_too_many_classes_are_refused_before_anything_is_allocated():
     )
     start = time.monotonic()
     reply = _send({}, TRAIN, arrays=_model(), **{"num-classes": 10**9})  # unrefused: a 512 GB output layer
-    assert reply.error.reason == expected.format(10**9, 1000) and time.monotonic() - start < 5
+    # the bound only ends a hung run (a loaded machine takes seconds): unrefused, the layer would be allocated
+    assert reply.error.reason == expected.format(10**9, 1000) and time.monotonic() - start < 60
     assert _send({"node-max-classes": 5}, TRAIN, arrays=_model()).error.reason == expected.format(10, 5)
     trained = _send({"node-max-classes": 10}, TRAIN, arrays=_model())  # at the cap
     assert not trained.has_error() and protocol.ARRAYS in trained.content.array_records

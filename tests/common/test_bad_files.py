@@ -49,7 +49,7 @@ def test_a_node_names_its_skipped_files_also_from_the_cache(folder, monkeypatch,
             data = node_lib._identity(own, cfg.for_node(own))[2]  # as a node's message parses it (it logs)
         assert data.skipped_images == 3 and set(data.skipped_files) == {str(folder / n) for n in BAD}
         line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith(f"data {folder}:"))
-        assert "of 3×8×8; classes {0: 8, 1: 8}; 3 bad image files left out: " in line
+        assert "of 3×8×8; classes {0 'a': 8, 1 'b': 8}; 3 bad image files left out: " in line
         assert all(str(folder / n) in line for n in BAD)
 
 
@@ -68,3 +68,35 @@ def test_simulate_names_every_bad_file_of_both_splits_in_one_refusal(folder):
     with pytest.raises(ValueError, match=r"^3 bad image files: ") as err:
         scenarios.client_data(0, 1, cfg)
     assert "\n" not in str(err.value) and str(err.value).count("cannot be read as an image") == 3
+
+
+def test_simulate_refuses_the_bad_files_of_every_partition_at_once(folder, tmp_path, capsys):
+    """Each partition is decoded on its own: refused one by one, a bad file of the second partition
+    would surface only on the run after the first's are fixed."""
+    from florist.cli import main
+
+    extra = [f"train/{c}/bad{i}.png" for c in "ab" for i in range(3)]
+    for name in extra:
+        (folder / name).write_bytes(b"not an image")
+    args = ["simulate", "--runtime", "in-process", "--dataset", str(folder), "--partition", "iid", "--rounds", "1"]
+    args += ["--num-clients", "2", "--unseen-fraction", "0", "--results-dir", str(tmp_path / "out")]
+    capsys.readouterr()
+    assert main([*args, "--run-config", "num-classes=2 min-train-nodes=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"florist: error: {len(BAD) + len(extra)} bad image files: ")
+    assert all(f"{name}: cannot be read as an image" in err[0] for name in (*BAD, *extra))
+
+
+def test_the_decoding_before_a_run_refuses_every_partitions_bad_files_together(monkeypatch):
+    """Partition 0 clean (the preflight's shape passes), the others' bad files all in one refusal."""
+    from florist.common.badfiles import BadImages
+    from florist.runners import launch, simulation
+
+    def decode(pid, num, cfg, report):
+        if pid:
+            raise BadImages([(f"p{pid}.png", "cannot be read", "replace it")])
+
+    monkeypatch.setattr(simulation, "hub_client", decode)
+    cfg = RunConfig.from_mapping({"dataset": "owner/name", "partition": "iid"})
+    with pytest.raises(BadImages, match=r"^2 bad image files: p1\.png: cannot be read; p2\.png: cannot be read; "):
+        simulation.decode_data(cfg, 3, launch.Events())

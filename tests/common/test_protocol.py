@@ -81,3 +81,20 @@ def test_one_bad_value_among_finite_ones_is_refused_by_what_it_is(value, refusal
         return
     with pytest.raises(protocol.ProtocolError, match=f"node 7: array 'w' {refusal}"):
         protocol.state_of(protocol.ArrayRecord(sent), reference, "node 7")
+
+
+def test_what_a_node_says_of_its_data_is_bounded_text_or_refused():
+    """A node chooses the names it sends at discovery: they reach report.md as one-line text, cut in
+    length and number; a wrong type is an ill-formed reply."""
+    said = {
+        protocol.DATA_SOURCE: "folder \x1b[31mred\n",
+        protocol.CLASS_NAMES: ["x" * 500, "b"],
+        protocol.SKIPPED_FILES: [f"f{i}.png" for i in range(100)],
+    }
+    data = protocol.data_of(protocol.content(config=said), "node 7")
+    assert data[protocol.DATA_SOURCE] == "folder red"
+    assert len(data[protocol.CLASS_NAMES][0]) == protocol.NAME_CHARS and data[protocol.CLASS_NAMES][1] == "b"
+    assert data[protocol.SKIPPED_FILES] == [f"f{i}.png" for i in range(protocol.MAX_NAMED_FILES)]
+    assert protocol.data_of(protocol.content(config={}), "node 7") == {}  # an earlier florist's node
+    with pytest.raises(protocol.ProtocolError, match="node 7: class-names must be a list of strings"):
+        protocol.data_of(protocol.content(config={protocol.CLASS_NAMES: [1, 2]}), "node 7")

@@ -216,10 +216,11 @@ def test_off_the_fast_path_polls_over_the_deployment_grid_run_one_after_the_othe
     flower_internals.forget()
     try:
         start = time.monotonic()
-        good, failed = _exchange(SlowUploads(client_app, NODES, run_id=5), 5.0)
+        good, failed = _exchange(SlowUploads(client_app, NODES, run_id=5), 60.0)
     finally:
         flower_internals.forget()
-    assert list(good) == [100, CUT] and not failed and time.monotonic() - start < 3
+    # it finishes with the replies, not at the deadline; the bound leaves a loaded machine room
+    assert list(good) == [100, CUT] and not failed and time.monotonic() - start < 30
     assert "florist: Flower 1.39.1 is installed" in capsys.readouterr().err
 
 
