@@ -110,20 +110,14 @@ def test_pacing_replaces_the_supernode_sleeps_and_object_pulls_start_fast(monkey
     assert inflatable_utils.pull_and_inflate_object_from_tree.__kwdefaults__["backoff_cap"] == 0.2
 
 
-def node_state(monkeypatch) -> tuple[InMemoryNodeState, InMemoryObjectStore]:
-    """A real node state and object store, with the SuperNode loop's functions that pacing replaces
-    restored after the test."""
-    for name in ("_pull_and_store_message", "_push_messages", "time"):
-        monkeypatch.setattr(sci, name, getattr(sci, name))
-    store = InMemoryObjectStore()
-    return InMemoryNodeState(store), store
-
-
 def test_the_reply_to_the_message_just_pulled_goes_out_even_when_a_stale_reply_goes_first(monkeypatch):
     """Flower's own push, on a real node state: a reply to a message of a run that ended while the
     node was cut off is still there when the next run's message is pulled. Flower pushes it
     (the SuperLink ignores it) and would go back to pulling, the new reply never sent."""
-    state, store = node_state(monkeypatch)
+    for name in ("_pull_and_store_message", "_push_messages", "time"):
+        monkeypatch.setattr(sci, name, getattr(sci, name))  # restored after the test
+    store = InMemoryObjectStore()
+    state = InMemoryNodeState(store)
     with server_identity(7):
         stale = Message(RecordDict(), dst_node_id=1, message_type="train", group_id="2")
         live = Message(RecordDict(), dst_node_id=1, message_type="query.info", group_id="0")
@@ -153,37 +147,6 @@ def test_the_reply_to_the_message_just_pulled_goes_out_even_when_a_stale_reply_g
     sci._push_messages(state=state, object_store=store, send=send, push_object=lambda *args: None)
     assert sent == [stale.metadata.message_id, live.metadata.message_id]
     assert not state.get_messages()
-
-
-def test_the_executor_is_woken_once_a_message_is_stored_before_its_objects_are_pulled(monkeypatch):
-    """The wake-up comes as soon as a ClientApp can pull the message (its task made, the message
-    stored), so that starting one overlaps the SuperNode's object pulls; a message Flower answers
-    itself (only a reply stored, as for a refused app bundle) wakes nothing."""
-    state, store = node_state(monkeypatch)
-    with server_identity(7):
-        request = Message(RecordDict(), dst_node_id=1, message_type="train", group_id="1")
-    request.metadata.__dict__["_message_id"] = request.object_id
-    woken, seen = [], []
-
-    def pull(*, state, receive, **_):
-        message, _ = receive()
-        state.store_message(message)
-        seen.append(len(woken))  # the SuperNode pulls the message's objects now
-        return message.metadata.run_id
-
-    def answered(*, state, receive, **_):
-        message, _ = receive()
-        sci._insert_message(Message(RecordDict(), reply_to=message), state, store)
-        return message.metadata.run_id
-
-    monkeypatch.setattr(sci, "_pull_and_store_message", pull)
-    flower_internals.pace_supernode(Backoff(), on_message=lambda: woken.append(1))
-    assert sci._pull_and_store_message(state=state, object_store=store, receive=lambda: (request, None)) == 7
-    assert seen == [1] and woken == [1]  # woken once, before the objects were pulled
-    monkeypatch.setattr(sci, "_pull_and_store_message", answered)
-    flower_internals.pace_supernode(Backoff(), on_message=lambda: woken.append(1))
-    assert sci._pull_and_store_message(state=state, object_store=store, receive=lambda: (request, None)) == 7
-    assert woken == [1]
 
 
 class GridWithObjectsThatNeverArrive(http_grid.HttpGrid):

@@ -167,9 +167,8 @@ def pace_supernode(
 ) -> bool:
     """Make this process's SuperNode poll with `backoff`, reset whenever a message arrives and
     when its reply has gone out, and pull objects quickly. Setting `wake` ends a wait at once
-    (e.g. when a reply is there); `on_message` is called for every message pulled, once it is
-    stored with its task, while its objects are still coming (`_Announcing`). Off the fast path
-    it does nothing and says False: the SuperNode polls as Flower's does.
+    (e.g. when a reply is there); `on_message` is called for every message pulled. Off the fast
+    path it does nothing and says False: the SuperNode polls as Flower's does.
 
     Also, the reply to the message just pulled is always pushed before the next pull: Flower
     pushes whatever replies are there, and a reply left over from a message it gave up on (its
@@ -190,13 +189,13 @@ def pace_supernode(
             return got
 
         pulled.clear()
-        if on_message and "state" in kwargs:
-            kwargs["state"] = _Announcing(kwargs["state"], on_message)
         run_id = pull(*args, receive=receive_one, **kwargs)
         if run_id is None:  # nothing came, or Flower dropped what did
             pulled.clear()
         else:
             backoff.reset()
+            if on_message:
+                on_message()
         return run_id
 
     def push_replies(*args: Any, send: Callable[..., Any], **kwargs: Any) -> None:
@@ -217,26 +216,6 @@ def pace_supernode(
     sci._pull_and_store_message, sci._push_messages = pull_and_store, push_replies
     sci.time = _PacedTime(backoff, wake or threading.Event())
     return True
-
-
-class _Announcing:
-    """A SuperNode's state that calls `on_stored` once a message (not a reply) is stored: its task
-    exists and a ClientApp may pull it, so the executor starts one (a fork, the runtime's first
-    requests) while the SuperNode still pulls the message's objects, which the ClientApp's own
-    object pulls wait for. A message Flower answers itself (an app bundle refused) stores only
-    a reply, and calls nothing."""
-
-    def __init__(self, state: Any, on_stored: Callable[[], None]):
-        self._state, self._on_stored = state, on_stored
-
-    def store_message(self, message: Any) -> Any:
-        stored = self._state.store_message(message)
-        if not message.metadata.reply_to_message_id:
-            self._on_stored()
-        return stored
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._state, name)
 
 
 def supernode_main(argv: list[str]) -> None:
