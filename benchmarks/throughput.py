@@ -22,7 +22,9 @@ ratio is what real processes (and their own data loading) cost a handler, once w
 node training (3 at once here: the cores are shared) and once with one node per round. It also
 prints the deployment's overhead per exchange (an exchange's seconds less its slowest node's
 handler: polling, transfers, processes; target ≤ 0.15 s) and PeFLL's rounds (several
-exchanges each) beside FedAvg's, deployed against in-process (target ≤ 2×), with both runs' accuracy.
+exchanges each) beside FedAvg's, deployed against in-process (target ≤ 2×), with both runs' accuracy,
+and the CPU-seconds per exchange (rounds 2..N) of every process of the federation: on a shared machine the
+wall-clock figures are mostly waiting for a core, the CPU is what the deployment costs.
 `--deploy-only` skips the 20-client runtimes, for a quick check of one commit.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -46,6 +49,7 @@ from florist.common import scenarios, training
 from florist.common.data import unseen_partitions
 from florist.common.metrics import summarize
 from florist.common.models import seeded_model
+from florist.common.processes import descendants
 from florist.config import RunConfig
 from florist.deploy.federation import LocalFederation
 from florist.runners.inprocess import run_in_process
@@ -60,6 +64,7 @@ DEPLOY_CASES = {
     "fedavg, one node trains per round": {"fraction-train": 0.01, "min-train-nodes": 1},
     "pefll, every node trains": {"strategy": "pefll"},
 }
+ROUND_DONE = re.compile(r"round \d+ done in")  # the ServerApp's line at each round's end, as `flwr run` streams it
 TARGET_OVERHEAD, TARGET_PEFLL = 0.15, 2.0  # s per deployed exchange; PeFLL's deployed ÷ in-process round
 
 
@@ -153,6 +158,7 @@ def figures(results: dict) -> dict[str, float]:
         "overhead": statistics.median([e["seconds"] - e["handler_seconds_max"] for e in later] or [0.0]),
         "exchanges": len(later) / max(len(rounds) - 1, 1),
         "accuracy": results["summary"]["seen"]["mean_accuracy"],
+        "cpu": results.get("cpu_seconds", 0.0) / max(len(later), 1),
     }
 
 
@@ -164,11 +170,32 @@ def deploy(work: Path, values: dict[str, Any]) -> dict:
     ]
     with LocalFederation(work / "federation", configs) as fed:
         command = fed.run_command(values | {"results-dir": str(work / "out")})
-        done = subprocess.run(command, env=fed.env, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+        done = subprocess.Popen(command, env=fed.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines, cpu = [], []  # the federation's CPU as each round's end is logged
+        for line in done.stdout:
+            lines.append(line)
+            if ROUND_DONE.search(line):
+                cpu.append(federation_cpu())
+    if done.wait() != 0:
+        tail = "".join(lines[-30:])
         raise SystemExit(f"the deployed run failed (status {done.returncode}); logs in {work}:\n{tail}")
-    return json.loads((work / "out" / "results.json").read_text())
+    results = json.loads((work / "out" / "results.json").read_text())
+    return results | {"cpu_seconds": cpu[-1] - cpu[0] if len(cpu) > 1 else 0.0}
+
+
+def federation_cpu() -> float:
+    """CPU-seconds so far of every process of the local federation (SuperLink, SuperNodes, fork
+    server, executors), with the task processes they reaped: what a deployed run costs the
+    machine, which a loaded machine's wall-clock figures hide."""
+    total = 0
+    for pid in descendants([os.getpid()]):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if pid != os.getpid():
+            total += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -246,15 +273,22 @@ def deployments(values: dict[str, Any], work: Path) -> None:
             print(f"  {runtime:<12}{s['round']:9.2f}{s['handler']:11.3f}{s['data']:9.3f}")
         print(f"  deploy handler ÷ in-process handler: {deployed['handler'] / local['handler']:.2f}")
     print(f"\n{DEPLOY_NODES} nodes deployed against in-process, medians of rounds 2..N")
-    print(f"  {'case':<36}{'exch/round':>11}{'in-proc s':>10}{'deploy s':>10}{'÷':>7}{'overhead s/exch':>17}  accuracy")
+    print(
+        f"  {'case':<36}{'exch/round':>11}{'in-proc s':>10}{'deploy s':>10}{'÷':>7}{'overhead s/exch':>17}"
+        f"{'CPU-s/exch':>12}  accuracy"
+    )
     for label, (local, deployed) in rows.items():
         same = "same" if deployed["accuracy"] == local["accuracy"] else "DIFFERS"
         print(
             f"  {label:<36}{deployed['exchanges']:11.0f}{local['round']:10.2f}{deployed['round']:10.2f}"
-            f"{deployed['round'] / local['round']:6.2f}×{deployed['overhead']:17.3f}  {same} "
+            f"{deployed['round'] / local['round']:6.2f}×{deployed['overhead']:17.3f}{deployed['cpu']:12.2f}  {same} "
             f"({deployed['accuracy']:.4f})"
         )
     print(f"  targets: overhead ≤ {TARGET_OVERHEAD} s per exchange; PeFLL deploy ÷ in-process ≤ {TARGET_PEFLL}×")
+    print(
+        f"  CPU-s/exch: every federation process's CPU from round 1's end to the last round's, per exchange; "
+        f"load average {os.getloadavg()[0]:.1f} at the end"
+    )
 
 
 if __name__ == "__main__":

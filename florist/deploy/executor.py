@@ -58,7 +58,7 @@ from pathlib import Path
 from florist.client.deadline import DISPOSABLE
 from florist.common import flower_internals
 from florist.common.flower_internals import runtime
-from florist.common.pacing import Backoff
+from florist.common.pacing import TaskPolls
 from florist.common.processes import send
 from florist.deploy.preloaded import PreloadedApp
 
@@ -112,8 +112,7 @@ class WarmExecutor:
         self.verdicts: dict[str, str | None] = {}  # FAB hash -> why it is not the preloaded app's bundle
         self.installed: set[str] = set()  # FAB hashes whose installed folder holds exactly the bundle
         # Polling is the safety net when a wake-up is missed (or there is no wake pipe).
-        self.backoff = Backoff(floor=0.01, cap=0.25 if wake_fd is None else 1.0, ratio=0.05)
-        self.after_task()
+        self.polls = TaskPolls(woken=wake_fd is not None)
         self.stopping = False
         self.served = {"warm": 0, "stock": 0}
 
@@ -135,7 +134,7 @@ class WarmExecutor:
                     unreachable, acquired = True, None
                 if acquired:
                     self.launch(*acquired)
-                    self.after_task()
+                    self.polls.taken()
                 self.wait()
         finally:
             self.close()
@@ -146,20 +145,14 @@ class WarmExecutor:
             return not closed(self.lifeline)
         return self.parent_pid is None or os.getppid() == self.parent_pid
 
-    def after_task(self) -> None:
-        """Without a wake pipe, poll quickly again; with one, only the safety net until the SuperNode
-        says it pulled the next message (quick polls were ~30 requests a message, for nothing)."""
-        (self.backoff.reset if self.wake_fd is None else self.backoff.settle)()
-
     def wait(self) -> None:
         """Until the next poll is due, the SuperNode says it has pulled a message (then poll
         quickly until its task is there), or it lets go of the lifeline."""
         watched = [fd for fd in (self.wake_fd, self.lifeline) if fd is not None]
         if not watched:
-            self.backoff.sleep()
-        elif self.wake_fd in select.select(watched, [], [], self.backoff.delay())[0]:
-            os.read(self.wake_fd, 4096)
-            self.backoff.reset()
+            self.polls.backoff.sleep()
+        elif self.wake_fd in select.select(watched, [], [], self.polls.delay())[0]:
+            self.polls.woken(len(os.read(self.wake_fd, 4096)))
 
     def why_not_warm(self, task) -> str | None:
         """None if `task` may run in a forked child, else the reason it may not."""

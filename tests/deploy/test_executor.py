@@ -219,22 +219,30 @@ def test_one_fork_server_preloads_for_every_node_and_forks_an_executor_again_whe
 
 def test_with_a_wake_pipe_the_executor_asks_for_a_task_quickly_only_after_a_wake_up():
     """The SuperNode takes one message at a time and says when it has pulled one, so between a
-    task and the next wake-up only the safety net polls (its cap), not the quick floor."""
+    task and the next wake-up only the safety net polls (its cap), not the quick floor; a
+    wake-up for a task a poll took already asks for nothing more."""
     from florist.deploy.executor import WarmExecutor
 
     wake_read, wake_write = os.pipe()
     try:
         executor = WarmExecutor("127.0.0.1:9", PreloadedApp("x:app", "x", {}, None), wake_fd=wake_read)
-        backoff = executor.backoff
-        assert backoff.delay() == backoff.cap  # nothing pulled yet
+        polls = executor.polls
+        assert polls.delay() == polls.backoff.cap  # nothing pulled yet
         os.write(wake_write, b"!")
         executor.wait()
-        assert backoff.delay() == backoff.floor  # a message is there: quick until its task is taken
-        executor.after_task()
-        assert backoff.delay() == backoff.cap
+        assert polls.delay() == polls.backoff.floor  # a message is there: quick until its task is taken
+        polls.taken()
+        assert polls.delay() == polls.backoff.cap
+        polls.taken()  # a poll took the next message's task before the SuperNode said it pulled it
+        os.write(wake_write, b"!")
+        executor.wait()
+        assert polls.delay() == polls.backoff.cap  # that wake-up is for the task taken: no quick polls for nothing
+        os.write(wake_write, b"!")
+        executor.wait()
+        assert polls.delay() == polls.backoff.floor  # the message after it
         plain = WarmExecutor("127.0.0.1:9", PreloadedApp("x:app", "x", {}, None))
-        plain.after_task()
-        assert plain.backoff.delay() == plain.backoff.floor  # no wake pipe: polling is all it has
+        plain.polls.taken()
+        assert plain.polls.delay() == plain.polls.backoff.floor  # no wake pipe: polling is all it has
     finally:
         os.close(wake_read)
         os.close(wake_write)
