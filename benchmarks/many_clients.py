@@ -6,8 +6,8 @@ post-processing, it spends no ε). Per coordinate the noise on the mean is σ·C
 clients): what 16 clients a round cannot carry, 80 may.
 
     python benchmarks/privacy_utility.py --many-clients [--clients 2000] [--fraction 0.05] \
-        [--dataset synthetic:1,1] [--rounds 100] [--epsilons 1 3 8] [--seeds 1] [--dp-clip 1.0] \
-        [--lr 0.2] [--server-momentum 0 0.9] [--server-lr 1] [--out DIR] [--json OUT]
+        [--dataset synthetic:1,1] [--rounds 100] [--epsilons 1 3 8] [--sigmas 0.01] [--seeds 1] [--dp-clip 1.0] \
+        [--lr 0.2] [--modes none central] [--server-momentum 0 0.9] [--server-lr 1] [--out DIR] [--json OUT]
 
 Each row: seen and unseen clients' mean accuracy (unseen: never trained, scored with the global
 model), σ, ε as the accountant gives it for the rounds run (the runs draw seeded noise, so their own
@@ -36,23 +36,30 @@ from florist.runners.inprocess import run_in_process
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags only the many-clients rows read (the others are privacy_utility.py's own)."""
     group = parser.add_argument_group("many clients (user-level dp, --many-clients)")
-    group.add_argument("--many-clients", action="store_true", help="the many-clients user-level rows instead")
+    group.add_argument(
+        "--many-clients", action="store_true", help="the many-clients user-level rows instead (--modes none, central)"
+    )
     group.add_argument("--clients", type=int, default=2000, help="clients in all, unseen-fraction 0.2 held out")
     group.add_argument("--fraction", type=float, default=0.05, help="q: each seen client's chance to train a round")
     group.add_argument("--dataset", default="synthetic:1,1")
     group.add_argument("--server-momentum", nargs="+", type=float, default=[0.0], help="β of FedAvgM, each a row")
+    group.add_argument("--sigmas", nargs="+", type=float, default=[], help="central dp at these σ (ε reported)")
     group.add_argument("--server-lr", type=float, default=1.0, help="η of FedAvgM (with β > 0 only)")
 
 
-def cells(args: argparse.Namespace) -> list[tuple[float, float]]:
-    """(ε, β): ε = ∞ (no dp) first, then the ε asked for, loosest first; each with every β."""
-    epsilons = [math.inf, *sorted(args.epsilons, reverse=True)]
-    return [(eps, beta) for eps in epsilons for beta in args.server_momentum]
+def cells(args: argparse.Namespace) -> list[tuple[float, float, float]]:
+    """(ε, σ, β): ε = ∞ (no dp, `--modes none`) first, then (`--modes central`) the ε asked for, loosest
+    first, σ calibrated (0), then each σ of `--sigmas` (ε = ∞: only reported); each with every β."""
+    budgets = [(math.inf, 0.0)] if "none" in args.modes else []
+    if "central" in args.modes:
+        budgets += [(eps, 0.0) for eps in sorted(args.epsilons, reverse=True)]
+        budgets += [(math.inf, sigma) for sigma in args.sigmas]
+    return [(eps, sigma, beta) for eps, sigma in budgets for beta in args.server_momentum]
 
 
-def run(eps: float, beta: float, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def run(eps: float, given: float, beta: float, seed: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One in-process FedAvg run of `args.clients` clients; its figures as a row."""
-    folder = out / f"many-{eps:g}-m{beta:g}-seed{seed}"
+    folder = out / f"many-{eps:g}-s{given:g}-m{beta:g}-seed{seed}"
     values = {
         "strategy": "fedavg",
         "dataset": args.dataset,
@@ -68,8 +75,9 @@ def run(eps: float, beta: float, seed: int, args: argparse.Namespace, out: Path)
     }
     if beta:
         values |= {"server-momentum": beta, "server-lr": args.server_lr}
-    if math.isfinite(eps):
-        values |= {"dp": "central", "dp-epsilon": eps, "dp-noise-seed": seed}
+    if math.isfinite(eps) or given:
+        values |= {"dp": "central", "dp-noise-seed": seed}
+        values |= {"dp-epsilon": eps} if math.isfinite(eps) else {"dp-noise-multiplier": given}
         values |= {"dp-clip": args.dp_clip} if args.dp_clip is not None else {}
     cfg = RunConfig.from_mapping(values)
     wall, cpu = time.perf_counter(), time.process_time()
@@ -81,6 +89,7 @@ def run(eps: float, beta: float, seed: int, args: argparse.Namespace, out: Path)
     q = math.ceil(args.fraction * seen) / seen  # the rate the ledger accounts: a round's expected count / seen
     return {
         "epsilon": eps,
+        "sigma_given": given,
         "momentum": beta,
         "seed": seed,
         "seen": results["summary"]["seen"]["mean_accuracy"],
@@ -102,16 +111,17 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
         "| dp | ε | server momentum | seen mean | unseen mean | σ | ε (accountant) | clipped | m a round | s a run |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for eps, beta in cells(args):
-        group = [r for r in rows if (r["epsilon"], r["momentum"]) == (eps, beta)]
+    for eps, given, beta in cells(args):
+        group = [r for r in rows if (r["epsilon"], r["sigma_given"], r["momentum"]) == (eps, given, beta)]
         if not group:
             continue
         seen, unseen = [r["seen"] for r in group], [r["unseen"] for r in group if r["unseen"] is not None]
         spread = f" ± {100 * np.std(seen):.1f}" if len(seen) > 1 else ""
         sigma, spent = group[0]["sigma"], max((r["epsilon_spent"] or 0) for r in group)
         clipped = np.mean([r["clipped"] for r in group]) if sigma else None
+        budget = f"σ {given:g} given" if given else "∞" if math.isinf(eps) else f"{eps:g}"
         lines.append(
-            f"| {'central' if math.isfinite(eps) else 'none'} | {'∞' if math.isinf(eps) else f'{eps:g}'} "
+            f"| {'central' if sigma else 'none'} | {budget} "
             f"| {beta:g}{f' (η {args.server_lr:g})' if beta else ''} | {100 * np.mean(seen):.1f}{spread} "
             f"| {f'{100 * np.mean(unseen):.1f}' if unseen else '–'} | {f'{sigma:.3g}' if sigma else '–'} "
             f"| {f'{spent:.3g}' if sigma else '–'} | {f'{100 * clipped:.0f} %' if clipped is not None else '–'} "
@@ -125,13 +135,14 @@ def main(args: argparse.Namespace) -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="florist-many-clients-"))
     logging.getLogger("flwr").setLevel(logging.WARNING)  # as `simulate` in process: the rows say how far it got
     rows = []
-    for eps, beta in cells(args):
+    for eps, given, beta in cells(args):
         for seed in args.seeds:
-            rows.append(run(eps, beta, seed, args, out))
+            rows.append(run(eps, given, beta, seed, args, out))
             r = rows[-1]
             print(
-                f"ε={eps:g} β={beta:g} seed {seed}: seen {100 * r['seen']:.1f} %, unseen "
-                f"{100 * (r['unseen'] or 0):.1f} %; {r['seconds']:.0f} s ({r['cpu_seconds']:.0f} CPU-s) {r['stopped']}",
+                f"ε={eps:g} σ={given or r['sigma'] or 0:.3g} β={beta:g} seed {seed}: seen {100 * r['seen']:.1f} %, "
+                f"unseen {100 * (r['unseen'] or 0):.1f} %; {r['seconds']:.0f} s ({r['cpu_seconds']:.0f} CPU-s) "
+                f"{r['stopped']}",
                 flush=True,
             )
     clip = args.dp_clip if args.dp_clip is not None else RunConfig.__dataclass_fields__["dp_clip"].default
