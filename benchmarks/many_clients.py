@@ -48,12 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cells(args: argparse.Namespace) -> list[tuple[float, float, float]]:
-    """(ε, σ, β): ε = ∞ (no dp, `--modes none`) first, then (`--modes central`) the ε asked for, loosest
-    first, σ calibrated (0), then each σ of `--sigmas` (ε = ∞: only reported); each with every β."""
+    """(ε, σ, β): no dp (ε = ∞, `--modes none`) first; then, under `--modes central`, each σ of `--sigmas`
+    (smallest first, ε only reported), then each ε, loosest first, σ calibrated (0); each with every β."""
     budgets = [(math.inf, 0.0)] if "none" in args.modes else []
     if "central" in args.modes:
+        budgets += [(math.inf, sigma) for sigma in sorted(args.sigmas)]
         budgets += [(eps, 0.0) for eps in sorted(args.epsilons, reverse=True)]
-        budgets += [(math.inf, sigma) for sigma in args.sigmas]
     return [(eps, sigma, beta) for eps, sigma in budgets for beta in args.server_momentum]
 
 
