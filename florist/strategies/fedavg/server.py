@@ -2,7 +2,8 @@
 on the client, which fine-tunes before testing), or the robust rule the run config names
 (`aggregation`, `clip-norm`, `max-node-examples`: florist/server/aggregation.py), or, under
 `dp = "central"`, DP-FedAvg's clipped and noised mean (florist/common/privacy.py); under
-`secure-aggregation`, the weighted mean of updates it never sees one of (florist/server/secure.py)."""
+`secure-aggregation`, the weighted mean of updates it never sees one of (florist/server/secure.py);
+then, with `server-momentum` or `server-lr`, FedAvgM's server step on it (florist/server/momentum.py)."""
 
 from __future__ import annotations
 
