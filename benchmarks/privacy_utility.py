@@ -6,6 +6,7 @@ largest reported; `--strategies` also takes fedavg-ft, perfed-ckt, fedattn and l
     python benchmarks/privacy_utility.py [--strategies fedavg knnper] [--modes none central local] \
         [--epsilons 1 3 8] [--seeds 1 2 3] [--rounds 20] [--dp-clip 1.0] [--lr 0.1] [--num-nodes 20] \
         [--partition dirichlet:0.3] [--os-noise] [--out DIR] [--json OUT]
+    python benchmarks/privacy_utility.py --many-clients ...   # user-level dp over thousands of clients
 
 In-process federations (florist/runners/inprocess.py) with the keys `florist simulate --runtime
 in-process` sets (`model="lenet"`, as on mnist5k everywhere; lr 0.1, the step `lenet` is tuned for;
@@ -32,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import many_clients
 import numpy as np
 
 from florist.config import RunConfig
@@ -150,7 +152,10 @@ def main() -> None:
     parser.add_argument("--os-noise", action="store_true", help="noise from the OS's entropy, not seeded by the seed")
     parser.add_argument("--out", default="", help="where the runs' folders go (default: a new temporary folder)")
     parser.add_argument("--json", default="", metavar="OUT", help="also write every run's row to this file")
+    many_clients.add_arguments(parser)
     args = parser.parse_args()
+    if args.many_clients:  # the many-clients user-level rows: benchmarks/many_clients.py
+        return many_clients.main(args)
     user_level = set(args.modes) & {"central", "local"}
     if user_level and (uncovered := set(args.strategies) - {"fedavg", "knnper", "fedavg-ft"}):
         modes, names = " ".join(sorted(user_level)), ", ".join(sorted(uncovered))

@@ -81,6 +81,9 @@ class RunConfig(Settings):
     # sample-weighted mean) | median | trimmed:BETA | krum:F | multikrum:F
     aggregation: str = setting("mean", server=True)
     clip_norm: float = setting(0.0, server=True)  # clip each update's L2 distance to the global model (0: off)
+    # FedAvgM's server step on the round's aggregate (florist/server/momentum.py): 0 and 1 are plain FedAvg
+    server_momentum: float = setting(0.0, server=True)
+    server_lr: float = setting(1.0, server=True)
     # differential privacy of the model updates (florist/common/privacy.py, docs/privacy.md): none | central
     # (the server clips and noises the sum) | local (each node clips and noises its own update) | distributed
     # (under secure aggregation: each node adds its share of central's noise before masking)
@@ -225,6 +228,8 @@ class RunConfig(Settings):
                 "max-reply-mb must be a finite number >= 0 (0: twice what each exchange expects plus 64 MB)",
             ),
             (self.max_node_examples >= 0, "max-node-examples must be >= 0 (0: no cap beyond num-train)"),
+            (0 <= self.server_momentum < 1, f"server-momentum must be in [0, 1) (0: off), got {self.server_momentum}"),
+            (0 < self.server_lr <= 10, f"server-lr must be in (0, 10] (1: FedAvg's step), got {self.server_lr}"),
             *self.privacy_checks(),
             *self.secure_checks(),
             (self.num_classes >= 2, "num-classes must be >= 2"),

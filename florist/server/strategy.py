@@ -84,6 +84,11 @@ class ServerStrategy:
                 f"secure-aggregation: strategy {cfg.strategy!r} is not covered, its server needs each node's "
                 f"message (covered: fedavg, fedavg-ft, knnper, fedattn; docs/secure-aggregation.md)"
             )
+        if (cfg.server_momentum, cfg.server_lr) != (0.0, 1.0) and not self.steps_on_server():
+            raise ValueError(
+                f"server-momentum, server-lr: strategy {cfg.strategy!r} takes no server step; leave them at 0 "
+                "and 1 (covered: fedavg, fedavg-ft, knnper; docs/strategies/baselines.md)"
+            )
         # Where the server half's own networks train (`server-device`); what it sends and saves stays on the CPU.
         self.device = devices.resolve(cfg.server_device, "server-device")
 
@@ -96,6 +101,10 @@ class ServerStrategy:
     # of it, or noised and counted as a DP-SGD step) under `dp = "record"`; `record_gap`: why any other is not.
     record_covered: tuple[str, ...] = ()
     record_gap = "a value it sends depends on the node's data outside DP-SGD's steps"
+
+    def steps_on_server(self) -> bool:
+        """Whether its rounds end with FedAvg's server step (`server-momentum`, `server-lr`)."""
+        return False
 
     @property
     def trained_metrics(self) -> tuple[str, ...]:

@@ -2,7 +2,8 @@
 on the client, which fine-tunes before testing), or the robust rule the run config names
 (`aggregation`, `clip-norm`, `max-node-examples`: florist/server/aggregation.py), or, under
 `dp = "central"`, DP-FedAvg's clipped and noised mean (florist/common/privacy.py); under
-`secure-aggregation`, the weighted mean of updates it never sees one of (florist/server/secure.py)."""
+`secure-aggregation`, the weighted mean of updates it never sees one of (florist/server/secure.py);
+then, with `server-momentum` or `server-lr`, FedAvgM's server step on it (florist/server/momentum.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from florist.common.spec import Exchange
 from florist.config import RunConfig
 from florist.server.accounting import Ledger
 from florist.server.aggregation import Aggregator
+from florist.server.momentum import ServerMomentum
 from florist.server.secure import RANGE_STDS, Outcome, secure_round
 from florist.server.strategy import TESTED, NodeInfo, Reply, ServerStrategy, mean_loss, metrics_of
 from florist.strategies.fedavg.spec import EVALUATE, SECAGG, TRAIN
@@ -52,6 +54,7 @@ class FedAvg(ServerStrategy):
         super().__init__(*args, **kwargs)
         self.model = self.new_model()
         self.aggregator = Aggregator.of(self.cfg)
+        self.server_step = ServerMomentum(self.cfg.server_momentum, self.cfg.server_lr)
         self.extras: dict[str, Any] = {}
         # the rounds aggregated under `dp`, each's (q, σ): what the accountant composes
         self.ledger = Ledger(plan(self.cfg, self.sample_size(self.num_seen) / max(1, self.num_seen)), self.num_seen)
@@ -65,6 +68,10 @@ class FedAvg(ServerStrategy):
                 "models in the clear; it must train through FedAvg's (override before_training instead) or "
                 "name what it secures itself (`secured`: FedAttn's)"
             )
+
+    def steps_on_server(self) -> bool:
+        """FedAvg's own train_round ends with the server step; FedAttn's takes none."""
+        return type(self).train_round is FedAvg.train_round
 
     @property
     def privacy(self) -> privacy.Plan:
@@ -86,6 +93,15 @@ class FedAvg(ServerStrategy):
         )
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
+        """The round's aggregate, then the server's step along it (`server-momentum`, `server-lr`)."""
+        sent = {key: t.clone() for key, t in self.model.state_dict().items()} if self.server_step.active else None
+        loss = self.train_aggregate(server_round, nodes)
+        if sent is not None:
+            self.model.load_state_dict(self.server_step.step(sent, self.model.state_dict()))
+        return loss
+
+    def train_aggregate(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
+        """One exchange with the sampled `nodes`; their aggregate loaded into the global model."""
         self.before_training(server_round)
         if self.secure and self.samples_privately(self.num_seen) and not self.maskable(len(nodes)):
             # Too few drawn to mask (a Poisson sample varies): the round releases the noise alone, as
@@ -203,10 +219,12 @@ class FedAvg(ServerStrategy):
 
     def state(self) -> dict[str, Any]:
         cheaters = {"secagg_cheaters": sorted(self.cheaters)} if self.cheaters else {}
-        return super().state() | (self.ledger.state() if self.privacy.active else {}) | cheaters
+        ledger = self.ledger.state() if self.privacy.active else {}
+        return super().state() | ledger | cheaters | self.server_step.state()
 
     def load_state(self, state: dict[str, Any]) -> None:
         super().load_state(state)
+        self.server_step.load(state)
         if self.privacy.active:
             self.ledger.load(state)
         self.cheaters = set(state.get("secagg_cheaters", []))
