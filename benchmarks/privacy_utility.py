@@ -164,7 +164,19 @@ def main() -> None:
         metavar="'KEY=VALUE ...'",
         help="run-config keys of the record rows only, over the others (e.g. 'batch-size=64 lr=1.0 local-epochs=3')",
     )
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="run nothing: table the runs these --json files hold (grids run side by side), as the flags select",
+    )
     args = parser.parse_args()
+    if args.from_json:
+        runs = [r for name in args.from_json for r in json.loads(Path(name).read_text())["runs"]]
+        runs = [r | {"epsilon": math.inf if r["epsilon"] is None else r["epsilon"]} for r in runs]  # null: ∞
+        print("\n".join(table(runs, args)))
+        return
     user_level = set(args.modes) & {"central", "local"}
     if user_level and (uncovered := set(args.strategies) - {"fedavg", "knnper", "fedavg-ft"}):
         modes, names = " ".join(sorted(user_level)), ", ".join(sorted(uncovered))
