@@ -1,11 +1,12 @@
 """The privacy/utility curve: FedAvg and kNN-Per on `mnist5k` under `dp` = none, central and local,
 at each ε, over seeds: what the noise a budget needs costs in accuracy (docs/privacy.md). With
 `--modes record`, record-level dp (DP-SGD on every node, ε per node): its ε is each node's, the
-largest reported; `--strategies` also takes fedavg-ft, perfed-ckt, fedattn and local there.
+largest reported; `--strategies` also takes fedavg-ft, perfed-ckt, fedattn and local there, and
+`--record-config` gives its rows their own run-config keys (DP-SGD's recommended settings, docs/privacy.md).
 
     python benchmarks/privacy_utility.py [--strategies fedavg knnper] [--modes none central local] \
         [--epsilons 1 3 8] [--seeds 1 2 3] [--rounds 20] [--dp-clip 1.0] [--lr 0.1] [--num-nodes 20] \
-        [--partition dirichlet:0.3] [--os-noise] [--out DIR] [--json OUT]
+        [--partition dirichlet:0.3] [--os-noise] [--out DIR] [--json OUT] [--record-config 'KEY=VALUE ...']
     python benchmarks/privacy_utility.py --many-clients ...   # user-level dp over thousands of clients
 
 In-process federations (florist/runners/inprocess.py) with the keys `florist simulate --runtime
@@ -28,6 +29,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -36,7 +38,7 @@ from typing import Any
 import many_clients
 import numpy as np
 
-from florist.config import RunConfig
+from florist.config import RunConfig, parse_overrides
 from florist.runners.inprocess import run_in_process
 
 
@@ -69,8 +71,10 @@ def run(strategy: str, mode: str, eps: float, seed: int, args: argparse.Namespac
     if mode != "none":
         values |= {"dp": mode, "dp-epsilon": eps, "dp-noise-seed": 0 if args.os_noise else seed}
         values |= {"dp-clip": args.dp_clip} if args.dp_clip is not None else {}
+    if mode == "record":
+        values |= parse_overrides(args.record_config)
     row: dict[str, Any] = {"strategy": strategy, "dp": mode, "epsilon": eps, "seed": seed}
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         results = run_in_process(RunConfig.from_mapping(values), args.num_nodes)
     except (RuntimeError, ValueError) as err:  # a run that stops says why, in one line
@@ -93,6 +97,8 @@ def run(strategy: str, mode: str, eps: float, seed: int, args: argparse.Namespac
         "failures": len(results["failures"]),
         "stopped": results.get("stopped") or ("" if results["complete"] else "incomplete"),
         "seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time() - cpu,  # this process's CPU time: the machine may be shared
+        "load": os.getloadavg()[0],  # the 1-minute load average as the run ended
     }
 
 
@@ -151,11 +157,31 @@ def main() -> None:
     parser.add_argument("--partition", default="dirichlet:0.3")
     parser.add_argument("--os-noise", action="store_true", help="noise from the OS's entropy, not seeded by the seed")
     parser.add_argument("--out", default="", help="where the runs' folders go (default: a new temporary folder)")
-    parser.add_argument("--json", default="", metavar="OUT", help="also write every run's row to this file")
+    parser.add_argument(
+        "--json", default="", metavar="OUT", help="also write every run's row to this file (rewritten after each run)"
+    )
+    parser.add_argument(
+        "--record-config",
+        default="",
+        metavar="'KEY=VALUE ...'",
+        help="run-config keys of the record rows only, over the others (e.g. 'batch-size=64 lr=1.0 local-epochs=3')",
+    )
+    parser.add_argument(
+        "--from-json",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="run nothing: table the runs these --json files hold (grids run side by side), as the flags select",
+    )
     many_clients.add_arguments(parser)
     args = parser.parse_args()
     if args.many_clients:  # the many-clients user-level rows: benchmarks/many_clients.py
         return many_clients.main(args)
+    if args.from_json:
+        runs = [r for name in args.from_json for r in json.loads(Path(name).read_text())["runs"]]
+        runs = [r | {"epsilon": math.inf if r["epsilon"] is None else r["epsilon"]} for r in runs]  # null: ∞
+        print("\n".join(table(runs, args)))
+        return
     user_level = set(args.modes) & {"central", "local"}
     if user_level and (uncovered := set(args.strategies) - {"fedavg", "knnper", "fedavg-ft"}):
         modes, names = " ".join(sorted(user_level)), ", ".join(sorted(uncovered))
@@ -171,6 +197,7 @@ def main() -> None:
             print(
                 f"{strategy} {mode} ε={eps:g} seed {seed}: {figures}; {r['seconds']:.0f} s {r['stopped']}", flush=True
             )
+            write_json(rows, args)  # as it goes: a grid cut short keeps its finished runs
     clip = args.dp_clip if args.dp_clip is not None else RunConfig.__dataclass_fields__["dp_clip"].default
     print(
         f"\nmnist5k, lenet, lr {args.lr:g}, {args.partition}, {args.num_nodes} clients (20% unseen), "
@@ -180,6 +207,10 @@ def main() -> None:
     )
     print("\n".join(table(rows, args)))
     print(f"\n{np.mean([r['seconds'] for r in rows]):.1f} s a run on average, runs in {out}")
+
+
+def write_json(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Every run's row so far to `--json` (when given), the settings beside them."""
     if args.json:
         settings = {k: v for k, v in vars(args).items() if k != "json"}
         runs = [r | {"epsilon": None if math.isinf(r["epsilon"]) else r["epsilon"]} for r in rows]  # ∞: null

@@ -29,6 +29,8 @@ MAX_TORCH_THREADS = 1024  # more is a typo or an attack (a node also cuts it to 
 
 # The settings section of each strategy `strategy` may name, in the registry's order (`use_sections`).
 SECTIONS: dict[str, type[Settings]] = {}
+# Each strategy record-level dp does not cover, with why, from its spec (`StrategySpec.record_gap`, `use_sections`).
+RECORD_GAPS: dict[str, str] = {}
 # The experiment trackers `trackers` may name (florist/server/tracking), each also the name of the
 # package it needs: the optional `tracking` extra installs them.
 TRACKERS = ("tensorboard", "mlflow", "wandb")
@@ -231,6 +233,7 @@ class RunConfig(Settings):
             (0 <= self.server_momentum < 1, f"server-momentum must be in [0, 1) (0: off), got {self.server_momentum}"),
             (0 < self.server_lr <= 10, f"server-lr must be in (0, 10] (1: FedAvg's step), got {self.server_lr}"),
             *self.privacy_checks(),
+            (not (refusal := self.record_refusal()), refusal),
             *self.secure_checks(),
             (self.num_classes >= 2, "num-classes must be >= 2"),
             (self.serve_seconds >= 0 and self.serve_count >= 0, "serve-seconds and serve-count must be >= 0"),
@@ -260,6 +263,17 @@ class RunConfig(Settings):
             return self
         user = {"dp_epsilon": self.dp_user_epsilon, "dp_clip": self.dp_user_clip}
         return dataclasses.replace(self, dp=self.user_dp, dp_noise_multiplier=self.dp_user_noise_multiplier, **user)
+
+    def record_refusal(self) -> str:
+        """Why `dp = "record"` cannot run this strategy (its spec's `record_gap`), in one line; empty when it
+        can or when the run has no record-level dp. Checked as the config is parsed, before torch is imported,
+        and by the server half again (`ServerStrategy`)."""
+        if not self.record_dp or self.strategy not in RECORD_GAPS:
+            return ""
+        return (
+            f'dp = "{self.dp}": strategy {self.strategy!r} is not covered by record-level dp: '
+            f"{RECORD_GAPS[self.strategy]} (docs/privacy.md)"
+        )
 
     def privacy_checks(self) -> list[tuple[bool, str]]:
         """`dp` and its keys (florist/common/privacy_checks.py)."""
@@ -356,7 +370,10 @@ def parse_overrides(text: str) -> dict[str, Any]:
     return values
 
 
-def use_sections(sections: Mapping[str, type[Settings]]) -> None:
-    """The strategies a run config may name, each with its settings section (the registry's)."""
+def use_sections(sections: Mapping[str, type[Settings]], record_gaps: Mapping[str, str] | None = None) -> None:
+    """The strategies a run config may name, each with its settings section (the registry's), and those
+    record-level dp does not cover, each with why (`record_gaps`: their specs' `record_gap`)."""
     SECTIONS.clear()
     SECTIONS.update(sections)
+    RECORD_GAPS.clear()
+    RECORD_GAPS.update(record_gaps or {})

@@ -16,4 +16,7 @@ from florist.strategies.perfedckt.spec import PERFED_CKT
 STRATEGIES: dict[str, StrategySpec] = {
     s.name: s for s in (FEDAVG, FEDAVG_FT, LOCAL, KNNPER, PEFLL, ODPFL, PERFED_CKT, FEDATTN)
 }
-config.use_sections({name: spec.settings for name, spec in STRATEGIES.items()})
+config.use_sections(
+    {name: spec.settings for name, spec in STRATEGIES.items()},
+    {name: spec.record_gap for name, spec in STRATEGIES.items() if not spec.record_covered},
+)

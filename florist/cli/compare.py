@@ -52,16 +52,16 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from florist.runners import compare  # it imports torch and flwr
-
     preset = presets.load(args.preset, args.scale) if args.preset else None
     _apply(args, preset)
     strategies, seeds = _names(args.strategies, "--strategies"), _seeds(args.seeds)
+    runs = launch(args, preset.run_config if preset else {}, tuple(strategies))  # refused here, before torch
+
+    from florist.runners import compare  # it imports torch and flwr
+
     paper = compare.Paper(preset.source(), preset.scale, preset.paper_values) if preset else None
     with RunBars() as bars:
-        rows = compare.run_comparison(
-            launch(args, preset.run_config if preset else {}), Path(args.out), strategies, seeds, paper, bars
-        )
+        rows = compare.run_comparison(runs, Path(args.out), strategies, seeds, paper, bars)
     print(compare.text_table(rows))
     print(bars.tally())
     beside = "; the paper's figures beside florist's in compare.md" if paper else ""

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from florist.apps.registry import STRATEGIES
-from florist.config import parse_overrides, parse_trackers
+from florist.config import RunConfig, parse_overrides, parse_trackers
 from florist.runners.launch import Federation, Launch
 
 DEFAULT_NODES = {"simulate": 20, "deploy-local": 3, "local-federation": 3, "compare": 20}
@@ -229,15 +229,29 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in flags.items() if v is not None} | parse_overrides(args.run_config or "")
 
 
-def launch(args: argparse.Namespace, beneath: dict[str, Any] | None = None) -> Launch:
+def launch(args: argparse.Namespace, beneath: dict[str, Any] | None = None, strategies: tuple[str, ...] = ()) -> Launch:
     """The run the flags ask for: the run-config values given (`given`, on top of `beneath`), the
-    nodes, the run to resume, and where simulated nodes run (`--runtime`, or the one that suits)."""
+    nodes, the run to resume, and where simulated nodes run (`--runtime`, or the one that suits).
+    A run config that cannot work is refused here, before torch is imported (`checked_early`; choosing
+    the runtime may import it, to count GPUs)."""
+    values = absolute((beneath or {}) | given(args))
+    resume = getattr(args, "resume", None)
+    if not resume:  # a resumed run's values are checked with the run they continue (preflight)
+        checked_early(values, strategies)
     where = {}
     if "runtime" in args:
         where = {"runtime": chosen_runtime(args), "ray_address": args.ray_address}
         where |= {"cpus_per_client": args.cpus_per_client, "gpus_per_client": args.gpus_per_client}
-    values = absolute((beneath or {}) | given(args))
-    return Launch(values, args.num_nodes, DEFAULT_NODES[args.command], getattr(args, "resume", None), **where)
+    return Launch(values, args.num_nodes, DEFAULT_NODES[args.command], resume, **where)
+
+
+def checked_early(values: dict[str, Any], strategies: tuple[str, ...] = ()) -> None:
+    """Parse the run config as the run will (an unknown key, a wrong type or value, a strategy that
+    `dp = "record"` does not cover: `RunConfig.record_refusal`) and raise its ValueError, in milliseconds:
+    nothing here imports torch, which the run's preflight does (seconds). `strategies`: each of them
+    in turn (`compare`'s), else the one the values name."""
+    for strategy in strategies or (None,):
+        RunConfig.from_mapping(values | ({"strategy": strategy} if strategy else {}))
 
 
 def federation(args: argparse.Namespace) -> Federation:

@@ -32,12 +32,14 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    asked = launch(args)  # a run config that cannot work is refused here, before torch is imported
+
     from florist.runners.simulation import (
         run as simulate,  # it imports torch and flwr: `florist --help` does not wait for them
     )
 
     with RoundBars() as bars:
-        results = simulate(launch(args), bars)
+        results = simulate(asked, bars)
     print_summary(results, bars.console, bars.wall())
     return 0
 

@@ -46,8 +46,6 @@ KEPT_KEYS = 4096  # (run, round) keys kept for repeats; what is spent is kept wh
 KEPT_RUNS = 16  # the accounts of runs under their server's dp (the node's own is never dropped)
 KEPT_SIGMAS = 16  # distinct σ per account; past them the two nearest merge at the smaller (more ε, never less)
 DP_STRATEGIES = ("fedavg", "fedavg-ft", "knnper")  # whose every model message local and distributed dp noise
-# whose every message derived from a node's data record-level dp bounds (the server halves' `record_covered`)
-RECORD_STRATEGIES = ("fedavg", "fedavg-ft", "knnper", "perfed-ckt", "fedattn", "local")
 # record-level dp's own book, beside BOOK under the same lock (a florist that predates it rewrites BOOK whole)
 RECORD_BOOK = "record-ledger.json"
 STEPS = "record-steps"  # the book's DP-SGD steps: {account: {"q σ": steps}}
@@ -77,8 +75,9 @@ def refuse_unbounded(
     """Under the node's own dp, refuse a message type (or a strategy) whose reply its mechanism
     does not bound: `bounded` are the types whose data-dependent values it noises and counts,
     or that carry none (docs/privacy.md lists each); under record-level dp (the node's own or its
-    server's), `record_bounded` are those whose every such value is DP-SGD's output or a step of it."""
-    if node.cfg.record_dp and (message_type not in record_bounded or node.cfg.strategy not in RECORD_STRATEGIES):
+    server's), `record_bounded` are those whose every such value is DP-SGD's output or a step of it, of a
+    strategy whose spec says record-level dp covers it (`StrategySpec.record_covered`, `RunConfig.record_refusal`)."""
+    if node.cfg.record_dp and (message_type not in record_bounded or node.cfg.record_refusal()):
         raise Refused(
             f"node {node.key}: record-level dp = {node.cfg.dp!r} does not bound a {message_type!r} reply of strategy "
             f"{node.cfg.strategy!r}: refused"

@@ -23,6 +23,9 @@ class Exchange:
     settings: type[Settings] = NoSettings
 
 
+# Why record-level dp (`dp = "record"`) refuses a strategy that does not say otherwise (`StrategySpec.record_gap`).
+RECORD_GAP = "a value it sends depends on the node's data outside DP-SGD's steps"
+
 # Every run starts with it, whatever the algorithm: the node's data sizes, shape, seen/unseen.
 INFO = Exchange("query.info")
 
@@ -36,3 +39,9 @@ class StrategySpec:
     exchanges: tuple[Exchange, ...]
     settings: type[Settings] = NoSettings
     commands: Callable[[Any], None] | None = None  # adds its own subcommands to the `florist` command's subparsers
+    # Whether `dp = "record"` covers it: every message it sends derived from a node's data is DP-SGD's output
+    # (or post-processing of it, or noised and counted as a DP-SGD step). When not, `record_gap` says why in
+    # one line, and a run config naming both is refused as it is parsed, before torch is imported
+    # (`RunConfig.checks`; the server half checks again: `ServerStrategy`).
+    record_covered: bool = False
+    record_gap: str = RECORD_GAP

@@ -49,7 +49,10 @@ def preflight(cfg: RunConfig, num_nodes: int, devices_here: bool = True) -> Chec
     check_results_dir(cfg.results_dir)
     check_installed(cfg)
     warnings = (
-        run_warnings(cfg) + model_warnings(cfg, layout.input_shape, model_bytes) + partition_warnings(cfg, layout)
+        run_warnings(cfg)
+        + model_warnings(cfg, layout.input_shape, model_bytes)
+        + partition_warnings(cfg, layout)
+        + record_warnings(cfg)
     )
     return Checked(cfg, num_nodes, layout, model_bytes, warnings)
 
@@ -75,6 +78,24 @@ def run_warnings(cfg: RunConfig) -> list[str]:
     if cfg.num_server_rounds == 0:
         return ["num-server-rounds 0: nothing trains; the clients are only scored on the initial model"]
     return cfg.settings.warnings(cfg.num_server_rounds)
+
+
+# The settings recommended under `dp = "record"`, measured best on mnist5k's lenet (docs/privacy.md#record-level-dp):
+# DP-SGD's noise per step is σ·dp-clip/batch-size, which drowns a small batch's gradient, and its steps want a
+# larger lr and more of them than plain SGD's. Recommended, not applied: a run takes the values it is given.
+RECORD_RECIPE = {"batch-size": 64, "lr": 0.1, "momentum": 0.9, "local-epochs": 3}
+
+
+def record_warnings(cfg: RunConfig) -> list[str]:
+    """Record-level dp at a batch smaller than the recipe's: told before the run, with the recipe."""
+    if not cfg.record_dp or cfg.batch_size >= RECORD_RECIPE["batch-size"]:
+        return []
+    recipe = " ".join(f"{key}={value}" for key, value in RECORD_RECIPE.items())
+    return [
+        f'dp = "{cfg.dp}" with batch-size {cfg.batch_size}: DP-SGD\'s noise per step is σ·dp-clip/batch-size, which '
+        f"drowns a small batch's gradient; try {recipe} (measured best on mnist5k's lenet: "
+        "docs/privacy.md#record-level-dp)"
+    ]
 
 
 TUNED_FOR = {"lenet": "lr=0.1 (PeFLL: hn-server-lr=1e-3)", "mobilenet_v2": "lr=0.03"}  # measured or the papers'

@@ -70,11 +70,8 @@ class ServerStrategy:
         """`num_seen`: how many nodes train (some algorithms size their networks by it)."""
         self.cfg, self.exchanger, self.input_shape, self.num_seen = cfg, exchanger, input_shape, num_seen
         self.settings: Any = cfg.settings
-        if cfg.record_dp and cfg.strategy not in self.record_covered:
-            raise ValueError(
-                f'dp = "{cfg.dp}": strategy {cfg.strategy!r} is not covered by record-level dp: {self.record_gap} '
-                "(docs/privacy.md)"
-            )
+        if refusal := cfg.record_refusal():  # the spec's coverage, checked as the config was parsed; again here
+            raise ValueError(refusal)
         if cfg.user_dp != "none" and cfg.strategy not in self.protected:
             raise ValueError(
                 f'dp = "{cfg.dp}": strategy {cfg.strategy!r} has no differential privacy yet (docs/privacy.md)'
@@ -97,10 +94,8 @@ class ServerStrategy:
     # before the run (the preflight builds the server half).
     protected: tuple[str, ...] = ()
     secured: tuple[str, ...] = ()
-    # The strategies whose every message derived from a node's data is DP-SGD's output (or post-processing
-    # of it, or noised and counted as a DP-SGD step) under `dp = "record"`; `record_gap`: why any other is not.
-    record_covered: tuple[str, ...] = ()
-    record_gap = "a value it sends depends on the node's data outside DP-SGD's steps"
+    # Which strategies `dp = "record"` covers, and why not the others, their specs say (`StrategySpec.record_covered`,
+    # `record_gap`): the run config refuses the others before torch is imported (`RunConfig.record_refusal`).
 
     def steps_on_server(self) -> bool:
         """Whether its rounds end with FedAvg's server step (`server-momentum`, `server-lr`)."""

@@ -8,6 +8,9 @@ what it does not cover is refused in one line. Messages go through florist's rea
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ import torch
 from flwr.app import Message
 
 from florist.apps.client import app
+from florist.apps.registry import STRATEGIES
 from florist.client import guard
 from florist.common import protocol, training
 from florist.common.models import seeded_model
@@ -39,8 +43,8 @@ def node_config(tmp_path) -> dict:
     return {"partition-id": 0, "num-partitions": 4, "state-dir": str(tmp_path / "state")}
 
 
-def ask(grid: InProcessGrid, exchange=TRAIN, server_round: int = 1, **values) -> Message:
-    cfg = RunConfig.from_mapping(SERVER | values)
+def ask(grid: InProcessGrid, exchange=TRAIN, server_round: int = 1, server: dict = SERVER, **values) -> Message:
+    cfg = RunConfig.from_mapping(server | values)
     sent = protocol.to_record(seeded_model(cfg.model, (1, 8, 8), cfg.num_classes, cfg.seed))
     content = protocol.content(sent, config=message_config(cfg, exchange, server_round, grid.run_id))
     with server_identity(grid.run_id):
@@ -155,8 +159,14 @@ def test_the_ledger_stops_a_node_before_the_step_that_would_pass_its_epsilon(nod
 
 
 def test_a_node_under_record_dp_refuses_what_dp_sgd_does_not_bound(node_config):
-    """PeFLL's messages carry a descriptor and a gradient of the data that no DP-SGD step bounds."""
-    reply = ask(InProcessGrid(app, [node_config]), TRAIN_GENERATED, strategy="pefll")
+    """PeFLL's messages carry a descriptor and a gradient of the data that no DP-SGD step bounds: a node whose own
+    dp is record-level refuses a PeFLL run (its spec's reason), and a message type of PeFLL's under any strategy."""
+    server = {key: value for key, value in SERVER.items() if not key.startswith("dp")}
+    own = node_config | {"dp": "record", "dp-epsilon": 8.0}
+    reply = ask(InProcessGrid(app, [own]), TRAIN_GENERATED, server=server, strategy="pefll")
+    assert reply.has_error() and "\n" not in reply.error.reason
+    assert "strategy 'pefll' is not covered by record-level dp" in reply.error.reason
+    reply = ask(InProcessGrid(app, [node_config]), TRAIN_GENERATED, strategy="fedavg")
     assert reply.has_error() and "\n" not in reply.error.reason
     assert "record-level dp = 'record' does not bound a 'train.generated' reply" in reply.error.reason
 
@@ -182,6 +192,40 @@ REFUSED = {
 def test_what_record_dp_does_not_cover_is_one_line_and_exit_2(case, refuses_in_one_line):
     args, expected = REFUSED[case]
     refuses_in_one_line(args if args[0] == "--strategy" else ["--run-config", *args], expected)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_which_strategies_record_dp_covers_their_specs_say_as_the_run_config_is_parsed(name):
+    """One source: a strategy's spec (`record_covered`, `record_gap`); the run config refuses the others as it is
+    parsed (no torch, no server half), with the spec's reason."""
+    values = {"strategy": name, "dp": "record", "dp-epsilon": 8.0}
+    spec = STRATEGIES[name]
+    if spec.record_covered:
+        assert RunConfig.from_mapping(values).record_refusal() == ""
+        return
+    with pytest.raises(ValueError, match="is not covered by record-level dp") as refused:
+        RunConfig.from_mapping(values)
+    assert spec.record_gap in str(refused.value) and "\n" not in str(refused.value)
+
+
+REFUSAL = """import sys
+from florist.cli import main
+code = main(sys.argv[1:])
+print("torch" in sys.modules)
+raise SystemExit(code)
+"""
+
+
+@pytest.mark.parametrize("command, strategy", [("simulate", "pefll"), ("deploy-local", "odpfl")])
+def test_an_uncovered_strategy_is_refused_before_torch_is_imported(command, strategy, tmp_path):
+    """The refusal needs no second: a fresh `florist` process exits 2 in one line with torch never imported
+    (a run's preflight imports it, 5-6 s of a refusal before)."""
+    root = Path(__file__).resolve().parents[2]
+    args = [command, "--strategy", strategy, "--run-config", 'dp="record" dp-epsilon=8', "--results-dir", str(tmp_path)]
+    done = subprocess.run([sys.executable, "-c", REFUSAL, *args], cwd=root, capture_output=True, text=True, timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "is not covered by record-level dp" in lines[0], done.stderr
+    assert done.stdout.strip() == "False", "torch was imported before the refusal"
 
 
 def test_record_dp_takes_a_robust_rule_and_clip_norm_where_user_level_dp_does_not():

@@ -58,3 +58,15 @@ def test_the_docs_state_the_size_the_preflight_warns_above(tmp_path):
 
     text = (Path(__file__).parents[2] / "docs" / "models.md").read_text()
     assert f"more than {LARGE_MODEL_BYTES // 10**6} MB of them is warned about" in " ".join(text.split())
+
+
+def test_record_dp_at_a_small_batch_is_warned_about_with_the_recommended_settings():
+    """DP-SGD's noise per step is σ·C/batch-size: at the default batch of 16 the preflight names the recipe."""
+    from florist.runners.preflight import RECORD_RECIPE
+
+    small = preflight(RunConfig.from_mapping({"dp": "record", "dp-epsilon": 8.0}), 4).warnings
+    assert [w for w in small if "batch-size=64 lr=0.1 momentum=0.9 local-epochs=3" in w and "σ·dp-clip/batch-size" in w]
+    recipe = {key: value for key, value in RECORD_RECIPE.items()}
+    large = preflight(RunConfig.from_mapping({"dp": "record", "dp-epsilon": 8.0} | recipe), 4).warnings
+    assert not [w for w in large if "batch-size" in w]
+    assert not [w for w in preflight(RunConfig.from_mapping({}), 4).warnings if "batch-size" in w]

@@ -63,9 +63,8 @@ class FedAttn(FedAvg):
     checkpointed = ("model", "attention", "optimizer")
     # Under secure aggregation G's update is masked; Z, M and ∂L/∂M̃ stay in the clear (`train_masked`).
     secured = ("fedattn",)
-    # Under record-level dp G and M are DP-SGD's output, and Z and ∂L/∂M̃ are each one more DP-SGD step's
-    # noised mean, counted in the node's ledger (florist/strategies/fedattn/client.py).
-    record_covered = ("fedattn",)
+    # Under record-level dp (its spec's `record_covered`) G and M are DP-SGD's output, and Z and ∂L/∂M̃ are each
+    # one more DP-SGD step's noised mean, counted in the node's ledger (florist/strategies/fedattn/client.py).
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -55,4 +55,5 @@ FEDATTN = StrategySpec(
     "FedAttn: attention over the nearest clients' bias vectors",
     (TRAIN_ATTN, REPRESENT, EVALUATE, *SECAGG),
     AttentionSettings,
+    record_covered=True,  # its biases and shared part from DP-SGD steps, Z and the bias gradient as noised steps
 )

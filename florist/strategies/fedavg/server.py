@@ -46,9 +46,8 @@ class FedAvg(ServerStrategy):
     # Their every message is FedAvg's training exchange (kNN-Per: its global model; its datastore
     # never leaves the node) or an evaluation, which sends the model down only.
     protected = secured = ("fedavg", "fedavg-ft", "knnper")
-    # Under record-level dp the model a node sends is DP-SGD's output; FedAvg+'s fine-tuning and kNN-Per's
-    # datastore stay on the node.
-    record_covered = ("fedavg", "fedavg-ft", "knnper")
+    # Under record-level dp (their specs' `record_covered`) the model a node sends is DP-SGD's output; FedAvg+'s
+    # fine-tuning and kNN-Per's datastore stay on the node.
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -32,10 +32,12 @@ class FinetuneSettings(Settings):
         return [(self.epochs >= 0, "finetune-epochs must be >= 0"), (self.lr > 0, "finetune-lr must be > 0")]
 
 
-FEDAVG = StrategySpec("fedavg", "FedAvg: one global model", (TRAIN, EVALUATE, *SECAGG))
+# Record-level dp covers both: the model they send is DP-SGD's (FedAvg+'s fine-tuning stays on the node).
+FEDAVG = StrategySpec("fedavg", "FedAvg: one global model", (TRAIN, EVALUATE, *SECAGG), record_covered=True)
 FEDAVG_FT = StrategySpec(
     "fedavg-ft",
     "FedAvg+: the global model fine-tuned on each client",
     (TRAIN, EVALUATE, *SECAGG),
     FinetuneSettings,
+    record_covered=True,
 )

@@ -127,4 +127,5 @@ KNNPER = StrategySpec(
     (TRAIN_KNNPER, EVALUATE_KNNPER),
     KnnSettings,
     commands=commands.add,
+    record_covered=True,  # its global model is DP-SGD's; the datastore never leaves the node
 )

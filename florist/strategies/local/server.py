@@ -7,8 +7,8 @@ from florist.strategies.local.spec import EVALUATE_LOCAL, TRAIN_LOCAL
 
 
 class Local(ServerStrategy):
-    # Under record-level dp nothing a node trains leaves it: it trains as without dp and spends no ε.
-    record_covered = ("local",)
+    # Under record-level dp (its spec's `record_covered`) nothing a node trains leaves it: it trains as without
+    # dp and spends no ε.
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         request = self.request(TRAIN_LOCAL, server_round)

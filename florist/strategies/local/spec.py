@@ -18,4 +18,9 @@ class ScratchSettings(Settings):
 TRAIN_LOCAL = Exchange("train.local")  # nothing down, metrics up
 EVALUATE_LOCAL = Exchange("evaluate.local", ScratchSettings)
 
-LOCAL = StrategySpec("local", "Local: each client trains alone", (TRAIN_LOCAL, EVALUATE_LOCAL))
+LOCAL = StrategySpec(
+    "local",
+    "Local: each client trains alone",
+    (TRAIN_LOCAL, EVALUATE_LOCAL),
+    record_covered=True,  # nothing sent
+)

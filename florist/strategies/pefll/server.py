@@ -46,10 +46,6 @@ class PeFLL(ServerStrategy):
     SEPARATED = 1e-3  # below this share of between-node variance, descriptors do not separate nodes
     WATCH_ROUND = 5  # the round (or the run's last, if sooner) whose descriptors are judged
     HINT = 'if clients differ in how labels relate to inputs (concept shift), try hn-encoder="slots"'
-    record_gap = (
-        "the descriptor a node sends (its data embedded) and its hypernetwork gradient depend on its data outside "
-        "DP-SGD's steps, and no noise bounds them"
-    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -115,15 +115,22 @@ TRAIN_ENCODER = Exchange("train.encoder", BackpropSettings)
 EVALUATE_GENERATED = Exchange("evaluate.generated")  # θ = h(v) down, kept and tested
 EXCHANGES = (DESCRIBE, TRAIN_GENERATED, TRAIN_ENCODER, EVALUATE_GENERATED)
 
+# Why record-level dp refuses both.
+RECORD_GAP = (
+    "the descriptor a node sends (its data embedded) and its hypernetwork gradient depend on its data outside "
+    "DP-SGD's steps, and no noise bounds them"
+)
 PEFLL = StrategySpec(
     "pefll",
     "PeFLL: a hypernetwork maps each client's descriptor to its model",
     EXCHANGES,
     HyperNetSettings,
+    record_gap=RECORD_GAP,
 )
 ODPFL = StrategySpec(
     "odpfl",
     "OD-PFL: PeFLL's shape on unlabeled descriptors, optionally private",
     EXCHANGES,
     OnDemandSettings,
+    record_gap=RECORD_GAP,
 )

@@ -67,9 +67,9 @@ def cluster(points: np.ndarray, clusters: int, seed: int) -> np.ndarray:
 
 class PerFedCKT(ServerStrategy):
     settings: CktSettings
-    # Under record-level dp a node's model is DP-SGD's (the distillation term reads only P and the centroids,
-    # no record of the node's); its soft decisions on P and its cluster are post-processing of it.
-    record_covered = ("perfed-ckt",)
+    # Under record-level dp (its spec's `record_covered`) a node's model is DP-SGD's (the distillation term reads
+    # only P and the centroids, no record of the node's); its soft decisions on P and its cluster are
+    # post-processing of it.
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

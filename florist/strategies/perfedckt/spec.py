@@ -67,4 +67,5 @@ PERFED_CKT = StrategySpec(
     (TRAIN_CKT, EVALUATE_CKT),
     CktSettings,
     commands=commands.add,
+    record_covered=True,  # soft decisions on the public set from a DP-trained model: post-processing
 )
