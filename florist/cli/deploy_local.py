@@ -33,12 +33,12 @@ def add(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    run = launch(args)  # a run config that cannot work is refused here, before torch is imported
+    asked = launch(args)  # a run config that cannot work is refused here, before torch is imported
 
     from florist.runners.deployment import deploy_local  # it imports torch and flwr
 
     display = FederationDisplay()
-    results = deploy_local(run, federation(args), display)
+    results = deploy_local(asked, federation(args), display)
     print_summary(results, stderr_console(), display.wall(), table=False)  # the streamed log ends with the table
     return 0
 

@@ -70,3 +70,13 @@ def test_record_dp_at_a_small_batch_is_warned_about_with_the_recommended_setting
     large = preflight(RunConfig.from_mapping({"dp": "record", "dp-epsilon": 8.0} | recipe), 4).warnings
     assert not [w for w in large if "batch-size" in w]
     assert not [w for w in preflight(RunConfig.from_mapping({}), 4).warnings if "batch-size" in w]
+
+
+def test_fedavg_ft_fine_tuning_at_a_step_momentum_multiplies_is_warned_about_under_record_dp():
+    """FedAvg+'s fine-tuning takes the run's momentum: finetune-lr 0.05 at momentum 0.9 steps as 0.5."""
+    recipe = {"dp": "record", "dp-epsilon": 8.0, "batch-size": 64, "lr": 0.1, "momentum": 0.9, "local-epochs": 3}
+    ft = {"strategy": "fedavg-ft"}
+    warned = preflight(RunConfig.from_mapping(recipe | ft), 4).warnings
+    assert [w for w in warned if "finetune-lr=0.005" in w and "momentum 0.9" in w]
+    assert not preflight(RunConfig.from_mapping(recipe | ft | {"finetune-lr": 0.005}), 4).warnings
+    assert not preflight(RunConfig.from_mapping(recipe | ft | {"momentum": 0.0}), 4).warnings
