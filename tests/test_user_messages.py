@@ -66,7 +66,7 @@ def test_owner_name_is_a_hub_id_unless_it_is_a_folder_here(tmp_path, monkeypatch
         ("batch", "did you mean 'batch-size'?"),
         ("seeds", "did you mean 'seed'?"),
         ("local_epochs", "did you mean 'local-epochs'?"),
-        ("momentun", "did you mean 'momentum'?"),
+        ("momentun", "did you mean 'momentum' or 'server-momentum'?"),
         ("datset", "did you mean 'dataset' or 'public-dataset'?"),
         ("zzzz", "no key is close"),
     ],
