@@ -15,10 +15,11 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+
+from scratch import work_folder
 
 from florist.common.processes import marked
 
@@ -88,20 +89,20 @@ def main() -> None:
     parser.add_argument("--pefll-rounds", type=int, default=2)
     parser.add_argument("--executor", default="warm", choices=("warm", "flower"))
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="florist-scale-"))
-    print(f"florist deploy-local, {args.nodes} SuperNodes, executor {args.executor}, default run config")
-    print(
-        f"{'strategy':<9}{'rounds':>7}{'s/round':>9}{'wall s':>8}{'scored':>8}{'peak RSS MB':>13}"
-        f"{'peak PSS MB':>13}{'left':>6}"
-    )
-    for strategy, rounds in (("fedavg", args.fedavg_rounds), ("pefll", args.pefll_rounds)):
-        if rounds < 1:  # --pefll-rounds 0: FedAvg only
-            continue
-        r = run(work / strategy, strategy, rounds, args.nodes, args.executor)
+    with work_folder("florist-scale-") as work:
+        print(f"florist deploy-local, {args.nodes} SuperNodes, executor {args.executor}, default run config")
         print(
-            f"{strategy:<9}{rounds:>7}{r['round']:9.1f}{r['wall']:8.0f}{r['scored']:>8}{r['rss']:13,.0f}{r['pss']:13,.0f}"
-            f"{r['left']:>6}"
+            f"{'strategy':<9}{'rounds':>7}{'s/round':>9}{'wall s':>8}{'scored':>8}{'peak RSS MB':>13}"
+            f"{'peak PSS MB':>13}{'left':>6}"
         )
+        for strategy, rounds in (("fedavg", args.fedavg_rounds), ("pefll", args.pefll_rounds)):
+            if rounds < 1:  # --pefll-rounds 0: FedAvg only
+                continue
+            r = run(work / strategy, strategy, rounds, args.nodes, args.executor)
+            print(
+                f"{strategy:<9}{rounds:>7}{r['round']:9.1f}{r['wall']:8.0f}{r['scored']:>8}{r['rss']:13,.0f}{r['pss']:13,.0f}"
+                f"{r['left']:>6}"
+            )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ import argparse
 import json
 import statistics
 import subprocess
-import tempfile
 from pathlib import Path
+
+from scratch import work_folder
 
 from florist.config import RunConfig
 from florist.deploy.federation import LocalFederation
@@ -63,49 +64,49 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=["fedavg", "pefll"])
     parser.add_argument("--runtimes", nargs="+", default=list(RUNTIMES), choices=RUNTIMES)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="florist-bench-"))
-    print(
-        f"{args.nodes} nodes, {args.rounds} rounds, iid digits, every round evaluated; "
-        f"medians of rounds 2..{args.rounds}"
-    )
-    for strategy in args.strategies:
-        values = {
-            "strategy": strategy,
-            "num-server-rounds": args.rounds,
-            "partition": "iid",
-            "min-nodes": args.nodes,
-            "unseen-fraction": 0.0,
-        }
-        runs = {}
-        for runtime in args.runtimes:
-            if runtime == "simulation":
-                cfg = RunConfig.from_mapping(values | {"results-dir": str(work / strategy / "simulation")})
-                runs[runtime] = simulate(cfg, args.nodes)
-            else:
-                runs[runtime] = deploy(work / strategy, runtime, values, args.nodes)
-        stats = {runtime: figures(results) for runtime, results in runs.items()}
-        base = stats.get("simulation", {}).get("round")
-        print(f"\n{strategy}")
+    with work_folder("florist-bench-") as work:
         print(
-            f"  {'runtime':<12}{'s/round':>9}{'× sim':>8}{'s/exchange':>12}{'overhead':>10}"
-            f"   per exchange type (s, overhead)"
+            f"{args.nodes} nodes, {args.rounds} rounds, iid digits, every round evaluated; "
+            f"medians of rounds 2..{args.rounds}"
         )
-        for runtime, s in stats.items():
-            ratio = f"{s['round'] / base:7.1f}×" if base else "      –"
-            kinds = ", ".join(f"{k} {t:.2f} ({o:.2f})" for k, (t, o) in s["types"].items())
-            print(f"  {runtime:<12}{s['round']:9.2f}{ratio}{s['exchange']:12.2f}{s['overhead']:10.2f}   {kinds}")
-        if "warm" in stats and "flower" in stats:
+        for strategy in args.strategies:
+            values = {
+                "strategy": strategy,
+                "num-server-rounds": args.rounds,
+                "partition": "iid",
+                "min-nodes": args.nodes,
+                "unseen-fraction": 0.0,
+            }
+            runs = {}
+            for runtime in args.runtimes:
+                if runtime == "simulation":
+                    cfg = RunConfig.from_mapping(values | {"results-dir": str(work / strategy / "simulation")})
+                    runs[runtime] = simulate(cfg, args.nodes)
+                else:
+                    runs[runtime] = deploy(work / strategy, runtime, values, args.nodes)
+            stats = {runtime: figures(results) for runtime, results in runs.items()}
+            base = stats.get("simulation", {}).get("round")
+            print(f"\n{strategy}")
             print(
-                f"  warm is {stats['flower']['exchange'] / stats['warm']['exchange']:.1f}× faster "
-                "per exchange than flower"
+                f"  {'runtime':<12}{'s/round':>9}{'× sim':>8}{'s/exchange':>12}{'overhead':>10}"
+                f"   per exchange type (s, overhead)"
             )
-        accuracies = {
-            runtime: [(c["client"], c["accuracy"]) for c in results["clients"]] for runtime, results in runs.items()
-        }
-        print(
-            f"  per-client accuracies identical in {', '.join(accuracies)}: "
-            f"{len(set(map(str, accuracies.values()))) == 1}"
-        )
+            for runtime, s in stats.items():
+                ratio = f"{s['round'] / base:7.1f}×" if base else "      –"
+                kinds = ", ".join(f"{k} {t:.2f} ({o:.2f})" for k, (t, o) in s["types"].items())
+                print(f"  {runtime:<12}{s['round']:9.2f}{ratio}{s['exchange']:12.2f}{s['overhead']:10.2f}   {kinds}")
+            if "warm" in stats and "flower" in stats:
+                print(
+                    f"  warm is {stats['flower']['exchange'] / stats['warm']['exchange']:.1f}× faster "
+                    "per exchange than flower"
+                )
+            accuracies = {
+                runtime: [(c["client"], c["accuracy"]) for c in results["clients"]] for runtime, results in runs.items()
+            }
+            print(
+                f"  per-client accuracies identical in {', '.join(accuracies)}: "
+                f"{len(set(map(str, accuracies.values()))) == 1}"
+            )
 
 
 if __name__ == "__main__":

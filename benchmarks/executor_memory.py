@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+
+from scratch import work_folder
 
 from florist.deploy.federation import LocalFederation
 
@@ -32,33 +33,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=200)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="florist-memory-"))
-    rounds = args.messages // 2
-    config = {
-        "strategy": "fedavg",
-        "num-server-rounds": rounds,
-        "min-nodes": 1,
-        "partition": "iid",
-        "unseen-fraction": 0.0,
-        "results-dir": str(work / "out"),
-    }
-    with LocalFederation(work, [{"partition-id": 0, "num-partitions": 1, "state-dir": str(work / "state")}]) as fed:
-        node = fed.nodes[0].pid
-        executor = executor_pid(node)
-        run = subprocess.Popen(
-            fed.run_command(config), env=fed.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        progress = work / "out" / "results.json"
-        while not (progress.exists() and json.loads(progress.read_text())["rounds"]):
-            time.sleep(0.2)
-        before = rss_mb(executor), rss_mb(node)
-        start = time.monotonic()
-        run.wait()
-        after = rss_mb(executor), rss_mb(node)
-        served = (fed.logs / "supernode-0.log").read_text().count(": warm process")
-    print(f"{served} messages served warm in {time.monotonic() - start:.0f} s after round 1")
-    print(f"warm executor RSS: {before[0]:.0f} MB after round 1, {after[0]:.0f} MB after all {served} messages")
-    print(f"SuperNode RSS:     {before[1]:.0f} MB after round 1, {after[1]:.0f} MB after all {served} messages")
+    with work_folder("florist-memory-") as work:
+        rounds = args.messages // 2
+        config = {
+            "strategy": "fedavg",
+            "num-server-rounds": rounds,
+            "min-nodes": 1,
+            "partition": "iid",
+            "unseen-fraction": 0.0,
+            "results-dir": str(work / "out"),
+        }
+        with LocalFederation(work, [{"partition-id": 0, "num-partitions": 1, "state-dir": str(work / "state")}]) as fed:
+            node = fed.nodes[0].pid
+            executor = executor_pid(node)
+            run = subprocess.Popen(
+                fed.run_command(config), env=fed.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
+            progress = work / "out" / "results.json"
+            while not (progress.exists() and json.loads(progress.read_text())["rounds"]):
+                time.sleep(0.2)
+            before = rss_mb(executor), rss_mb(node)
+            start = time.monotonic()
+            run.wait()
+            after = rss_mb(executor), rss_mb(node)
+            served = (fed.logs / "supernode-0.log").read_text().count(": warm process")
+        print(f"{served} messages served warm in {time.monotonic() - start:.0f} s after round 1")
+        print(f"warm executor RSS: {before[0]:.0f} MB after round 1, {after[0]:.0f} MB after all {served} messages")
+        print(f"SuperNode RSS:     {before[1]:.0f} MB after round 1, {after[1]:.0f} MB after all {served} messages")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ import argparse
 import json
 import statistics
 import subprocess
-import tempfile
 from pathlib import Path
+
+from scratch import work_folder
 
 from florist.common import devices
 from florist.config import RunConfig
@@ -62,39 +63,44 @@ def main() -> None:
     except ValueError as err:
         print(f"gpu_check: nothing to check: {err}")
         return
-    work = Path(tempfile.mkdtemp(prefix="florist-gpu-check-"))
-    gpu_share = 0.0 if args.device == "cpu" else 1 / CLIENTS
-    print(f"{args.dataset}, LeNet, dirichlet:0.3, {args.rounds} rounds; cpu against {args.device}; work folder {work}")
-    print(f"  {'strategy':<9}{'runtime':<12}{'cpu acc %':>10}{'dev acc %':>10}{'Δ':>6}{'cpu s/rd':>10}{'dev s/rd':>10}")
-    worst = 0.0
-    for strategy in STRATEGIES:
-        base = {
-            "strategy": strategy,
-            "dataset": args.dataset,
-            "model": "lenet",
-            "partition": "dirichlet:0.3",
-            "num-server-rounds": args.rounds,
-            "seed": 1,
-        }
-        for runtime in ("simulation", "deploy"):
-            runs = {}
-            for label, device in (("cpu", "cpu"), ("dev", args.device)):
-                values = base | {"device": device, "server-device": device}
-                folder = work / strategy / runtime / label
-                if runtime == "simulation":
-                    cfg = RunConfig.from_mapping(values | {"min-nodes": CLIENTS, "results-dir": str(folder)})
-                    gpus = gpu_share if label == "dev" else 0.0
-                    runs[label] = simulate(cfg, CLIENTS, resources=client_resources(1.0, gpus))
-                else:
-                    runs[label] = deploy(folder, values | {"min-nodes": NODES}, device)
-            cpu, dev = runs["cpu"], runs["dev"]
-            delta = seen_accuracy(dev) - seen_accuracy(cpu)
-            worst = max(worst, abs(delta))
-            print(
-                f"  {strategy:<9}{runtime:<12}{seen_accuracy(cpu):10.1f}{seen_accuracy(dev):10.1f}{delta:6.1f}"
-                f"{seconds_per_round(cpu):10.2f}{seconds_per_round(dev):10.2f}"
-            )
-    print(f"largest accuracy difference: {worst:.1f} points ({'within' if worst <= 2 else 'OUTSIDE'} 2 points)")
+    with work_folder("florist-gpu-check-") as work:
+        gpu_share = 0.0 if args.device == "cpu" else 1 / CLIENTS
+        print(
+            f"{args.dataset}, LeNet, dirichlet:0.3, {args.rounds} rounds; cpu against {args.device}; work folder {work}"
+        )
+        print(
+            f"  {'strategy':<9}{'runtime':<12}{'cpu acc %':>10}{'dev acc %':>10}{'Δ':>6}"
+            f"{'cpu s/rd':>10}{'dev s/rd':>10}"
+        )
+        worst = 0.0
+        for strategy in STRATEGIES:
+            base = {
+                "strategy": strategy,
+                "dataset": args.dataset,
+                "model": "lenet",
+                "partition": "dirichlet:0.3",
+                "num-server-rounds": args.rounds,
+                "seed": 1,
+            }
+            for runtime in ("simulation", "deploy"):
+                runs = {}
+                for label, device in (("cpu", "cpu"), ("dev", args.device)):
+                    values = base | {"device": device, "server-device": device}
+                    folder = work / strategy / runtime / label
+                    if runtime == "simulation":
+                        cfg = RunConfig.from_mapping(values | {"min-nodes": CLIENTS, "results-dir": str(folder)})
+                        gpus = gpu_share if label == "dev" else 0.0
+                        runs[label] = simulate(cfg, CLIENTS, resources=client_resources(1.0, gpus))
+                    else:
+                        runs[label] = deploy(folder, values | {"min-nodes": NODES}, device)
+                cpu, dev = runs["cpu"], runs["dev"]
+                delta = seen_accuracy(dev) - seen_accuracy(cpu)
+                worst = max(worst, abs(delta))
+                print(
+                    f"  {strategy:<9}{runtime:<12}{seen_accuracy(cpu):10.1f}{seen_accuracy(dev):10.1f}{delta:6.1f}"
+                    f"{seconds_per_round(cpu):10.2f}{seconds_per_round(dev):10.2f}"
+                )
+        print(f"largest accuracy difference: {worst:.1f} points ({'within' if worst <= 2 else 'OUTSIDE'} 2 points)")
 
 
 if __name__ == "__main__":

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+
+from scratch import work_folder
 
 from florist.deploy.federation import LocalFederation
 
@@ -28,29 +29,30 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="florist-run-cost-"))
-    configs = [
-        {"partition-id": i, "num-partitions": args.nodes, "state-dir": str(work / "state")} for i in range(args.nodes)
-    ]
-    with LocalFederation(work, configs) as fed:
-        time.sleep(5)  # the nodes' first polls settle
-        for i in range(args.runs):
-            config = {
-                "strategy": "fedavg",
-                "partition": "iid",
-                "unseen-fraction": 0.0,
-                "min-nodes": args.nodes,
-                "num-server-rounds": args.rounds,
-                "results-dir": str(work / f"run{i}"),
-            }
-            cpu, start = busy_seconds(), time.monotonic()
-            done = subprocess.run(fed.run_command(config), env=fed.env, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(f"run {i} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-            print(f"run {i}: {time.monotonic() - start:.1f} s wall, {busy_seconds() - cpu:.1f} CPU-s", flush=True)
-        cpu = busy_seconds()
-        time.sleep(10)
-        print(f"idle federation: {(busy_seconds() - cpu) / 10:.2f} CPU-s per second")
+    with work_folder("florist-run-cost-") as work:
+        configs = [
+            {"partition-id": i, "num-partitions": args.nodes, "state-dir": str(work / "state")}
+            for i in range(args.nodes)
+        ]
+        with LocalFederation(work, configs) as fed:
+            time.sleep(5)  # the nodes' first polls settle
+            for i in range(args.runs):
+                config = {
+                    "strategy": "fedavg",
+                    "partition": "iid",
+                    "unseen-fraction": 0.0,
+                    "min-nodes": args.nodes,
+                    "num-server-rounds": args.rounds,
+                    "results-dir": str(work / f"run{i}"),
+                }
+                cpu, start = busy_seconds(), time.monotonic()
+                done = subprocess.run(fed.run_command(config), env=fed.env, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise SystemExit(f"run {i} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+                print(f"run {i}: {time.monotonic() - start:.1f} s wall, {busy_seconds() - cpu:.1f} CPU-s", flush=True)
+            cpu = busy_seconds()
+            time.sleep(10)
+            print(f"idle federation: {(busy_seconds() - cpu) / 10:.2f} CPU-s per second")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from deploy_scale import memory_mb
+from scratch import work_folder
 
 from florist.common.processes import marked
 
@@ -108,23 +109,23 @@ def main() -> None:
     parser.add_argument("--runtime", choices=("simulation", "in-process"), default="simulation")
     parser.add_argument("--strategies", default="fedavg,knnper,pefll")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="florist-synthetic-"))
-    print(
-        f"florist simulate --runtime {args.runtime}, Synthetic(1, 1), {args.clients} clients, "
-        f"fraction-train {args.fraction}, {args.rounds} rounds"
-    )
-    print(
-        f"{'strategy':<9}{'trained':>8}{'s/round':>9}{'ms/trained':>11}{'wall s':>8}{'scored':>8}{'seen acc.':>10}"
-        f"{'peak RSS MB':>13}{'all RSS MB':>12}{'all PSS MB':>12}"
-    )
-    for strategy in args.strategies.split(","):
-        r = run(work / strategy, strategy, args)
+    with work_folder("florist-synthetic-") as work:
         print(
-            f"{strategy:<9}{r['trained']:8.0f}{r['round']:9.2f}{1000 * r['per_trained']:11.1f}{r['wall']:8.0f}"
-            f"{r['scored']:>8}{100 * r['seen']:10.1f}{r['max_rss']:13,.0f}{r['rss']:12,.0f}{r['pss']:12,.0f}"
-            f"  {'under' if r['max_rss'] < TARGET_MB else 'OVER'} {TARGET_MB:,} MB",
-            flush=True,
+            f"florist simulate --runtime {args.runtime}, Synthetic(1, 1), {args.clients} clients, "
+            f"fraction-train {args.fraction}, {args.rounds} rounds"
         )
+        print(
+            f"{'strategy':<9}{'trained':>8}{'s/round':>9}{'ms/trained':>11}{'wall s':>8}{'scored':>8}{'seen acc.':>10}"
+            f"{'peak RSS MB':>13}{'all RSS MB':>12}{'all PSS MB':>12}"
+        )
+        for strategy in args.strategies.split(","):
+            r = run(work / strategy, strategy, args)
+            print(
+                f"{strategy:<9}{r['trained']:8.0f}{r['round']:9.2f}{1000 * r['per_trained']:11.1f}{r['wall']:8.0f}"
+                f"{r['scored']:>8}{100 * r['seen']:10.1f}{r['max_rss']:13,.0f}{r['rss']:12,.0f}{r['pss']:12,.0f}"
+                f"  {'under' if r['max_rss'] < TARGET_MB else 'OVER'} {TARGET_MB:,} MB",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import os
 import re
 import statistics
 import subprocess
-import tempfile
 import time
 import tomllib
 import zlib
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from scratch import work_folder
 
 from florist.common import scenarios, training
 from florist.common.data import unseen_partitions
@@ -206,20 +206,20 @@ def main() -> None:
     parser.add_argument("--deploy", action="store_true", help="also a 4-node local deployment (takes minutes)")
     parser.add_argument("--deploy-only", action="store_true", help="only the 4-node deployment and its in-process twin")
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="florist-throughput-"))
-    values = {
-        "strategy": "fedavg",
-        "dataset": args.dataset,
-        "model": "lenet",
-        "partition": "dirichlet:0.3",
-        "num-server-rounds": args.rounds,
-        "min-nodes": CLIENTS,
-        "eval-every": 0,
-    } | parse_sets(args.set)
-    if not args.deploy_only:
-        runtimes(values, work)
-    if args.deploy or args.deploy_only:
-        deployments(values, work)
+    with work_folder("florist-throughput-") as work:
+        values = {
+            "strategy": "fedavg",
+            "dataset": args.dataset,
+            "model": "lenet",
+            "partition": "dirichlet:0.3",
+            "num-server-rounds": args.rounds,
+            "min-nodes": CLIENTS,
+            "eval-every": 0,
+        } | parse_sets(args.set)
+        if not args.deploy_only:
+            runtimes(values, work)
+        if args.deploy or args.deploy_only:
+            deployments(values, work)
 
 
 def runtimes(values: dict[str, Any], work: Path) -> None:

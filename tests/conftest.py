@@ -87,6 +87,7 @@ SLOW = [
     "tests/deploy/test_data_cache.py",
     "tests/deploy/test_join.py",
     "tests/runners/test_ray_loopback.py",
+    "tests/client/test_server_to_node.py::test_the_users_own_simulation_still_reads_the_folder_dataset_it_names",  # Ray
     "tests/deploy/test_registration_flood.py",
 ]
 # The quick files that take longest, longest first, for the same reason in `make test` (CPU
