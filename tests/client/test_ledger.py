@@ -8,6 +8,8 @@ measured on them."""
 from __future__ import annotations
 
 import hashlib
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,6 +185,16 @@ def test_every_release_a_plan_sized_is_answered_and_the_next_refused(make_node, 
     node.server_round = 21
     with pytest.raises(ValueError, match="another noised release would spend"):
         Ledger(node).release(lambda plan: {"x": np.zeros(3)})
+
+
+def test_the_bound_on_noise_levels_is_the_one_the_docs_promise():
+    """The test below shrinks the bound to pass it in a few releases, so it cannot see the bound
+    itself: a second `KEPT_SIGMAS = 64` later in the module once raised it unseen."""
+    from florist.client import ledger
+
+    docs = (Path(__file__).parents[2] / "docs" / "privacy.md").read_text()
+    promised = re.search(r"at most (\d+) noise levels per account", " ".join(docs.split()))
+    assert promised and int(promised.group(1)) == ledger.KEPT_SIGMAS
 
 
 def test_a_server_changing_sigma_every_release_leaves_a_bounded_ledger_that_never_understates_epsilon(
