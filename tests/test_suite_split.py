@@ -13,13 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_slow_entry_names_a_test_file_or_a_docs_page_that_exists():
-    """A renamed file or page would silently move its tests into `make test`'s quick set."""
+    """A renamed file, test or page would silently move its tests into `make test`'s quick set."""
     pages = {f"[{page.relative_to(REPO).as_posix()}]" for page in RUNNABLE}
     for entry in SLOW:
         path, _, test = entry.partition("::")
         assert (REPO / path).is_file(), f"SLOW names {path}, which does not exist"
-        if test:
+        if "[" in test:
             assert test[test.index("[") :] in pages, f"SLOW names {entry}, a page test_docs.py does not run"
+        elif test:
+            assert f"def {test}(" in (REPO / path).read_text(), f"SLOW names {entry}, which {path} does not define"
     for path in LONGEST_QUICK:
         assert (REPO / path).is_file() and path not in SLOW, f"LONGEST_QUICK names {path}: gone, or slow"
 
