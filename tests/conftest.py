@@ -94,6 +94,7 @@ SLOW = [
 # seconds in one process, measured on 2 cores: test_docs.py's quick pages 113 come first above).
 LONGEST_QUICK = [
     "tests/runners/test_presets.py",  # 127
+    "tests/strategies/test_pefll.py",  # 47
     "tests/client/test_record_dp.py",  # 40
     "tests/runners/test_predict.py",  # 29
     "tests/test_determinism.py",  # 27

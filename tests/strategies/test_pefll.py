@@ -193,3 +193,16 @@ def test_pefll_serves_unseen_clients_and_reports_masked_accuracy(tmp_path):
     clients = results["clients"]
     assert all(c["accuracy"] is not None and c["masked_accuracy"] >= c["accuracy"] for c in clients)
     assert results["summary"]["seen"]["mean_accuracy"] > 0.5  # two classes per client; chance over ten is 0.1
+
+
+@pytest.mark.parametrize("standardize", [False, True], ids=["default", "hn-standardize"])
+def test_held_out_clients_score_within_five_points_of_the_seen_ones(tmp_path, standardize):
+    """PeFLL's promise: a client never seen in training gets, in one forward pass, a model as
+    good as the trained clients' (issue 56). Two of ten clients held out of a 2-class label
+    split whose held-out classes the training clients cover (seed 4); the defence against a
+    poisoned standardizer (`hn-standardize`) must keep it too."""
+    overrides = {"num-server-rounds": 10, "partition": "pathological:2", "unseen-fraction": 0.2, "seed": 4}
+    _, results, _ = _simulate(tmp_path, "run", 10, **overrides, **{"hn-standardize": standardize})
+    seen, unseen = (results["summary"][group]["mean_accuracy"] for group in ("seen", "unseen"))
+    assert results["summary"]["unseen"]["num_clients"] == 2 and seen > 0.7  # the federation learned
+    assert unseen >= seen - 0.05, f"unseen {unseen:.3f} against seen {seen:.3f}"
