@@ -136,6 +136,26 @@ def test_per_sample_gradients_are_torch_funcs(name):
         assert torch.allclose(mine[p], theirs[key].reshape(5, -1), atol=1e-5), key
 
 
+@pytest.mark.parametrize("name", ["cnn", "lenet", "mlp"])
+def test_the_clipped_sum_is_the_sum_of_each_samples_clipped_gradient(name):
+    """DP-SGD's step takes Σᵢ min(1, C/‖gᵢ‖)·gᵢ without a Linear's per-sample weight gradients (‖gᵢaᵢᵀ‖ =
+    ‖gᵢ‖‖aᵢ‖); it must equal clipping each materialized per-sample gradient, at a C that clips some samples
+    and not others."""
+    shape = (1, 28, 28) if name == "lenet" else (1, 8, 8) if name == "cnn" else (64,)
+    model = seeded_model(name, shape, 10, 1)
+    x, y = torch.rand(6, *shape, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 3, 3, 9, 1, 7])
+    layers = training.per_sample_layers(model)
+    rows, losses = training.per_sample_gradients(model, layers, x, y)
+    norms = torch.sqrt(sum(r.square().sum(1) for r in rows.values()))
+    clip = float(norms.median())
+    assert (norms > clip).any() and (norms < clip).any()
+    factors = training.clip_factors(list(rows.values()), clip)
+    summed, same_losses = training.clipped_sum(model, layers, x, y, clip)
+    assert torch.equal(losses, same_losses)
+    for p in model.parameters():
+        assert torch.allclose(summed[p], (factors @ rows[p]).view(p.shape), atol=1e-6)
+
+
 def test_the_ledger_stops_a_node_before_the_step_that_would_pass_its_epsilon(node_config):
     """A node's own promise (σ 1.5, dp-epsilon 2, its --node-config): it trains whole rounds while they fit,
     then fewer steps, then refuses in one line; what it said never passes 2, and one more step would have."""
