@@ -3,18 +3,30 @@ names every one in one refusal instead of one per run (each run costs a minute o
 
 from __future__ import annotations
 
+import collections
+
 SHOWN_BAD = 3  # bad files named in the warning that counts the skipped ones
 
 
+SKIP = "set skip-bad-images=true to leave such files out"
+
+
 class BadImages(ValueError):
-    """Every bad file of a dataset, (path, what is wrong, what to do) each, in one line."""
+    """Every bad file of a dataset, (path, what is wrong, what to do) each, in one line. Several
+    are counted per remedy first, the fewest first, so that the line's start says what to do
+    (one setting may fix hundreds), and then all named, those of the rarer remedies first."""
 
     def __init__(self, bad: list[tuple[str, str, str]]):
         self.bad = bad
-        fixes = ", ".join(dict.fromkeys(fix for _, _, fix in bad))
-        found = "; ".join(f"{name}: {why}" for name, why, _ in bad)
-        count = f"{len(bad)} bad image files: " if len(bad) > 1 else ""
-        super().__init__(f"{count}{found}; {fixes}, or set skip-bad-images=true to leave such files out")
+        if len(bad) == 1:
+            name, why, fix = bad[0]
+            super().__init__(f"{name}: {why}; {fix}, or {SKIP}")
+            return
+        counts = collections.Counter(fix for _, _, fix in bad)
+        order = sorted(counts, key=lambda fix: counts[fix])  # stable: equal counts keep their first appearance
+        remedies = "; ".join(f"{counts[fix]}: {fix}" for fix in order)
+        found = "; ".join(f"{name}: {why}" for fix in order for name, why, other in bad if other == fix)
+        super().__init__(f"{len(bad)} bad image files ({remedies}; or {SKIP}): {found}")
 
 
 def refuse_all(decoders) -> list:

@@ -153,7 +153,7 @@ class ImageDecoder:
             if array.shape == expected:
                 keep.append(i)
             else:
-                why = f"is {_size(array.shape)} but most images are {_size(expected)}"
+                why = f"is {_size(array.shape)} where the most common size is {_size(expected)}"
                 self._bad(self.names[i], why, f"set image-size={expected[1]},{expected[2]} to resize every image")
         if self.bad:
             raise BadImages(self.bad)

@@ -34,7 +34,10 @@ def test_every_bad_file_is_named_in_one_refusal(folder):
     with pytest.raises(ValueError) as err:
         folders.decode_folder(folder)
     text = str(err.value)
-    assert text.startswith("3 bad image files: ") and "\n" not in text and "skip-bad-images=true" in text
+    assert text.startswith(
+        "3 bad image files (3: replace or remove the file; or set skip-bad-images=true to leave such"
+    )
+    assert "\n" not in text
     assert all(f"{folder / name}: cannot be read as an image (" in text for name in BAD)
 
 
@@ -65,7 +68,7 @@ def test_a_simulated_client_keeps_its_skipped_files_names(folder, monkeypatch):
 
 def test_simulate_names_every_bad_file_of_both_splits_in_one_refusal(folder):
     cfg = RunConfig.from_mapping({"dataset": str(folder), "partition": "iid", "num-classes": 2})
-    with pytest.raises(ValueError, match=r"^3 bad image files: ") as err:
+    with pytest.raises(ValueError, match=r"^3 bad image files \(") as err:
         scenarios.client_data(0, 1, cfg)
     assert "\n" not in str(err.value) and str(err.value).count("cannot be read as an image") == 3
 
@@ -83,7 +86,7 @@ def test_simulate_refuses_the_bad_files_of_every_partition_at_once(folder, tmp_p
     capsys.readouterr()
     assert main([*args, "--run-config", "num-classes=2 min-train-nodes=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"florist: error: {len(BAD) + len(extra)} bad image files: ")
+    assert len(err) == 1 and err[0].startswith(f"florist: error: {len(BAD) + len(extra)} bad image files (")
     assert all(f"{name}: cannot be read as an image" in err[0] for name in (*BAD, *extra))
 
 
@@ -98,5 +101,26 @@ def test_the_decoding_before_a_run_refuses_every_partitions_bad_files_together(m
 
     monkeypatch.setattr(simulation, "hub_client", decode)
     cfg = RunConfig.from_mapping({"dataset": "owner/name", "partition": "iid"})
-    with pytest.raises(BadImages, match=r"^2 bad image files: p1\.png: cannot be read; p2\.png: cannot be read; "):
+    with pytest.raises(
+        BadImages,
+        match=r"^2 bad image files \(2: replace it; or set .*\): p1\.png: cannot be read; p2\.png: cannot be read$",
+    ):
         simulation.decode_data(cfg, 3, launch.Events())
+
+
+def test_a_refusal_of_many_files_starts_with_what_fixes_them_the_rarest_remedy_first(tmp_path):
+    """194 images of other sizes and one truncated file: the line's start says that one setting fixes the
+    194 and names the truncated file before them, where it came somewhere among 195 paths."""
+    rng = np.random.default_rng(0)
+    (tmp_path / "a").mkdir()
+    for i in range(8):
+        size = 8 if i < 3 else 9 + i % 3  # 8×8 the most common size, 3 of each larger one
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(tmp_path / "a" / f"{i}.png")
+    (tmp_path / "a" / "cut.png").write_bytes((tmp_path / "a" / "0.png").read_bytes()[:60])
+    with pytest.raises(ValueError) as err:
+        folders.decode_folder(tmp_path)
+    text = str(err.value)
+    head = "6 bad image files (1: replace or remove the file; 5: set image-size=8,8 to resize every image; or set "
+    assert text.startswith(head), text
+    names = [part.split(": ")[0] for part in text.split("): ", 1)[1].split("; ")]
+    assert names[0] == str(tmp_path / "a" / "cut.png") and len(names) == 6

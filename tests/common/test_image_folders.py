@@ -66,7 +66,7 @@ def test_a_bad_image_is_named_with_its_path_and_what_was_expected(images, node_f
     _one_line(err, node_folder / "train" / "a" / "0.png")
 
     _write(tmp_path / "sizes", truncated=False)  # no truncated file: the other size is named
-    wrong_size = r"b/small\.png: is 48×48 RGB but most images are 64×64 RGB; set image-size=64,64"
+    wrong_size = r"b/small\.png: is 48×48 RGB where the most common size is 64×64 RGB; set image-size=64,64"
     with pytest.raises(ValueError, match=wrong_size) as err:
         scenarios.client_data(0, 1, _cfg(tmp_path / "sizes"))
     _one_line(err, tmp_path / "sizes" / "b" / "small.png")
