@@ -61,6 +61,7 @@ from florist.common.flower_internals import runtime
 from florist.common.pacing import TaskPolls
 from florist.common.processes import send
 from florist.deploy.preloaded import PreloadedApp
+from florist.deploy.spawning import colours_for_terminals_only
 
 log = logging.getLogger("florist.executor")
 
@@ -358,6 +359,7 @@ def preload(ref: str, app_dir: str | None = None) -> PreloadedApp:
 
 def serve(args: argparse.Namespace, app: PreloadedApp, lifeline: socket.socket | None = None) -> int:
     """Serve the SuperNode that `args` name, with `app` preloaded, until stopped."""
+    colours_for_terminals_only()  # a forked executor's stderr became its node's log just now
     try:
         secret = runtime.load_auth_secret(args.superexec_auth_secret_file)
     except ValueError as err:

@@ -81,6 +81,8 @@ def test_ctrl_c_stops_the_run_and_keeps_the_finished_rounds(command, tmp_path):
         assert len(node_started) >= 3 and set(node_started) == {"warm"}  # info, train, evaluate
         # and the run's ServerApp, forked as warm (whether its kill by the Ctrl-C is logged too depends on timing)
         assert started_tasks((logs / "server-executor.log").read_text()) == ["warm"]
+        # Flower colours its lines whatever they go to: a forked executor's and its ClientApps' must be plain
+        assert [log.name for log in sorted(logs.glob("*.log")) if "\x1b[" in log.read_text()] == []
     if command == "simulate":
         assert main(["simulate", "--resume", str(out)]) == 0  # its own config, from its folder
         resumed = json.loads((out / "results.json").read_text())
