@@ -48,7 +48,7 @@ from florist.server.strategy import TESTED
 HEAD, WORKER = "ray-head", "ray-worker"
 REPO = Path(__file__).parents[2]
 RUN = {"num-clients": 4, "partition": "iid", "rounds": 2, "cpus-per-client": 1}  # and seed 2
-WAIT = 180.0  # seconds: the most any start, run or stop below may take on a loaded 2-core machine
+WAIT = 480.0  # seconds: the most any start, run or stop below may take on a 2-core machine with two CPU hogs beside
 HEAD_PORT = 6379  # the head's GCS; every other port of a node is next to it (`_ray_start`)
 PORTS = (
     "node-manager",
