@@ -141,10 +141,10 @@ def _read_image(file: Path, num_classes: int, size: tuple[int, int] | None) -> n
     """One image as a batch of one, as `florist join` reads a folder's images (resized to `size`)."""
     from PIL import Image
 
-    decoder = folders.ImageDecoder(str(file), folders.ImageOptions(size, skip_bad=True))
+    decoder = folders.ImageDecoder(str(file), folders.ImageOptions(size))
     decoder.add(0, str(file), lambda: Image.open(file))
-    if decoder.skipped:
-        raise ValueError(f"{file}: not a readable image")
+    if decoder.bad:  # why, as a run says it (truncated, not an image)
+        raise ValueError(f"{file}: {decoder.bad[0][1]}")
     return folders.check_arrays(str(file), decoder.stack()[0], None, num_classes)[0]
 
 

@@ -216,7 +216,7 @@ def test_what_a_user_gets_wrong_is_one_line(ran, capsys, tmp_path):
             r"wide.npz: samples of shape \(1, 9, 9\).* expects \(1, 8, 8\)",
         ),
         ([*node, "--data", str(tmp_path / "broken.npz")], "broken.npz is not a readable .npz"),
-        ([*node, "--data", str(tmp_path / "broken.png")], "broken.png: not a readable image"),
+        ([*node, "--data", str(tmp_path / "broken.png")], r"broken.png: cannot be read as an image \(.+\)$"),
         ([*node, "--data", str(tmp_path / "absent.npz")], "absent.npz does not exist"),
         (
             [*node, "--split", "test", "--out", str(tmp_path / "rows.txt")],
