@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from florist.common.metrics import summarize
+from florist.common.metrics import summarize, weighted_mean
 
 
 def number(value: float | None, fmt: str) -> str:
@@ -170,28 +170,28 @@ def class_line(names: list[str] | None, shown: int = 50) -> list[str]:
 
 
 def global_model_note(results: dict[str, Any]) -> list[str]:
-    """Why the unseen clients' `(global model)` row can sit far below the seen one, even below
-    chance: those clients never trained the global model, and on a skewed partition their
-    classes may be ones the training clients hardly hold. Said where it happens."""
-    scores = {
-        seen: [
-            c["global_accuracy"]
-            for c in results["clients"]
-            if c["seen"] == seen and c.get("global_accuracy") is not None
-        ]
-        for seen in (True, False)
-    }
-    if not scores[True] or not scores[False]:
+    """Why the unseen clients' global-model row (FedAvg's own row, another strategy's `(global
+    model)` row) can sit far below the seen one, even below chance: those clients never trained
+    the global model, and on a skewed partition their classes may be ones the training clients
+    hardly hold. Said where it happens, with how few test images the row rests on."""
+    field = "accuracy" if results["strategy"] == "fedavg" else "global_accuracy"
+    scored = [c for c in results["clients"] if c.get(field) is not None]
+    groups = {seen: [c for c in scored if c["seen"] == seen] for seen in (True, False)}
+    if not groups[True] or not groups[False]:
         return []
-    seen, unseen = (sum(s) / len(s) for s in (scores[True], scores[False]))
+    seen, unseen = (weighted_mean([c[field] for c in g], [c["num_test"] for c in g]) for g in groups.values())
     chance = 1 / results["config"].get("num-classes", 10)
     if unseen >= chance and unseen >= seen / 2:
         return []
+    row = "The unseen row" if field == "accuracy" else "The unseen clients' `(global model)` row"
+    images = sum(c.get("num_test", 0) for c in groups[False])
+    afterword = "" if field == "accuracy" else "; the personalized row is what such a client gets"
     return [
-        f"The unseen clients' `(global model)` row ({pct(unseen)}%, chance {pct(chance)}%) scores the shared model "
-        "before any personalization, on clients that never trained it: on a skewed partition "
+        f"{row} ({pct(unseen)}%, chance {pct(chance)}%; "
+        f"{plural(len(groups[False]), 'client')}, {plural(images, 'test image')}) scores the shared model, "
+        f"which they never trained, and which scores {pct(seen)}% on the clients that did: on a skewed partition "
         f"(`{results['config']['partition']}`) with few clients, their classes can be ones the training clients "
-        "hardly hold, which the shared model then never predicts; the personalized row is what such a client gets.",
+        f"hardly hold, which the shared model then seldom predicts{afterword}.",
         "",
     ]
 
