@@ -53,12 +53,17 @@ class Bars(Display):
         super().started(runs, rounds)
         columns = [TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
         columns += [TextColumn(c) for c in self.columns]
-        self.progress = Progress(*columns, TimeElapsedColumn(), console=self.console)
+        # not a terminal (a log file): no bars, whose last frame rich would print there at the end
+        self.progress = Progress(
+            *columns, TimeElapsedColumn(), console=self.console, disable=not self.console.is_terminal
+        )
         self.progress.start()
 
     def decoded(self, partitions: int, of: int) -> None:
-        if partitions == 0:
+        if partitions == 0 and self.decoding_bar is None:
             self.decoding_bar = self.progress.add_task("decoding data", total=of, status="")
+        elif partitions == 0:  # the next dataset of a comparison: the same bar again
+            self.progress.reset(self.decoding_bar, total=of, description="decoding data")
         self.progress.update(self.decoding_bar, completed=partitions)
         if partitions == of:
             self.progress.update(self.decoding_bar, description="data decoded")

@@ -25,7 +25,7 @@ import numpy as np
 from florist.config import RunConfig
 from florist.runners import raycluster, simulation
 from florist.runners.launch import Events, Launch
-from florist.runners.preflight import preflight
+from florist.runners.preflight import preflight, with_classes
 from florist.runners.simulation import decode_data, run_simulated
 from florist.server.checkpoint import FILE as CHECKPOINT
 from florist.server.checkpoint import Checkpoint
@@ -48,7 +48,9 @@ def run_comparison(
     num_nodes = launch.num_nodes or launch.default_nodes
     resources = simulation.client_resources(launch.cpus_per_client, launch.gpus_per_client, cluster=bool(address))
     out = out.expanduser().absolute()
-    configs = run_configs(out, strategies, seeds, {"min-nodes": num_nodes} | dict(launch.values))
+    values = {"min-nodes": num_nodes} | dict(launch.values)
+    classes = with_classes(RunConfig.from_mapping(values), "num-classes" in values, num_nodes).num_classes
+    configs = run_configs(out, strategies, seeds, values | {"num-classes": classes})  # a folder's, as simulate's
     checked = [preflight(cfg, num_nodes, devices_here=not address) for cfg in configs]
     for warning in sorted({w for run in checked for w in run.warnings}):  # each doubt once
         events.warning(warning)

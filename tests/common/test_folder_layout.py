@@ -68,6 +68,17 @@ def test_a_simulated_clients_test_set_is_its_share_of_test_in_its_training_propo
     }
 
 
+def test_compare_takes_num_classes_from_the_folders_classes_as_simulate_does(photos, tmp_path):
+    """A comparison on a 4-class folder ran with num-classes 10 (issue 54's walk): FedAvg's model
+    put weight on 6 classes no image has and scored 13 % against 43 % with 4."""
+    from florist.cli import main
+
+    args = ["--runtime", "in-process", "--dataset", str(photos), "--num-clients", "3", "--rounds", "1"]
+    assert main(["compare", "--strategies", "local", "--seeds", "1", *args, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "local" / "seed1" / "results.json").read_text())
+    assert results["config"]["num-classes"] == len(TRAIN) == 3
+
+
 def test_without_test_each_client_splits_its_own_images_and_the_cache_follows_the_layout(photos, tmp_path):
     import shutil
 

@@ -39,6 +39,7 @@ def test_compare_writes_the_table_of_every_strategy_and_seed_and_keeps_finished_
     out, err = capsys.readouterr()  # not a terminal: no bars, yet a line per run as it ends (issue 54)
     done = re.findall(r"^florist: (\w+) seed (\d) done in [\d.]+ s: seen [\d.]+ %", err, re.M)
     assert done == [("fedavg", "1"), ("fedavg", "2"), ("local", "1"), ("local", "2")], err
+    assert "━" not in err  # nor the bars' last frame, which rich printed at the end
     header, *rows = out.splitlines()[:3]
     assert header.split()[:3] == ["strategy", "runs", "seen"] and [r.split()[:2] for r in rows] == [
         ["fedavg", "2"],
