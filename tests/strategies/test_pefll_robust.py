@@ -152,3 +152,54 @@ def test_an_unfitted_standardizer_is_refused_and_a_fitted_one_survives_a_checkpo
     v = torch.tensor([3.0, -1.0, 0.0])
     torch.testing.assert_close(again(v), standardizer(v))
     assert torch.equal(Standardizer(False)(v), v)
+
+
+# -- per component (`hn-standardize-components`) --------------------------------------------
+
+
+def _components(rows: torch.Tensor) -> Standardizer:
+    standardizer = Standardizer(False, per_component=True)
+    standardizer.fit(rows)
+    return standardizer
+
+
+def test_per_component_m_and_s_are_each_components_median_and_mad_over_the_nodes():
+    rows = torch.tensor([[1.0, 10.0, 0.0], [2.0, 10.5, 0.0], [4.0, 9.0, 0.0], [3.0, 11.0, 0.0]])
+    fitted = _components(rows)
+    m = torch.tensor([2.5, 10.25, 0.0])  # numpy's median: the two middle values' mean
+    mad = torch.tensor([1.0, 0.5, 0.0]) * 1.4826  # the median of |v − m|, as a normal's σ
+    floor = 0.1 * float(torch.tensor(sorted(rows.square().mean(1).sqrt().tolist())[1:3]).mean())
+    torch.testing.assert_close(fitted.shift, m)
+    torch.testing.assert_close(fitted.scale, mad.clamp_min(floor))  # the constant component: the floor
+    v = torch.tensor([3.0, 12.0, 1.0])
+    torch.testing.assert_close(fitted(v), (v - m) / mad.clamp_min(floor))
+    # what h reads differs between nodes at unit scale, where the raw rows barely did
+    assert float(fitted(rows[0]).sub(fitted(rows[2])).abs()[:2].min()) > 1.0
+
+
+def test_one_lying_node_cannot_move_any_component_outside_the_honest_nodes_values():
+    honest = torch.tensor([[0.1, -0.2, 0.3, 0.05], [0.12, -0.25, 0.28, 0.0], [0.08, -0.18, 0.33, 0.1]])
+    for liar in (torch.full((1, 4), 1e30), torch.tensor([[1e-10, 0.0, 0.0, 0.0]])):
+        fits = {
+            tuple(_components(torch.cat([honest, liar])[list(o)]).shift.tolist())
+            for o in itertools.permutations(range(4))
+        }
+        assert len(fits) == 1  # the order plays no part
+        shift = torch.tensor(fits.pop())
+        assert (honest.min(0).values <= shift).all() and (shift <= honest.max(0).values).all()
+        scale = _components(torch.cat([honest, liar])).scale
+        assert (scale <= (honest.max(0).values - honest.min(0).values) * 1.4826 + 0.1).all()  # not blown up
+
+
+def test_a_per_component_fit_survives_a_checkpoint_into_a_fresh_standardizer():
+    fitted = _components(torch.tensor([[1.0, 2.0, 6.0], [0.0, 1.0, 5.0], [2.0, 3.5, 7.0]]))
+    again = Standardizer(False, per_component=True)
+    again.load_state_dict(fitted.state_dict())  # vectors into the scalar buffers a fresh one has
+    v = torch.tensor([3.0, -1.0, 0.0])
+    torch.testing.assert_close(again(v), fitted(v))
+    assert again.shift.shape == (3,)
+
+
+def test_the_two_standardizations_are_refused_together_in_one_line():
+    with pytest.raises(ValueError, match="set one"):
+        RunConfig.from_mapping({"strategy": "pefll", "hn-standardize": True, "hn-standardize-components": True})

@@ -56,7 +56,7 @@ def test_the_between_share_is_zero_for_equal_descriptors_and_one_for_opposite_on
     ("strategy", "encoder", "hint"),
     [
         ("pefll", "label-channels", 'try hn-encoder="slots"'),
-        ("pefll", "slots", "about 60 rounds"),
+        ("pefll", "slots", "add hn-standardize-components=true hn-grad-clip=50"),
         ("odpfl", "label-channels", 'use pefll with hn-encoder="slots"'),
     ],
 )

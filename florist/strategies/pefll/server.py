@@ -45,7 +45,10 @@ class PeFLL(ServerStrategy):
     checkpointed = ("hyper", "embed", "optimizer", "standardizer")
     SEPARATED = 1e-3  # below this share of between-node variance, descriptors do not separate nodes
     WATCH_ROUND = 5  # the round (or the run's last, if sooner) whose descriptors are judged
-    HINT = 'if clients differ in how labels relate to inputs (concept shift), try hn-encoder="slots"'
+    HINT = (
+        "if clients differ in how labels relate to inputs (concept shift), try "
+        'hn-encoder="slots" hn-standardize-components=true hn-grad-clip=50'
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -56,7 +59,7 @@ class PeFLL(ServerStrategy):
             self.hyper = HyperNetwork(template, self.embed_dim, hn.hidden)
             self.embed: Encoder = self.new_encoder()
         self.hyper.to(self.device), self.embed.to(self.device)  # built on the CPU: the same start on any device
-        self.standardizer = Standardizer(hn.standardize).to(self.device)
+        self.standardizer = Standardizer(hn.standardize, hn.standardize_components).to(self.device)
         self.template = template.state_dict()
         self.aggregator = Aggregator.of(cfg)  # over the clients' Δη when the run names a robust rule
         self.optimizer = server_optimizer(hn, self.hyper, self.embed)
@@ -83,7 +86,7 @@ class PeFLL(ServerStrategy):
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         described = self.describe(server_round, nodes)
         v = {node: r.arrays[DESCRIPTOR].to(self.device).clone().requires_grad_() for node, r in described.items()}
-        theta = {node: self.hyper(s) for node, s in self.standardized(v).items()}
+        theta = {node: self.hyper(s) for node, s in self.standardized(v, training=True).items()}
         requests = {
             node: self.request(TRAIN_GENERATED, server_round, ArrayRecord(moved(t, "cpu"))) for node, t in theta.items()
         }
@@ -128,13 +131,25 @@ class PeFLL(ServerStrategy):
                 self.cfg.strategy,
                 share,
                 server_round,
-                self.HINT if self.settings.encoder != "slots" else "slots may need about 60 rounds to separate them",
+                self.hint,
             )
 
-    def standardized(self, v: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    @property
+    def hint(self) -> str:
+        """What to try when the descriptors do not separate, given what the run already set."""
+        if self.settings.encoder != "slots":
+            return self.HINT
+        if not self.settings.standardize_components:
+            return "slots alone may need about 60 rounds: add hn-standardize-components=true hn-grad-clip=50"
+        return "they may separate in a later round"
+
+    def standardized(self, v: dict[int, torch.Tensor], training: bool = False) -> dict[int, torch.Tensor]:
         """Each node's descriptor as h reads it (`hn-standardize`: (v − m)/s), m and s fitted
-        on all of the first descriptors the run uses at once, so no node's place counts."""
-        if self.standardizer.active and not self.standardizer.fitted and v:
+        on all of the first descriptors the run uses at once, so no node's place counts; per
+        component (`hn-standardize-components`), on each training round's nodes, as the encoder
+        moves them, and kept for the nodes evaluated or served after."""
+        refit = training and self.standardizer.per_component
+        if self.standardizer.active and (refit or not self.standardizer.fitted) and v:
             self.standardizer.fit(torch.stack([x.detach() for x in v.values()]))
         return {node: self.standardizer(x) for node, x in v.items()}
 
@@ -242,6 +257,10 @@ class ODPFL(PeFLL):
 
     settings: OnDemandSettings
     HINT = 'its descriptors read no labels: under concept shift use pefll with hn-encoder="slots"'
+
+    @property
+    def hint(self) -> str:
+        return self.HINT  # whatever hn-encoder says: OD-PFL's set encoder is not one of PeFLL's
 
     @property
     def normalized(self) -> bool:

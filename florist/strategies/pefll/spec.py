@@ -36,6 +36,7 @@ class HyperNetSettings(Settings):
     server_lr: float = setting(5e-3, server=True)  # server step s (Algorithm 2's β is the clients' step)
     grad_clip: float = setting(0.0, server=True)  # max norm of the server's update direction (0: off)
     standardize: bool = setting(False, server=True)  # v ← (v − m)/s, m, s: medians over round 1's nodes
+    standardize_components: bool = setting(False, server=True)  # v ← (v − m)/s per component, refit each round
     l2_hyper: float = setting(1e-3, server=True)  # λ_h
     l2_embed: float = setting(1e-3, server=True)  # λ_v
     l2_model: float = setting(5e-5)  # λ_θ, the client's ‖θ‖² penalty
@@ -50,6 +51,10 @@ class HyperNetSettings(Settings):
             ),
             (self.encoder in ENCODERS, f"hn-encoder must be one of {', '.join(ENCODERS)}"),
             (self.optimizer in OPTIMIZERS, f"hn-optimizer must be one of {', '.join(OPTIMIZERS)}"),
+            (
+                not (self.standardize and self.standardize_components),
+                "hn-standardize and hn-standardize-components are two ways to standardize descriptors: set one",
+            ),
             (self.server_lr > 0, "hn-server-lr must be > 0"),
             (self.grad_clip >= 0, "hn-grad-clip must be >= 0 (0: off)"),
             (min(self.l2_hyper, self.l2_embed, self.l2_model) >= 0, "hn-l2-* must be >= 0"),
