@@ -25,7 +25,7 @@ import numpy as np
 from florist.config import RunConfig
 from florist.runners import raycluster, simulation
 from florist.runners.launch import Events, Launch
-from florist.runners.preflight import preflight, with_classes
+from florist.runners.preflight import preflight, run_config
 from florist.runners.simulation import decode_data, run_simulated
 from florist.server.checkpoint import FILE as CHECKPOINT
 from florist.server.checkpoint import Checkpoint
@@ -45,12 +45,11 @@ def run_comparison(
     (`write`), whose rows it returns."""
     simulation.require_ray(launch.runtime)
     address = raycluster.address_of(launch.ray_address, launch.runtime)
-    num_nodes = launch.num_nodes or launch.default_nodes
+    base, num_nodes = run_config(launch)  # num-classes from a folder's class folders, as simulate's
     resources = simulation.client_resources(launch.cpus_per_client, launch.gpus_per_client, cluster=bool(address))
     out = out.expanduser().absolute()
-    values = {"min-nodes": num_nodes} | dict(launch.values)
-    classes = with_classes(RunConfig.from_mapping(values), "num-classes" in values, num_nodes).num_classes
-    configs = run_configs(out, strategies, seeds, values | {"num-classes": classes})  # a folder's, as simulate's
+    values = {"min-nodes": num_nodes} | dict(launch.values) | {"num-classes": base.num_classes}
+    configs = run_configs(out, strategies, seeds, values)
     checked = [preflight(cfg, num_nodes, devices_here=not address) for cfg in configs]
     for warning in sorted({w for run in checked for w in run.warnings}):  # each doubt once
         events.warning(warning)

@@ -184,7 +184,7 @@ def global_model_note(results: dict[str, Any]) -> list[str]:
     if unseen >= chance and unseen >= seen / 2:
         return []
     row = "The unseen row" if field == "accuracy" else "The unseen clients' `(global model)` row"
-    images = sum(c.get("num_test", 0) for c in groups[False])
+    images = sum(c["num_test"] for c in groups[False])
     afterword = "" if field == "accuracy" else "; the personalized row is what such a client gets"
     return [
         f"{row} ({pct(unseen)}%, chance {pct(chance)}%; "

@@ -203,3 +203,12 @@ def test_a_per_component_fit_survives_a_checkpoint_into_a_fresh_standardizer():
 def test_the_two_standardizations_are_refused_together_in_one_line():
     with pytest.raises(ValueError, match="set one"):
         RunConfig.from_mapping({"strategy": "pefll", "hn-standardize": True, "hn-standardize-components": True})
+
+
+def test_two_colluders_of_five_cannot_move_any_component_outside_the_honest_nodes_values():
+    honest = torch.tensor([[0.1, -0.2, 0.3], [0.12, -0.25, 0.28], [0.08, -0.18, 0.33]])
+    for liars in (torch.full((2, 3), 1e30), torch.tensor([[1e30] * 3, [-1e30] * 3]), torch.zeros(2, 3)):
+        fitted = _components(torch.cat([liars, honest]))
+        assert (honest.min(0).values <= fitted.shift).all() and (fitted.shift <= honest.max(0).values).all()
+        spread = honest.max(0).values - honest.min(0).values
+        assert (fitted.scale <= spread * 1.4826 + 0.1 * honest.square().mean(1).sqrt().max()).all()
