@@ -23,9 +23,9 @@ from florist.config import RunConfig
 
 FILE = "checkpoint.pt"
 VERSION = 2
-# Keys a resumed run may change: where and how long it waits, not what it computes.
-# Keys a resumed run may change. Where it computes is one of them (a run started on a GPU box may
-# go on on a CPU one); the resumed rounds then round differently: exact only on equal hardware.
+# Keys a resumed run may change: where and how long it waits, not what it computes. Where it
+# computes is one of them (a run started on a GPU box may go on on a CPU one); the resumed
+# rounds then round differently: exact only on equal hardware.
 OPERATIONAL = (
     "resume-from",
     "results-dir",
@@ -39,6 +39,9 @@ OPERATIONAL = (
     "trackers",
     "tracking-dir",
 )
+# Keys whose default changed, with the value every run had before the key existed: a run
+# checkpointed then goes on as it started (PeFLL read no class means before `hn-class-means`).
+PREDATING = {"hn-class-means": False}
 
 
 @dataclasses.dataclass
@@ -90,7 +93,7 @@ class Checkpoint:
             wrong.append("bindings")
         if wrong:
             raise ValueError(f"cannot resume from {path}: the checkpoint lacks or garbles {', '.join(wrong)}")
-        return cls(**{name: saved[name] for name in kinds}, bindings=bindings)
+        return cls(**{name: saved[name] for name in kinds} | {"config": PREDATING | saved["config"]}, bindings=bindings)
 
     def refuse_differences(self, values: Mapping[str, Any], folder: str | Path) -> None:
         """A one-line error naming each key of `values` whose value differs from the run's,

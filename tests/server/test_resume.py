@@ -2,6 +2,7 @@
 run ends, for every strategy: same per-client accuracies, same round rows."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,6 +105,24 @@ def test_florist_simulate_resume_refuses_a_differing_flag_by_name(tmp_path, caps
     assert main(["simulate", "--resume", folder, "--num-clients", "6"]) == 2
     assert f"its run had {NUM_CLIENTS} nodes, not 6" in capsys.readouterr().err
     assert Checkpoint.load(folder).round == 1  # refused before anything ran
+
+
+def test_a_pefll_run_checkpointed_before_class_means_existed_goes_on_without_them(tmp_path):
+    """`hn-class-means` came on by default after PeFLL runs that read none: a checkpoint of
+    such a run (its config without the key, its state without class means) resumes as the
+    run it was, and ends exactly like it."""
+    old = {"strategy": "pefll", "hn-class-means": False}
+    whole = run_in_process(_cfg(tmp_path, "pefll", "whole").replace(**old), NUM_CLIENTS)
+    cfg = _cfg(tmp_path, "pefll", "resumed").replace(**old)
+    _crash(cfg, 2)
+    path = Path(cfg.results_dir) / "checkpoint.pt"
+    saved = torch.load(path, weights_only=True)
+    del saved["config"]["hn-class-means"], saved["state"]["class_means"]
+    torch.save(saved, path)
+    resumed = run_in_process(resumed_config(cfg.results_dir, {}), NUM_CLIENTS)
+    assert resumed["config"]["hn-class-means"] is False
+    assert _accuracies(resumed) == _accuracies(whole)
+    assert _rows(resumed) == _rows(whole)
 
 
 @pytest.mark.parametrize("damage", ["missing", "garbled"])

@@ -11,12 +11,12 @@ from flwr.app import Context, Message
 from florist.apps.client import build_client_app
 from florist.apps.server import server_half
 from florist.common import data as data_lib
-from florist.common import protocol
+from florist.common import protocol, scenarios
 from florist.common.models import build_model
 from florist.config import RunConfig
 from florist.runners.inprocess import run_in_process
-from florist.strategies.pefll.networks import EmbeddingNet, HyperNetwork
-from florist.strategies.pefll.spec import DESCRIBE, DESCRIPTOR, TRAIN_ENCODER
+from florist.strategies.pefll.networks import EmbeddingNet, HyperNetwork, class_statistics
+from florist.strategies.pefll.spec import COUNTS, DESCRIBE, DESCRIPTOR, MEANS, TRAIN_ENCODER, VARIANCE
 
 
 @pytest.mark.parametrize(
@@ -71,19 +71,21 @@ def _simulate(tmp_path, name, num_clients, client_app=None, **overrides):
         ("pefll", {"hn-encoder": "slots"}),
         ("pefll", {"hn-encoder": "paper"}),  # the authors' LeNet embedding, padded on the 8×8 digits
         ("odpfl", {"odpfl-normalize": "dp", "odpfl-psi": "mlp"}),  # the paper's: φ free, ψ learned
+        ("pefll", {"shift": "relabel:2"}),  # two clients whose labels differ: class means read apart
     ],
 )
 def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradient(tmp_path, strategy, extra):
-    """One client, one plain SGD step of size α, no regularization: the update the three
-    exchanges produce is −α·∇L of L(h(v(S; η_v); η_h); S), differentiated end to end
-    (OD-PFL's encoder reads x only: v(X; η_v); standardized, h reads (v − m)/s with m and s
-    those of this first descriptor, held fixed)."""
+    """One client (two under a shift), one plain SGD step of size α, no regularization: the
+    update the three exchanges produce is −α·∇L of L = mean_i L(h(v(S_i; η_v), f_i; η_h); S_i),
+    differentiated end to end (OD-PFL's encoder reads x only: v(X; η_v); standardized, h reads
+    (v − m)/s with m and s those of this first descriptor, held fixed; f_i, the class means as
+    h reads them, fitted on the round's nodes and held fixed: 0 for a lone client)."""
     standardize = extra.get("hn-standardize", False)
-    alpha = 1.0
+    alpha, num_clients = 1.0, 2 if "shift" in extra else 1
     cfg, results, after = _simulate(
         tmp_path,
         "chain",
-        1,
+        num_clients,
         strategy=strategy,
         lr=alpha,
         **{
@@ -102,18 +104,24 @@ def test_one_round_moves_the_networks_by_minus_alpha_times_the_centralized_gradi
     )
     assert results["complete"] and not results["failures"]
 
-    server = server_half(strategy)(cfg, None, (1, 8, 8), 1)  # the same seed: the networks before the round
-    client = data_lib.embedded_client(
-        0, 1, "iid", cfg.seed, cfg.val_fraction, cfg.test_fraction, cfg.min_partition_size, public_size=cfg.public_size
-    )
-    x, y = torch.from_numpy(client.x_train), torch.from_numpy(client.y_train)
-    v = server.embed.describe(x, y)
-    theta = server.hyper((v - v.mean().detach()) / v.std().detach() if standardize else v)
-    loss = F.cross_entropy(torch.func.functional_call(build_model("cnn", (1, 8, 8), 10), theta, (x,)), y)
-    loss.backward()
+    server = server_half(strategy)(cfg, None, (1, 8, 8), num_clients)  # the same seed: the networks before the round
+    clients = [scenarios.client_data(i, num_clients, cfg) for i in range(num_clients)]
+    data = [(torch.from_numpy(c.x_train), torch.from_numpy(c.y_train)) for c in clients]
+    sides = [None] * num_clients
+    if server.class_means.width:
+        stats = [class_statistics(x, y, 10) for x, y in data]
+        server.class_means.fit(*(torch.stack([s[k] for s in stats]) for k in (MEANS, COUNTS, VARIANCE)))
+        sides = [server.class_means(s[MEANS], s[COUNTS]) for s in stats]
+        assert (float(server.class_means.weight) > 0) == (num_clients > 1)
+    loss = 0
+    for (x, y), side in zip(data, sides):
+        v = server.embed.describe(x, y)
+        theta = server.hyper((v - v.mean().detach()) / v.std().detach() if standardize else v, side)
+        loss = loss + F.cross_entropy(torch.func.functional_call(build_model("cnn", (1, 8, 8), 10), theta, (x,)), y)
+    (loss / num_clients).backward()
     for prefix, net in (("hyper", server.hyper), ("embed", server.embed)):
         got = torch.cat([(after[prefix][k] - p.detach()).flatten() for k, p in net.named_parameters()])
-        expected = torch.cat([-alpha * p.grad.flatten() for p in net.parameters()])
+        expected = torch.cat([-alpha * p.grad.flatten() for p in net.parameters()])  # side weights included
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=prefix)
         assert (got - expected).norm() < 1e-3 * expected.norm(), prefix  # also relative to the step's size
         assert expected.norm() > 1e-4, prefix  # each network really moves through the chain

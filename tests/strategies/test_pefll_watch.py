@@ -1,7 +1,8 @@
 """PeFLL says, in one warning line, when its descriptors do not tell the nodes apart: under
-concept shift (`relabel:K` on an iid split) the default encoder gives every node nearly the
-same model, a third right, and the run said nothing; where the label mixes differ it stays
-quiet. The statistic is each round's `descriptor_between` (the between-node share)."""
+concept shift (`relabel:K` on an iid split) the encoder alone gives every node nearly the
+same model, a third right, and the run said nothing; where the label mixes differ, or the
+class means (on by default) tell the clusters apart, it stays quiet. The statistic is each
+round's `descriptor_between` (the between-node share of what h reads)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,16 @@ def _warnings(caplog, tmp_path, **settings) -> tuple[list[str], dict]:
     return [r.getMessage() for r in caplog.records if "descriptors hardly differ" in r.getMessage()], results
 
 
-def test_concept_shift_on_an_iid_split_warns_once_naming_the_slots_encoder(caplog, tmp_path):
-    said, results = _warnings(caplog, tmp_path, partition="iid", shift="relabel:3")
-    assert len(said) == 1 and 'hn-encoder="slots"' in said[0] and "\n" not in said[0]
+def test_concept_shift_without_class_means_warns_once_naming_them(caplog, tmp_path):
+    said, results = _warnings(caplog, tmp_path, partition="iid", shift="relabel:3", **{"hn-class-means": False})
+    assert len(said) == 1 and "set hn-class-means=true" in said[0] and "\n" not in said[0]
     assert results["rounds"][-1]["descriptor_between"] < 1e-3
+
+
+def test_concept_shift_with_class_means_is_separated_and_says_nothing(caplog, tmp_path):
+    said, results = _warnings(caplog, tmp_path, partition="iid", shift="relabel:3")
+    assert said == []
+    assert results["rounds"][-1]["descriptor_between"] > 0.1 and results["rounds"][-1]["class_means_weight"] > 0.3
 
 
 def test_a_label_skewed_split_is_separated_and_says_nothing(caplog, tmp_path):
@@ -53,15 +60,17 @@ def test_the_between_share_is_zero_for_equal_descriptors_and_one_for_opposite_on
 
 
 @pytest.mark.parametrize(
-    ("strategy", "encoder", "hint"),
+    ("strategy", "encoder", "class_means", "hint"),
     [
-        ("pefll", "label-channels", 'try hn-encoder="slots"'),
-        ("pefll", "slots", "add hn-standardize-components=true hn-grad-clip=50"),
-        ("odpfl", "label-channels", 'use pefll with hn-encoder="slots"'),
+        ("pefll", "label-channels", False, "set hn-class-means=true"),
+        ("pefll", "label-channels", True, 'try hn-encoder="slots"'),
+        ("pefll", "slots", True, "add hn-standardize-components=true hn-grad-clip=50"),
+        ("odpfl", "label-channels", True, "use pefll, whose class means tell them apart"),
     ],
 )
-def test_the_warning_comes_once_at_round_five_and_names_what_to_try(caplog, strategy, encoder, hint):
-    cfg = RunConfig.from_mapping({"strategy": strategy, "hn-encoder": encoder, "num-server-rounds": 30})
+def test_the_warning_comes_once_at_round_five_and_names_what_to_try(caplog, strategy, encoder, class_means, hint):
+    settings = {"hn-encoder": encoder, "hn-class-means": class_means, "num-server-rounds": 30}
+    cfg = RunConfig.from_mapping({"strategy": strategy} | settings)
     server = server_half(strategy)(cfg, None, (1, 8, 8), 2)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         server.watch(5, 0.01)  # separated: nothing said

@@ -34,7 +34,7 @@ from flwr.app import ArrayRecord, RecordDict
 from florist.client import personal
 from florist.client.node import Node, Request
 from florist.common import protocol, training
-from florist.strategies.pefll.networks import EmbeddingNet, Encoder, SetEncoder
+from florist.strategies.pefll.networks import EmbeddingNet, Encoder, SetEncoder, class_statistics
 from florist.strategies.pefll.spec import DESCRIPTOR, OnDemandSettings
 
 ENCODER = "encoder"  # η_v from message 1, remembered for the run
@@ -90,7 +90,11 @@ def describe(node: Node, request: Request) -> RecordDict:
         v = encoder.readout(pooled)
     if not request.settings.predict:
         node.state.remember(ENCODER, encoder.state_dict(), server_round=node.server_round)
-    return protocol.content(ArrayRecord({DESCRIPTOR: v}), metrics=metrics)
+    side = None
+    if settings.reads_class_means:  # over the whole train split, whatever batch v was drawn from
+        x, y = _samples(node, encoder, whole=True)
+        side = ArrayRecord(class_statistics(x, y, node.cfg.num_classes))
+    return protocol.content(ArrayRecord({DESCRIPTOR: v}), metrics=metrics, side=side)
 
 
 def train(node: Node, request: Request) -> RecordDict:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from florist.common.models import Net
-from florist.strategies.pefll.spec import ENCODERS
+from florist.strategies.pefll.spec import COUNTS, ENCODERS, MEANS, VARIANCE
 
 
 def _trunk(in_shape: tuple[int, ...]) -> tuple[nn.Module, int]:
@@ -190,9 +190,12 @@ class SetEncoder(Encoder):
 class HyperNetwork(nn.Module):
     """h(v): three fully connected layers; the last one outputs all of the client model's
     parameters at once. Its bias starts as a freshly initialised client model and its weight
-    small, so that the first rounds start from a well-scaled θ whatever v is."""
+    small, so that the first rounds start from a well-scaled θ whatever v is. With `side`
+    inputs (`ClassMeans`), their own weights join the first layer's: a side of zeros leaves
+    every output as it is without them, bit for bit, and those weights are drawn without
+    moving the random stream, so the rest starts as it does without them."""
 
-    def __init__(self, template: Net, embed_dim: int, hidden: int = 100, init_scale: float = 0.1):
+    def __init__(self, template: Net, embed_dim: int, hidden: int = 100, init_scale: float = 0.1, side: int = 0):
         super().__init__()
         params = dict(template.named_parameters())
         if set(params) != set(template.state_dict()):
@@ -207,9 +210,15 @@ class HyperNetwork(nn.Module):
         with torch.no_grad():
             self.out.bias.copy_(torch.cat([p.detach().flatten() for p in params.values()]))
             self.out.weight.mul_(init_scale)
+        if side:
+            with torch.random.fork_rng(devices=[]):
+                self.side = nn.Linear(side, hidden, bias=False)
 
-    def forward(self, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        flat = self.out(self.body(v))
+    def forward(self, v: torch.Tensor, side: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        first = self.body[0](v)
+        if side is not None:
+            first = first + self.side(side)
+        flat = self.out(self.body[1:](first))
         chunks = flat.split([math.prod(s) for s in self.shapes.values()])
         return {name: chunk.view(shape) for (name, shape), chunk in zip(self.shapes.items(), chunks)}
 
@@ -280,6 +289,76 @@ class Standardizer(nn.Module):
         if not self.fitted:
             raise RuntimeError("descriptor standardizer used before fit(): fit it on round 1's descriptors")
         return (v - self.shift) / self.scale
+
+
+CLASS_MEAN_SIDE = 4  # `hn-class-means`: x pooled to at most 4×4 per channel before the per-class mean
+
+
+def class_mean_width(in_shape: tuple[int, ...]) -> int:
+    """How many numbers `class_statistics` keeps per class for inputs of `in_shape`."""
+    if len(in_shape) == 3:
+        return in_shape[0] * min(in_shape[1], CLASS_MEAN_SIDE) * min(in_shape[2], CLASS_MEAN_SIDE)
+    return math.prod(in_shape)
+
+
+def class_statistics(x: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict[str, torch.Tensor]:
+    """A node's class-conditional means of its (pooled) inputs, its label counts and the
+    within-class variance of each input component, pooled over its classes: what
+    `ClassMeans` needs to tell clients whose labels mean different things apart."""
+    if x.dim() == 4:
+        side = (min(x.shape[2], CLASS_MEAN_SIDE), min(x.shape[3], CLASS_MEAN_SIDE))
+        x = F.adaptive_avg_pool2d(x, side)
+    x = x.flatten(1).double()
+    counts = torch.bincount(y, minlength=num_classes).double()
+    means = torch.zeros(num_classes, x.shape[1], dtype=x.dtype).index_add_(0, y, x) / counts.clamp_min(1)[:, None]
+    dof = len(x) - int((counts > 0).sum())
+    variance = (x - means[y]).square().sum(0) / max(dof, 1)
+    return {MEANS: means.float(), COUNTS: counts.float(), VARIANCE: variance.float()}
+
+
+class ClassMeans(nn.Module):
+    """`hn-class-means`: what h reads beside the descriptor, each node's class-conditional
+    means as they differ from the federation's, shrunk by how much of that difference is more
+    than sampling noise. Where labels mean different things at different nodes (`relabel:K`)
+    a label's mean input differs between clusters from round 1, whatever the label mix, where
+    the learned descriptor needs tens of rounds; where they mean the same the differences are
+    noise, and the weight λ = 1 − noise/spread (a James–Stein shrinkage; over the nodes, the
+    median of each one's sampling noise Σ_c σ²/n_c and of its squared distance from the
+    centre) is 0 or near it, so h reads what it does without them. Medians throughout: one
+    node of three or more cannot move the centre outside the honest nodes' values, and moves
+    each median behind the scale and λ by one place among them at most."""
+
+    def __init__(self, num_classes: int, width: int):
+        super().__init__()
+        self.width = num_classes * width
+        self.register_buffer("center", torch.zeros(num_classes, width))
+        self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("weight", torch.zeros(()))
+
+    def deviations(self, means: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each node's class means less the centre, 0 for the classes it does not hold."""
+        return torch.where(counts[..., None] > 0, means - self.center, torch.zeros(()))
+
+    def fit(self, means: torch.Tensor, counts: torch.Tensor, variance: torch.Tensor) -> None:
+        """Centre, scale and λ from one row per node (`class_statistics`' three arrays stacked)."""
+        with torch.no_grad():
+            means, counts, variance = means.double(), counts.double(), variance.double()
+            held = counts > 0
+            center = torch.zeros_like(means[0])
+            for c in range(means.shape[1]):
+                if held[:, c].any():
+                    center[c] = _median(means[held[:, c], c])
+            self.center = center.to(self.center)
+            spread = self.deviations(means, counts).flatten(1).square().sum(1)
+            noise = (held / counts.clamp_min(1)).sum(1) * variance.sum(1)
+            middle = float(_median(spread))
+            weight = 1.0 - float(_median(noise)) / middle if middle > 1e-12 else 0.0
+            self.weight.fill_(min(max(weight, 0.0), 1.0))
+            self.scale.fill_(math.sqrt(middle) if middle > 1e-12 else 1.0)
+
+    def forward(self, means: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """What h reads of one node: λ·(means − centre)/scale, flattened."""
+        return (self.weight * self.deviations(means, counts) / self.scale).flatten(-2).to(self.center.dtype)
 
 
 def _median(x: torch.Tensor) -> torch.Tensor:

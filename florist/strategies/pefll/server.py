@@ -17,19 +17,24 @@ from florist.server.aggregation import Aggregator, Outcome
 from florist.server.report import pct
 from florist.server.strategy import TESTED, TRAINED, NodeInfo, Reply, ServerStrategy, mean_loss
 from florist.strategies.pefll.networks import (
+    ClassMeans,
     EmbeddingNet,
     Encoder,
     HyperNetwork,
     SetEncoder,
     Standardizer,
+    class_mean_width,
     default_embed_dim,
 )
 from florist.strategies.pefll.spec import (
+    COUNTS,
     DESCRIBE,
     DESCRIPTOR,
     EVALUATE_GENERATED,
+    MEANS,
     TRAIN_ENCODER,
     TRAIN_GENERATED,
+    VARIANCE,
     HyperNetSettings,
     OnDemandSettings,
 )
@@ -42,7 +47,7 @@ log = logging.getLogger("flwr").getChild(__name__)
 class PeFLL(ServerStrategy):
     settings: HyperNetSettings
     normalized = False  # OD-PFL's flag for its set encoder (PeFLL's network has no such choice)
-    checkpointed = ("hyper", "embed", "optimizer", "standardizer")
+    checkpointed = ("hyper", "embed", "optimizer", "standardizer", "class_means")
     SEPARATED = 1e-3  # below this share of between-node variance, descriptors do not separate nodes
     WATCH_ROUND = 5  # the round (or the run's last, if sooner) whose descriptors are judged
     HINT = (
@@ -54,9 +59,11 @@ class PeFLL(ServerStrategy):
         super().__init__(*args, **kwargs)
         cfg, hn = self.cfg, self.settings
         self.embed_dim = hn.embed_dim or default_embed_dim(self.num_seen)
+        width = class_mean_width(self.input_shape) if hn.reads_class_means else 0
+        self.class_means = ClassMeans(cfg.num_classes, width).to(self.device)
         with seeded(cfg.seed):  # the three networks start alike for a seed
             template = build_model(cfg.model, self.input_shape, cfg.num_classes)
-            self.hyper = HyperNetwork(template, self.embed_dim, hn.hidden)
+            self.hyper = HyperNetwork(template, self.embed_dim, hn.hidden, side=self.class_means.width)
             self.embed: Encoder = self.new_encoder()
         self.hyper.to(self.device), self.embed.to(self.device)  # built on the CPU: the same start on any device
         self.standardizer = Standardizer(hn.standardize, hn.standardize_components).to(self.device)
@@ -70,8 +77,10 @@ class PeFLL(ServerStrategy):
         return EmbeddingNet(self.input_shape, self.cfg.num_classes, self.embed_dim, kind=self.settings.encoder)
 
     def load_state(self, state: dict[str, Any]) -> None:
-        """As the base's; a checkpoint from before `hn-standardize` existed has no standardizer."""
-        super().load_state({"standardizer": self.standardizer.state_dict()} | state)
+        """As the base's; a checkpoint from before `hn-standardize` (`hn-class-means`) existed has
+        no standardizer (class means)."""
+        fresh = {"standardizer": self.standardizer.state_dict(), "class_means": self.class_means.state_dict()}
+        super().load_state(fresh | state)
 
     def describe(
         self, server_round: int, nodes: list[NodeInfo], predict: bool = False, serve: bool = False
@@ -81,12 +90,17 @@ class PeFLL(ServerStrategy):
         flags = {"embed_dim": self.embed_dim, "predict": predict, "serve": serve, "normalize": self.normalized}
         request = self.request(DESCRIBE, server_round, encoder, **flags)
         reference = {DESCRIPTOR: torch.zeros(self.embed_dim)}
-        return self.broadcast(DESCRIBE, nodes, server_round, request, ("num-examples",), reference)
+        side = None
+        if self.class_means.width:
+            classes, width = self.class_means.center.shape
+            side = {MEANS: torch.zeros(classes, width), COUNTS: torch.zeros(classes), VARIANCE: torch.zeros(width)}
+        return self.broadcast(DESCRIBE, nodes, server_round, request, ("num-examples",), reference, side)
 
     def train_round(self, server_round: int, nodes: list[NodeInfo]) -> float | None:
         described = self.describe(server_round, nodes)
         v = {node: r.arrays[DESCRIPTOR].to(self.device).clone().requires_grad_() for node, r in described.items()}
-        theta = {node: self.hyper(s) for node, s in self.standardized(v, training=True).items()}
+        read = self.inputs(described, v, training=True)
+        theta = {node: self.hyper(*x) for node, x in read.items()}
         requests = {
             node: self.request(TRAIN_GENERATED, server_round, ArrayRecord(moved(t, "cpu"))) for node, t in theta.items()
         }
@@ -112,7 +126,10 @@ class PeFLL(ServerStrategy):
         )
         # Only clients that completed all three exchanges count; fixed order: same seed, same sums.
         done = [n for n in nodes if n.node_id in embedded]
-        self.extras = {"descriptor_between": between_share(v.values())}
+        described_by = [v[n].detach() if f is None else torch.cat([v[n].detach(), f]) for n, (_, f) in read.items()]
+        self.extras = {"descriptor_between": between_share(described_by)}
+        if self.class_means.width:
+            self.extras["class_means_weight"] = float(self.class_means.weight)
         self.watch(server_round, self.extras["descriptor_between"])
         if done:
             ids = [n.node_id for n in done]
@@ -137,11 +154,25 @@ class PeFLL(ServerStrategy):
     @property
     def hint(self) -> str:
         """What to try when the descriptors do not separate, given what the run already set."""
+        if not self.settings.reads_class_means:
+            return "if clients differ in how labels relate to inputs (concept shift), set hn-class-means=true"
         if self.settings.encoder != "slots":
             return self.HINT
         if not self.settings.standardize_components:
             return "slots alone may need about 60 rounds: add hn-standardize-components=true hn-grad-clip=50"
         return "they may separate in a later round"
+
+    def inputs(self, described: dict[int, Reply], v: dict[int, torch.Tensor], training: bool = False):
+        """What h reads of each node, (descriptor, class means): its descriptor as `standardized`
+        and, with `hn-class-means`, its class means as `ClassMeans` reads them (else None),
+        fitted on each training round's nodes and kept for the nodes evaluated or served after."""
+        x = self.standardized(v, training)
+        if not self.class_means.width:
+            return {n: (x[n], None) for n in v}
+        stats = {n: moved(described[n].side, self.device) for n in v}
+        if training and v:
+            self.class_means.fit(*(torch.stack([stats[n][k] for n in v]) for k in (MEANS, COUNTS, VARIANCE)))
+        return {n: (x[n], self.class_means(stats[n][MEANS], stats[n][COUNTS])) for n in v}
 
     def standardized(self, v: dict[int, torch.Tensor], training: bool = False) -> dict[int, torch.Tensor]:
         """Each node's descriptor as h reads it (`hn-standardize`: (v − m)/s), m and s fitted
@@ -184,7 +215,7 @@ class PeFLL(ServerStrategy):
         hyper = dict(self.hyper.named_parameters())
         gradients = []
         for theta, delta, d_embed in steps.values():
-            g_hyper = torch.autograd.grad(-_inner(theta, delta), list(hyper.values()))
+            g_hyper = torch.autograd.grad(-_inner(theta, delta), list(hyper.values()), materialize_grads=True)
             gradients.append(
                 {f"hyper.{k}": g.cpu() for k, g in zip(hyper, g_hyper)}
                 | {f"embed.{k}": -d_embed[k].cpu() for k, _ in self.embed.named_parameters()}
@@ -213,8 +244,8 @@ class PeFLL(ServerStrategy):
         carries the descriptor's sample count and, when noised, its privacy settings."""
         described = self.describe(server_round, nodes, predict=True, serve=serve)
         with torch.no_grad():
-            v = self.standardized({node: r.arrays[DESCRIPTOR].to(self.device) for node, r in described.items()})
-            theta = {node: moved(self.hyper(x), "cpu") for node, x in v.items()}
+            v = self.inputs(described, {node: r.arrays[DESCRIPTOR].to(self.device) for node, r in described.items()})
+            theta = {node: moved(self.hyper(*x), "cpu") for node, x in v.items()}
         requests = {node: self.request(EVALUATE_GENERATED, server_round, ArrayRecord(t)) for node, t in theta.items()}
         scored = self.ask(EVALUATE_GENERATED, requests, server_round, ("num-examples",) if serve else TESTED)
         return {node: reply.metrics | _descriptor_fields(described[node].metrics) for node, reply in scored.items()}
@@ -256,7 +287,7 @@ class ODPFL(PeFLL):
     """PeFLL's training on descriptors of unlabeled data."""
 
     settings: OnDemandSettings
-    HINT = 'its descriptors read no labels: under concept shift use pefll with hn-encoder="slots"'
+    HINT = "its descriptors read no labels: under concept shift use pefll, whose class means tell them apart"
 
     @property
     def hint(self) -> str:

@@ -20,6 +20,8 @@ from florist.common.settings import Settings, setting
 from florist.common.spec import Exchange, StrategySpec
 
 DESCRIPTOR = "descriptor"  # the array key of v (up, exchange 1) and of Δv (down, exchange 3)
+# `hn-class-means`: the side arrays of exchange 1's reply (`networks.class_statistics`)
+MEANS, COUNTS, VARIANCE = "class-means", "class-counts", "class-variance"
 ENCODERS = ("label-channels", "trunk", "slots", "paper")  # PeFLL's embedding networks (`networks.EmbeddingNet`)
 OPTIMIZERS = ("sgd", "adam", "adamw")  # the server's step on the pseudo-gradient −mean Δη
 
@@ -37,6 +39,7 @@ class HyperNetSettings(Settings):
     grad_clip: float = setting(0.0, server=True)  # max norm of the server's update direction (0: off)
     standardize: bool = setting(False, server=True)  # v ← (v − m)/s, m, s: medians over round 1's nodes
     standardize_components: bool = setting(False, server=True)  # v ← (v − m)/s per component, refit each round
+    class_means: bool = setting(True)  # PeFLL's h also reads the nodes' class-conditional means (networks.ClassMeans)
     l2_hyper: float = setting(1e-3, server=True)  # λ_h
     l2_embed: float = setting(1e-3, server=True)  # λ_v
     l2_model: float = setting(5e-5)  # λ_θ, the client's ‖θ‖² penalty
@@ -66,6 +69,11 @@ class HyperNetSettings(Settings):
         """(epochs, steps) of a client's message 2, as `Node.fit` takes them: k steps (Algorithm 2)."""
         return 1, self.local_steps
 
+    @property
+    def reads_class_means(self) -> bool:
+        """Whether nodes send, and h reads, class-conditional means (`hn-class-means`)."""
+        return self.class_means
+
 
 @dataclasses.dataclass(frozen=True)
 class OnDemandSettings(HyperNetSettings):
@@ -91,6 +99,11 @@ class OnDemandSettings(HyperNetSettings):
         """Algorithm 1's E passes over the train split when `odpfl-local-epochs` is set, else
         PeFLL's k steps (florist's default, so that a run without the key is unchanged)."""
         return (self.local_epochs, None) if self.local_epochs else super().schedule
+
+    @property
+    def reads_class_means(self) -> bool:
+        """Never: OD-PFL's descriptors read no labels, whatever `hn-class-means` says."""
+        return False
 
     @property
     def normalized(self) -> bool:
