@@ -92,7 +92,8 @@ def describe(node: Node, request: Request) -> RecordDict:
         node.state.remember(ENCODER, encoder.state_dict(), server_round=node.server_round)
     side = None
     if settings.reads_class_means:  # over the whole train split, whatever batch v was drawn from
-        x, y = _samples(node, encoder, whole=True)
+        if not request.settings.predict:  # (predicting, v was drawn from it already)
+            x, y = _samples(node, encoder, whole=True)
         side = ArrayRecord(class_statistics(x, y, node.cfg.num_classes))
     return protocol.content(ArrayRecord({DESCRIPTOR: v}), metrics=metrics, side=side)
 
