@@ -26,6 +26,12 @@ exchanges each) beside FedAvg's, deployed against in-process (target ≤ 2×), w
 and the CPU-seconds per exchange (rounds 2..N) of every process of the federation: on a shared machine the
 wall-clock figures are mostly waiting for a core, the CPU is what the deployment costs.
 `--deploy-only` skips the 20-client runtimes, for a quick check of one commit.
+
+`--repeat N` runs the plain loop and in-process N times, one after the other, and gives their
+ratio as the median of the N pairs: this machine's speed drifts by ±15 % from one minute to the
+next, more than a change of a few percent moves a single run. The simulation line also gives
+its CPU-seconds a round (Ray's actors, the driver, Ray's own processes) and the shortest round
+that CPU allows on P cores: what the simulation target is measured against.
 """
 
 from __future__ import annotations
@@ -188,15 +194,31 @@ def federation_cpu() -> float:
     """CPU-seconds so far of every process of the local federation (SuperLink, SuperNodes, fork
     server, executors), with the task processes they reaped: what a deployed run costs the
     machine, which a loaded machine's wall-clock figures hide."""
-    total = 0
-    for pid in descendants([os.getpid()]):
+    return sum(seconds for _, seconds in process_cpu(descendants([os.getpid()]), reaped=True))
+
+
+def process_cpu(pids: list[int], reaped: bool = False) -> list[tuple[str, float]]:
+    """(command line, CPU-seconds so far) of each of `pids` still alive; with `reaped`, the
+    children it has waited for count as its own."""
+    found = []
+    for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if pid != os.getpid():
-            total += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
-    return total / os.sysconf("SC_CLK_TCK")
+        ticks = fields[11:15] if reaped else fields[11:13]  # utime, stime (cutime, cstime)
+        found.append((command, sum(int(v) for v in ticks) / os.sysconf("SC_CLK_TCK")))
+    return found
+
+
+def simulation_cpu() -> dict[str, float]:
+    """CPU-seconds so far of this process (the driver: ServerApp, Flower's engine, Ray's client
+    calls), of Ray's actors (the clients) and of Ray's own processes (raylet, GCS, agents)."""
+    parts = {"driver": time.process_time(), "actors": 0.0, "ray": 0.0}
+    for command, seconds in process_cpu(descendants([os.getpid()])):
+        parts["actors" if "ClientAppActor" in command else "ray"] += seconds
+    return parts
 
 
 def main() -> None:
@@ -206,6 +228,14 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another run-config key")
     parser.add_argument("--deploy", action="store_true", help="also a 4-node local deployment (takes minutes)")
     parser.add_argument("--deploy-only", action="store_true", help="only the 4-node deployment and its in-process twin")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the plain loop and in-process N times, alternating, and give each pair's ratio and their median "
+        "(a drifting machine moves single runs by ±15%%)",
+    )
     args = parser.parse_args()
     with work_folder("florist-throughput-") as work:
         values = {
@@ -218,13 +248,14 @@ def main() -> None:
             "eval-every": 0,
         } | parse_sets(args.set)
         if not args.deploy_only:
-            runtimes(values, work)
+            runtimes(values, work, args.repeat)
         if args.deploy or args.deploy_only:
             deployments(values, work)
 
 
-def runtimes(values: dict[str, Any], work: Path) -> None:
-    """The plain loop, in-process and simulation on 20 clients, side by side."""
+def runtimes(values: dict[str, Any], work: Path, repeat: int = 1) -> None:
+    """The plain loop, in-process and simulation on 20 clients, side by side; the first two
+    `repeat` times, alternating."""
     cfg = RunConfig.from_mapping(values)
     cores = len(os.sched_getaffinity(0))
     training_clients = CLIENTS - len(unseen_partitions(CLIENTS, cfg.unseen_fraction, cfg.seed))
@@ -235,10 +266,24 @@ def runtimes(values: dict[str, Any], work: Path) -> None:
     )
     warm(cfg, CLIENTS)
 
-    plain_seconds, plain_accuracy = plain_loop(cfg, CLIENTS)
-    plain = median_later(plain_seconds)
-    inproc = run_in_process(cfg.replace(results_dir=str(work / "inprocess")), CLIENTS, cpus_per_client=1)
-    sim = simulate(cfg.replace(results_dir=str(work / "simulation")), CLIENTS, resources=client_resources(1.0, 0.0))
+    ratios = []
+    for attempt in range(repeat):
+        start = time.process_time()
+        plain_seconds, plain_accuracy = plain_loop(cfg, CLIENTS)
+        plain_cpu = (time.process_time() - start) / cfg.num_server_rounds  # its one thread, evaluation included
+        plain = median_later(plain_seconds)
+        inproc = run_in_process(cfg.replace(results_dir=str(work / f"inprocess{attempt}")), CLIENTS, cpus_per_client=1)
+        ratios.append(figures(inproc)["round"] / plain)
+        if repeat > 1:
+            seconds = figures(inproc)["round"]
+            print(f"  pair {attempt + 1}: plain {plain:.3f} s, in-process {seconds:.3f} s: {ratios[-1]:.3f}×")
+    cpu: list[dict[str, float]] = []  # as each round of the simulation ends
+    sim = simulate(
+        cfg.replace(results_dir=str(work / "simulation")),
+        CLIENTS,
+        on_round=lambda _: cpu.append(simulation_cpu()),
+        resources=client_resources(1.0, 0.0),
+    )
     stats = {"in-process": figures(inproc), "simulation": figures(sim)}
 
     print(f"\n  {'runtime':<12}{'s/round':>9}{'× plain':>9}{'train data s':>14}")
@@ -246,10 +291,20 @@ def runtimes(values: dict[str, Any], work: Path) -> None:
     for runtime, s in stats.items():
         print(f"  {runtime:<12}{s['round']:9.2f}{s['round'] / plain:8.2f}×{s['data']:14.3f}")
     parallel = min(cores, training_clients)
-    inproc_ratio = stats["in-process"]["round"] / plain
     sim_ratio = stats["simulation"]["round"] / (plain / parallel)
-    print(f"\n  in-process ÷ plain:                 {inproc_ratio:.2f} (target ≤ {TARGET_INPROCESS})")
+    spread = f", the median of {repeat} pairs ({min(ratios):.2f}-{max(ratios):.2f})" if repeat > 1 else ""
+    inproc_ratio = statistics.median(ratios)
+    print(f"\n  in-process ÷ plain:                 {inproc_ratio:.2f} (target ≤ {TARGET_INPROCESS}){spread}")
     print(f"  simulation ÷ (plain ÷ {parallel} cores):     {sim_ratio:.2f} (target ≤ {TARGET_SIMULATION})")
+    if len(cpu) > 2:  # rounds 2..N, as the seconds are
+        each = {part: (cpu[-1][part] - cpu[0][part]) / (len(cpu) - 1) for part in cpu[0]}
+        floor = sum(each.values()) / parallel
+        below = floor / (plain / parallel)
+        print(
+            f"  simulation's CPU-s a round: clients (Ray's actors) {each['actors']:.2f}, the plain loop "
+            f"{plain_cpu:.2f}; driver {each['driver']:.2f}; Ray's own processes {each['ray']:.2f}. "
+            f"On {parallel} cores no round takes under {floor:.2f} s: {below:.2f}× plain ÷ {parallel}"
+        )
     print(
         f"  final seen mean accuracy: in-process {stats['in-process']['accuracy']:.4f}, plain loop "
         f"{plain_accuracy:.4f}, simulation {stats['simulation']['accuracy']:.4f}"

@@ -131,12 +131,8 @@ class RunConfig(Settings):
     # where the server logs each round beside results.json: tensorboard,mlflow,wandb (empty: nowhere)
     trackers: str = setting("", server=True)
     tracking_dir: str = setting("", server=True)  # the trackers' files (empty: the results folder; compare: its own)
-    # the strategy's own section; not a run-config key itself
+    # the strategy's own section; not a run-config key itself (`Settings.fields` leaves it out)
     settings: Settings = dataclasses.field(default=NoSettings(), metadata={"section": True})
-
-    @classmethod
-    def fields(cls):
-        return ((key, f) for key, f in super().fields() if not f.metadata.get("section"))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], strict: bool = False) -> RunConfig:

@@ -7,9 +7,16 @@ override it. The run's common settings (`florist/config.py`) and each strategy's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
+
+
+@functools.cache
+def _fields(cls: type[Settings]) -> tuple[tuple[str, dataclasses.Field], ...]:
+    pairs = ((f.name.replace("_", "-"), f) for f in dataclasses.fields(cls) if not f.metadata.get("section"))
+    return tuple((f.metadata.get("key") or (f"{cls.prefix}-{name}" if cls.prefix else name), f) for name, f in pairs)
 
 
 def setting(default: Any, *, key: str = "", server: bool = False, node: bool = False) -> Any:
@@ -26,11 +33,10 @@ class Settings:
     prefix: ClassVar[str] = ""
 
     @classmethod
-    def fields(cls) -> Iterator[tuple[str, dataclasses.Field]]:
-        """(run-config key, field) of every setting."""
-        for f in dataclasses.fields(cls):
-            name = f.name.replace("_", "-")
-            yield f.metadata.get("key") or (f"{cls.prefix}-{name}" if cls.prefix else name), f
+    def fields(cls) -> tuple[tuple[str, dataclasses.Field], ...]:
+        """(run-config key, field) of every setting: worked out once per class, as every
+        message a node parses walks them several times."""
+        return _fields(cls)
 
     @classmethod
     def keys(cls, travelling: bool = False) -> list[str]:
