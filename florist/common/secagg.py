@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from cryptography.fernet import InvalidToken
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from flwr.common.secure_aggregation.crypto.shamir import create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
@@ -92,7 +93,7 @@ class NodeState:
     node_id: int
     setup: SecAggSetup
     stage: str  # the last stage this node answered
-    mask_key: bytes  # private key (PEM) of the pairwise masks: Shamir-shared, rebuilt if the node drops
+    mask_key: bytes  # private key (PEM) of the pairwise masks: its scalar is Shamir-shared, rebuilt if the node drops
     crypt_key: bytes  # private key (PEM) that encrypts the shares this node sends
     own_keys: KeyPair  # the public halves of both, as this node sent them
     public_keys: dict[int, KeyPair] = field(default_factory=dict)  # every node's, this one's too
@@ -174,7 +175,8 @@ def node_share_keys(
     check_enough(STAGES[1], len(public_keys), t)
     state.setup.check(len(public_keys))  # a node, too, refuses a threshold that is no majority of those it shares with
     seed, ids = os.urandom(32), sorted(public_keys)
-    pairs = dict(zip(ids, zip(create_shares(seed, t, len(ids)), create_shares(state.mask_key, t, len(ids)))))
+    secrets = create_shares(seed, t, len(ids)), create_shares(mask_secret(state.mask_key), t, len(ids))
+    pairs = dict(zip(ids, zip(*secrets)))
     agreed = agreed_keys(state.crypt_key, {peer: public_keys[peer][1] for peer in ids if peer != me})
     sent = {peer: encrypt(key, share_keys_plaintext_concat(me, peer, *pairs[peer])) for peer, key in agreed.items()}
     shares, commitments = {me: pairs[me]}, {holder: checks.commit(me, holder, pair) for holder, pair in pairs.items()}
@@ -288,6 +290,26 @@ def expand_mask(seed: bytes, size: int) -> np.ndarray:
     key = seed if len(seed) == 32 else base64.urlsafe_b64decode(seed)
     stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()  # each key masks one vector
     return np.frombuffer(stream.update(bytes(4 * size)), dtype="<u4").astype(np.int64)
+
+
+def mask_secret(mask_key: bytes) -> bytes:
+    """What a node Shamir-shares of its mask key (PEM): the private scalar, 48 bytes on Flower's
+    curve. Shamir works on 16-byte chunks, in pure Python: the PEM text's 306 bytes made 20 of
+    them, the scalar makes 4, which cuts a node's share-keys stage and the server's rebuild of a
+    dropped node's key about five times."""
+    key = asymmetric.bytes_to_private_key(mask_key)
+    return key.private_numbers().private_value.to_bytes((key.curve.key_size + 7) // 8, "big")
+
+
+def mask_key_of(secret: bytes, public_key: bytes) -> bytes:
+    """The mask key (PEM) whose scalar is `secret`, rebuilt from shares, if it is the private half
+    of `public_key`, the mask key its node published; else ValueError: shares that rebuild some
+    other scalar would otherwise remove the wrong masks without a word."""
+    public = asymmetric.bytes_to_public_key(public_key)
+    key = ec.derive_private_key(int.from_bytes(secret, "big"), public.curve)  # ValueError: out of the curve's range
+    if asymmetric.public_key_to_bytes(key.public_key()) != public_key:
+        raise ValueError("the rebuilt mask key is not the one the node published")
+    return asymmetric.private_key_to_bytes(key)
 
 
 def agreed_keys(private_key: bytes, public_keys: dict[int, bytes]) -> dict[int, bytes]:

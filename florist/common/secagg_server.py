@@ -27,6 +27,7 @@ from florist.common.secagg import (
     check_enough,
     check_known,
     expand_mask,
+    mask_key_of,
     node_mask,
     node_setup,
     node_share_keys,
@@ -136,9 +137,11 @@ def _rebuild(owner: int, shares: list[bytes], t: int) -> bytes:
         raise ValueError(f"secure aggregation: the shares of node {owner} do not rebuild its secret") from None
 
 
-def _remove_pairwise(total: np.ndarray, dropped: int, mask_key: bytes, state: ServerState) -> None:
-    """Undo, in place, the pairwise mask each survivor added towards a dropped node (the server rebuilt its key)."""
+def _remove_pairwise(total: np.ndarray, dropped: int, secret: bytes, state: ServerState) -> None:
+    """Undo, in place, the pairwise mask each survivor added towards a dropped node (the server
+    rebuilt its key's scalar, `secret`)."""
     try:
+        mask_key = mask_key_of(secret, state.public_keys[dropped][0])
         seeds = agreed_keys(mask_key, {survivor: state.public_keys[survivor][0] for survivor in state.survivors})
     except ValueError:
         raise ValueError(f"secure aggregation: the shares of node {dropped} do not rebuild its key") from None

@@ -274,3 +274,24 @@ def test_masks_are_keyed_by_the_whole_seed_and_uniform_over_the_field():
     assert mask.min() >= 0 and mask.max() < 2**32 and mask.dtype == np.int64
     assert abs(mask.mean() / 2**32 - 0.5) < 0.005 and abs(mask.std() / 2**32 - 12**-0.5) < 0.005
     assert np.array_equal(secagg.expand_mask(base64.urlsafe_b64encode(seed), 10), mask[:10])  # a pairwise key's form
+
+
+def test_a_dropped_nodes_mask_key_is_rebuilt_from_shares_of_its_scalar_and_checked_against_its_public_key():
+    (state, (mask_public, _)), (other, _) = (
+        secagg.node_setup(1, SecAggSetup.for_nodes(3)),
+        secagg.node_setup(2, SecAggSetup.for_nodes(3)),
+    )
+    secret = secagg.mask_secret(state.mask_key)
+    shares = secagg.create_shares(secret, 2, 3)
+    assert len(shares[0]) == 4 + 4 * 16  # the 48-byte scalar padded to 4 Shamir chunks (the PEM text: 20)
+    rebuilt = secagg_server.combine_shares(shares[1:])
+    assert secagg.mask_key_of(rebuilt, mask_public) == state.mask_key
+    peer = {2: secagg.node_setup(2, SecAggSetup.for_nodes(3))[1][0]}
+    assert secagg.agreed_keys(secagg.mask_key_of(rebuilt, mask_public), peer) == secagg.agreed_keys(
+        state.mask_key, peer
+    )
+    # another node's scalar is a valid key, but not this node's: removing its masks would be wrong, silently
+    with pytest.raises(ValueError, match="not the one the node published"):
+        secagg.mask_key_of(secagg.mask_secret(other.mask_key), mask_public)
+    with pytest.raises(ValueError):  # zero is no private key
+        secagg.mask_key_of(bytes(48), mask_public)
