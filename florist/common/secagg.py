@@ -5,7 +5,8 @@ florist/common/secagg_server.py), every state passed in and out, nothing sent fr
 Why not Flower's `SecAggPlusWorkflow`: it drives Flower's legacy strategies only. florist runs the
 stages (setup, share keys, collect masked vectors, unmask) as exchanges of its own round, so that
 they work wherever a round does. The cryptography is Flower's SecAgg+ primitives (Shamir shares,
-ECDH key agreement, Fernet encryption, quantization) and ChaCha20 for the masks: none is new here.
+ECDH key agreement, Fernet encryption, quantization) and ChaCha20 for the masks: none is new here
+(the server rebuilds shares with florist/common/shamir.py, which gives Flower's result faster).
 A node sends y = [q(w), clipped, q(w/W · x)] + self mask ± a pairwise mask per other node, mod
 2^32; the server learns Σ w·x / Σ w. Every node is every other's neighbour (a full graph, SecAgg's
 original form; SecAgg+'s sparse graph is not built yet). Each node commits to its shares, so that a

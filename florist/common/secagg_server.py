@@ -10,10 +10,10 @@ import logging
 from collections.abc import Callable
 
 import numpy as np
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 from flwr.common.secure_aggregation.quantization import dequantize
 
 from florist.common import secagg_checks as checks
+from florist.common import shamir
 from florist.common.secagg import (
     HEADER,
     MODULUS,
@@ -129,10 +129,10 @@ def server_aggregate(
 
 
 def _rebuild(owner: int, shares: list[bytes], t: int) -> bytes:
-    """Node `owner`'s secret from t of its shares (Shamir: more add nothing but time, quadratic in their number)."""
+    """Node `owner`'s secret from t of its shares (more add nothing but time)."""
     check_enough(f"{STAGES[3]}: shares of node {owner}", len(shares), t)
     try:
-        return combine_shares(shares[:t])
+        return shamir.combine(shares[:t])
     except ValueError:
         raise ValueError(f"secure aggregation: the shares of node {owner} do not rebuild its secret") from None
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 
-from florist.common import secagg, secagg_server
+from florist.common import secagg, secagg_server, shamir
 from florist.common.secagg import HEADER, BelowThreshold, NodeState, SecAggSetup
 
 
@@ -284,7 +284,7 @@ def test_a_dropped_nodes_mask_key_is_rebuilt_from_shares_of_its_scalar_and_check
     secret = secagg.mask_secret(state.mask_key)
     shares = secagg.create_shares(secret, 2, 3)
     assert len(shares[0]) == 4 + 4 * 16  # the 48-byte scalar padded to 4 Shamir chunks (the PEM text: 20)
-    rebuilt = secagg_server.combine_shares(shares[1:])
+    rebuilt = shamir.combine(shares[1:])
     assert secagg.mask_key_of(rebuilt, mask_public) == state.mask_key
     peer = {2: secagg.node_setup(2, SecAggSetup.for_nodes(3))[1][0]}
     assert secagg.agreed_keys(secagg.mask_key_of(rebuilt, mask_public), peer) == secagg.agreed_keys(
