@@ -237,6 +237,8 @@ def main() -> None:
         "(a drifting machine moves single runs by ±15%%)",
     )
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     with work_folder("florist-throughput-") as work:
         values = {
             "strategy": "fedavg",
