@@ -117,6 +117,7 @@ def simulate(
     from florist.apps.client import app as default_client_app
     from florist.apps.server import make_server_app
     from florist.client.guard import TRUSTED_SERVER_ENV, trusted_server_in_environment
+    from florist.common.flower_internals.simulation import quick_pickup
 
     if num_nodes < cfg.min_nodes:
         raise ValueError(f"num-clients ({num_nodes}) must be at least min-nodes ({cfg.min_nodes})")
@@ -124,6 +125,7 @@ def simulate(
     with _without_deprecation_warning(), trusted_server_in_environment():  # the user's own clients (client/guard.py)
         if address:  # the cluster's workers have their raylet's environment, not this one: they get the variable
             resources = raycluster.join(init_args(0, address), cfg, resources, {TRUSTED_SERVER_ENV: "1"})
+        quick_pickup()  # each exchange's messages reach the clients at once, not at the engine's next 0.1 s look
         run_simulation(
             server_app=make_server_app(cfg.to_mapping(), on_round),
             client_app=client_app or default_client_app,

@@ -220,3 +220,17 @@ def test_off_the_fast_path_the_deployment_grid_is_pulled_as_flower_pulls_it(monk
         ]
     assert grid.pull_objects is inflatable_utils.pull_objects and not started
     assert capsys.readouterr().err.count(WARNING) == 1
+
+
+def test_a_changed_simulation_engine_leaves_its_extractor_alone_without_a_word(monkeypatch, capsys):
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    from florist.common.flower_internals.simulation import quick_pickup
+
+    stock = vce_api.add_messages_to_queue
+    monkeypatch.setattr(vce_api, "run_api", lambda *args: None)  # no longer reads its factory's LinkState
+    assert flower_internals.unusable("simulation") == [
+        "the simulation engine no longer reads the one LinkState of its factory"
+    ]
+    assert quick_pickup() is False and vce_api.add_messages_to_queue is stock
+    assert capsys.readouterr().err == ""  # a simulation says nothing: it only waits as Flower's does

@@ -90,7 +90,7 @@ def _complete(results_dir) -> dict:
     return results
 
 
-def test_simulate_never_consults_the_guard_and_completes(claimed, tmp_path):
+def test_simulate_completes_on_stock_flower_without_a_word(claimed, tmp_path):
     done = _florist(
         [
             "simulate",
@@ -110,7 +110,7 @@ def test_simulate_never_consults_the_guard_and_completes(claimed, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     _complete(tmp_path / "out")
     output = done.stdout + done.stderr
-    assert "Traceback" not in output and "florist: Flower" not in output  # it uses no internals
+    assert "Traceback" not in output and "florist: Flower" not in output  # its one patch falls back silently
 
 
 def test_deploy_local_runs_on_flowers_stock_paths_saying_so_once_per_process(claimed, tmp_path):

@@ -6,6 +6,7 @@ runs instead on another Flower, what would replace it):
 
 - `supernode.py`: the SuperNode's paced polling (`pace_supernode`), quick object pulls
   (`quick_object_pulls`) and the ServerApp's bounded reply pulls (`pull_replies`);
+- `simulation.py`: the simulation engine's pickup of pushed messages (`quick_pickup`);
 - `runtime.py`: the warm executor's use of the Runtime API and of Flower's ClientApp and
   ServerApp runtimes, the app bundles a SuperNode installed (`installed_fab`, `skip_installed_fabs`),
   the Control API's node list (`online_node_ids`) and the files `flwr run` bundles
@@ -16,7 +17,8 @@ runs instead on another Flower, what would replace it):
 The guard: `mismatch()` says (once per process, cached) how the installed Flower differs from
 the one all this was read from, `fast_path()` answers whether to use it, saying once per process
 that it does not. Whatever it gates falls back to Flower's stock path: nothing refuses to run.
-Simulation and in-process runs use no patched code and never consult it. `verify()` raises
+In-process runs use no patched code; a simulation's one patch (`quick_pickup`) falls back
+without a word. `verify()` raises
 instead: its test pins the version, and fails naming both when an upgrade changes anything here.
 """
 
@@ -161,6 +163,20 @@ def _publish() -> list[str]:
     return []
 
 
+def _simulation() -> list[str]:
+    """The simulation engine's extractor, which `quick_pickup` replaces, and how it is started."""
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    source = inspect.getsource(vce_api)
+    wanted = ("target=add_messages_to_queue", "state.get_message_ins(node_id=node_id, limit=1)", "f_stop.wait(0.1)")
+    problems = [f"vce_api no longer has `{text}`" for text in wanted if text not in source]
+    if "def add_messages_to_queue(\n    state: LinkState,\n    queue: Queue[Message],\n    nodes_mapping" not in source:
+        problems.append("vce_api.add_messages_to_queue's parameters changed")
+    if "state_factory.state()" not in inspect.getsource(vce_api.run_api):
+        problems.append("the simulation engine no longer reads the one LinkState of its factory")
+    return problems
+
+
 def _identity() -> list[str]:
     """The task identity and message id an in-process run sets (`server_identity`, `assign_message_id`)."""
     from flwr.app import Metadata
@@ -184,6 +200,7 @@ CHECKS: dict[str, Callable[[], list[str]]] = {
     "control": _control,
     "publish": _publish,
     "identity": _identity,
+    "simulation": _simulation,
 }
 
 
