@@ -275,9 +275,9 @@ def runtimes(values: dict[str, Any], work: Path, repeat: int = 1) -> None:
         plain_cpu = (time.process_time() - start) / cfg.num_server_rounds  # its one thread, evaluation included
         plain = median_later(plain_seconds)
         inproc = run_in_process(cfg.replace(results_dir=str(work / f"inprocess{attempt}")), CLIENTS, cpus_per_client=1)
-        ratios.append(figures(inproc)["round"] / plain)
+        seconds = figures(inproc)["round"]
+        ratios.append(seconds / plain)
         if repeat > 1:
-            seconds = figures(inproc)["round"]
             print(f"  pair {attempt + 1}: plain {plain:.3f} s, in-process {seconds:.3f} s: {ratios[-1]:.3f}×")
     cpu: list[dict[str, float]] = []  # as each round of the simulation ends
     sim = simulate(

@@ -286,7 +286,7 @@ def test_a_dropped_nodes_mask_key_is_rebuilt_from_shares_of_its_scalar_and_check
     assert len(shares[0]) == 4 + 4 * 16  # the 48-byte scalar padded to 4 Shamir chunks (the PEM text: 20)
     rebuilt = shamir.combine(shares[1:])
     assert secagg.mask_key_of(rebuilt, mask_public) == state.mask_key
-    peer = {2: secagg.node_setup(2, SecAggSetup.for_nodes(3))[1][0]}
+    peer = {2: other.own_keys[0]}
     assert secagg.agreed_keys(secagg.mask_key_of(rebuilt, mask_public), peer) == secagg.agreed_keys(
         state.mask_key, peer
     )
@@ -295,3 +295,32 @@ def test_a_dropped_nodes_mask_key_is_rebuilt_from_shares_of_its_scalar_and_check
         secagg.mask_key_of(secagg.mask_secret(other.mask_key), mask_public)
     with pytest.raises(ValueError):  # zero is no private key
         secagg.mask_key_of(bytes(48), mask_public)
+
+
+def test_a_node_that_shares_another_keys_scalar_and_drops_stops_the_round_naming_it(monkeypatch):
+    """The node itself lies, one step beside a holder that reveals a wrong share (which commitments
+    catch): it shares a valid scalar that is not its mask key's, then drops. Its shares rebuild that
+    scalar; removing the masks it would give is refused, where the old PEM sharing took any valid key."""
+    impostor = secagg.mask_secret(secagg.node_setup(9, SecAggSetup.for_nodes(5))[0].mask_key)
+    honest = secagg.mask_secret
+
+    def lying(mask_key: bytes) -> bytes:
+        return impostor if mask_key == states[2] else honest(mask_key)
+
+    states: dict[int, bytes] = {}
+    setup = secagg.node_setup
+
+    def remembered(node_id, s):
+        state, keys = setup(node_id, s)
+        states[node_id] = state.mask_key
+        return state, keys
+
+    monkeypatch.setattr(secagg, "mask_secret", lying)
+    monkeypatch.setattr(secagg_server, "node_setup", remembered)
+    updates, weights = round_inputs(5, 100, 8.0, seed=3)
+    with pytest.raises(ValueError, match="the shares of node 2 do not rebuild its key"):
+        secagg_server.simulate(updates, weights, SecAggSetup.for_nodes(5), leave={"collect masked vectors": {2}})
+    # the same round with node 2 honest completes without it
+    monkeypatch.setattr(secagg, "mask_secret", honest)
+    result = secagg_server.simulate(updates, weights, SecAggSetup.for_nodes(5), leave={"collect masked vectors": {2}})
+    assert result.dropped == (2,)

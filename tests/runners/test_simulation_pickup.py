@@ -14,8 +14,12 @@ def test_a_run_completes_when_the_engine_looks_only_when_woken(tmp_path, monkeyp
     """With the engine's own looks an hour apart, a run's exchanges go on only if storing a message
     wakes it: the run ends (within the join's bound) with every client scored, as it does on Flower's
     0.1 s looks."""
-    monkeypatch.setattr(vce_api, "add_messages_to_queue", vce_api.add_messages_to_queue)  # restored after
+    # Flower's extractor, even where an earlier simulation in this process installed the quick one
+    # (which `quick_pickup` would keep, with its 0.1 s looks): restored after the test
+    current = vce_api.add_messages_to_queue
+    monkeypatch.setattr(vce_api, "add_messages_to_queue", getattr(current, "stock", current))
     assert quick_pickup(safety_net=3600)
+    assert vce_api.add_messages_to_queue is not current
     cfg = RunConfig.from_mapping({"num-server-rounds": 2, "min-nodes": 2, "results-dir": str(tmp_path)})
     done: dict = {}
     run = threading.Thread(target=lambda: done.update(simulate(cfg, 2, resources=client_resources(1.0, 0.0))))

@@ -53,5 +53,6 @@ def quick_pickup(safety_net: float = SAFETY_NET) -> bool:
             del state.store_message_ins
 
     add_messages_to_queue.quick = True  # type: ignore[attr-defined]
+    add_messages_to_queue.stock = vce_api.add_messages_to_queue  # type: ignore[attr-defined]  (Flower's)
     vce_api.add_messages_to_queue = add_messages_to_queue
     return True
