@@ -17,6 +17,9 @@ def work_folder(prefix: str) -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         yield path
+    except KeyboardInterrupt:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     except (Exception, SystemExit) as err:
         if not isinstance(err, SystemExit) or err.code not in (None, 0):
             print(f"work folder kept for its logs: {path}", file=sys.stderr)

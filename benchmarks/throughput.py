@@ -42,6 +42,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 import tomllib
 import zlib
@@ -350,4 +351,8 @@ def deployments(values: dict[str, Any], work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the work folder is gone by now; Flower's simulation workers may wait on Ray forever
+        print("throughput.py: interrupted", file=sys.stderr)
+        os._exit(130)
